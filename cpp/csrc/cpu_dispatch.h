@@ -1,0 +1,38 @@
+// Run-time instruction-set dispatch for the CPU kernels (one table per ISA build).
+#pragma once
+#include <cstdint>
+
+namespace ldsparse {
+
+// Token-tile widths the kernels are instantiated for; index into the tables below.
+constexpr int kTileWidths[] = {16, 32, 64, 128};
+constexpr int kNumTileWidths = 4;
+
+template <typename T>
+struct CpuKernels {
+  using Spmm = void (*)(const int32_t*, const int32_t*, const T*, int64_t, int64_t,
+                        const T*, const T*, T*, int64_t, int64_t);
+  using Sddmm = void (*)(const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
+                         const T*, const T*, T*);
+  using Pack = void (*)(const T*, int64_t, int64_t, int64_t, int64_t, int64_t, T*);
+  Spmm spmm[kNumTileWidths];
+  Sddmm sddmm[kNumTileWidths];
+  Pack pack[kNumTileWidths];
+};
+
+#define LDSPARSE_DECLARE_ISA(isa)              \
+  namespace isa {                              \
+  const CpuKernels<float>& kernels_f32();      \
+  const CpuKernels<double>& kernels_f64();     \
+  }
+LDSPARSE_DECLARE_ISA(isa_default)
+LDSPARSE_DECLARE_ISA(isa_avx2)
+LDSPARSE_DECLARE_ISA(isa_avx512)
+#undef LDSPARSE_DECLARE_ISA
+
+// Widest ISA this CPU supports: "avx512", "avx2" or "default".  LDSPARSE_ISA env overrides.
+const char* selected_isa();
+const CpuKernels<float>& cpu_kernels(float);
+const CpuKernels<double>& cpu_kernels(double);
+
+}  // namespace ldsparse

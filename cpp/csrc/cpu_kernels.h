@@ -1,0 +1,161 @@
+// Per-thread CPU inner kernels for CSR SpMM / SDDMM on token tiles.
+//
+// Torch-free and OpenMP-free on purpose: this header is compiled once per instruction set
+// (cpu_kernels_{default,avx2,avx512}.cpp, each under its own `#pragma GCC target`) and the
+// driver (sparse_cpu.cpp) picks the widest at run time, so no -march=native is needed.
+// GCC vector extensions (64-byte vectors) lower to zmm, 2x ymm or 4x xmm per ISA.
+//
+// Layout: a token tile of TT tokens is packed feature-major, tile[f * TT + i] = feature f
+// of token i.  A CSR row is then broadcast-FMA over contiguous TT lanes (SpMM) or a
+// TT-long dot product (SDDMM), and the tile stays in L2 while every row reads it.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#ifndef LDSPARSE_ISA
+#error "define LDSPARSE_ISA (the namespace for this instruction-set build) before including"
+#endif
+
+namespace ldsparse {
+namespace LDSPARSE_ISA {
+
+template <typename T, int N>
+struct Vec {
+  typedef T type __attribute__((vector_size(N * sizeof(T))));
+};
+template <typename T>
+constexpr int kLanes = 64 / static_cast<int>(sizeof(T));
+template <typename T>
+using vec_t = typename Vec<T, kLanes<T>>::type;
+
+template <typename V, typename T>
+static inline V load(const T* p) { V v; std::memcpy(&v, p, sizeof(V)); return v; }
+template <typename V, typename T>
+static inline void store(T* p, V v) { std::memcpy(p, &v, sizeof(V)); }
+
+// Lanes [Off, Off + sizeof...(I)) of v as a shorter vector.
+template <typename T, int N, int Off, typename V, std::size_t... I>
+static inline typename Vec<T, N>::type slice(V v, std::index_sequence<I...>) {
+  return __builtin_shufflevector(v, v, (Off + static_cast<int>(I))...);
+}
+
+// Four N-lane vectors -> their four horizontal sums, halving lanes until 4 remain then a
+// 4x4 transpose-add: ~6 shuffles + adds per sum instead of a scalar lane-by-lane loop.
+template <typename T, int N>
+static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typename Vec<T, N>::type b,
+                                             typename Vec<T, N>::type c, typename Vec<T, N>::type d) {
+  if constexpr (N == 4) {
+    using v4 = typename Vec<T, 4>::type;
+    const v4 ab = __builtin_shufflevector(a, b, 0, 4, 1, 5) + __builtin_shufflevector(a, b, 2, 6, 3, 7);
+    const v4 cd = __builtin_shufflevector(c, d, 0, 4, 1, 5) + __builtin_shufflevector(c, d, 2, 6, 3, 7);
+    return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
+  } else {
+    constexpr int H = N / 2;
+    const auto seq = std::make_index_sequence<H>{};
+    return hsum4<T, H>(slice<T, H, 0>(a, seq) + slice<T, H, H>(a, seq),
+                       slice<T, H, 0>(b, seq) + slice<T, H, H>(b, seq),
+                       slice<T, H, 0>(c, seq) + slice<T, H, H>(c, seq),
+                       slice<T, H, 0>(d, seq) + slice<T, H, H>(d, seq));
+  }
+}
+
+// y[i * ldy + r] = bias[r] + sum_j val[j] * tile[col[j] * TT + i], rows r in [r0, r1), i < tt.
+template <typename T, int TT>
+static void spmm_rows(const int32_t* crow, const int32_t* col, const T* val, int64_t r0,
+                      int64_t r1, const T* tile, const T* bias, T* y, int64_t ldy, int64_t tt) {
+  using V = vec_t<T>;
+  constexpr int L = kLanes<T>, NV = TT / L, RB = 16;
+  static_assert(TT % L == 0, "tile width must be a whole number of vectors");
+  alignas(64) T buf[RB * TT];  // RB finished rows, written out transposed in one go
+  for (int64_t rb = r0; rb < r1; rb += RB) {
+    const int64_t re = rb + RB < r1 ? rb + RB : r1;
+    for (int64_t r = rb; r < re; ++r) {
+      // Two accumulator sets so consecutive non-zeros do not serialise on FMA latency.
+      V a[NV], c[NV];
+      const T b = bias ? bias[r] : T(0);
+      for (int k = 0; k < NV; ++k) { a[k] = V{} + b; c[k] = V{}; }
+      int32_t j = crow[r];
+      const int32_t end = crow[r + 1];
+      for (; j + 1 < end; j += 2) {
+        const T w0 = val[j], w1 = val[j + 1];
+        const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
+        const T* x1 = tile + static_cast<int64_t>(col[j + 1]) * TT;
+        for (int k = 0; k < NV; ++k) {
+          a[k] += w0 * load<V>(x0 + k * L);
+          c[k] += w1 * load<V>(x1 + k * L);
+        }
+      }
+      if (j < end) {
+        const T w0 = val[j];
+        const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
+        for (int k = 0; k < NV; ++k) a[k] += w0 * load<V>(x0 + k * L);
+      }
+      for (int k = 0; k < NV; ++k) store(buf + (r - rb) * TT + k * L, a[k] + c[k]);
+    }
+    const int64_t nr = re - rb;
+    for (int64_t i = 0; i < tt; ++i) {
+      T* yr = y + i * ldy + rb;
+      for (int64_t r = 0; r < nr; ++r) yr[r] = buf[r * TT + i];
+    }
+  }
+}
+
+// out[j] += dot(gtile[(row(j) - g0) * TT : +TT], tile[col[j] * TT : +TT]) for rows [r0, r1);
+// gtile holds only rows [g0, ...).  Four non-zeros at a time: independent FMA chains and
+// one shared horizontal reduction.
+template <typename T, int TT>
+static void sddmm_rows(const int32_t* crow, const int32_t* col, int64_t r0, int64_t r1, int64_t g0,
+                       const T* gtile, const T* tile, T* out) {
+  using V = vec_t<T>;
+  using V4 = typename Vec<T, 4>::type;
+  constexpr int L = kLanes<T>, NV = TT / L;
+  static_assert(TT % L == 0, "tile width must be a whole number of vectors");
+  for (int64_t r = r0; r < r1; ++r) {
+    V g[NV];
+    for (int k = 0; k < NV; ++k) g[k] = load<V>(gtile + (r - g0) * TT + k * L);
+    int32_t j = crow[r];
+    const int32_t end = crow[r + 1];
+    for (; j + 3 < end; j += 4) {
+      const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
+      const T* x1 = tile + static_cast<int64_t>(col[j + 1]) * TT;
+      const T* x2 = tile + static_cast<int64_t>(col[j + 2]) * TT;
+      const T* x3 = tile + static_cast<int64_t>(col[j + 3]) * TT;
+      V s0{}, s1{}, s2{}, s3{};
+      for (int k = 0; k < NV; ++k) {
+        s0 += g[k] * load<V>(x0 + k * L);
+        s1 += g[k] * load<V>(x1 + k * L);
+        s2 += g[k] * load<V>(x2 + k * L);
+        s3 += g[k] * load<V>(x3 + k * L);
+      }
+      store(out + j, load<V4>(out + j) + hsum4<T, L>(s0, s1, s2, s3));
+    }
+    for (; j < end; ++j) {
+      const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
+      V s0{};
+      for (int k = 0; k < NV; ++k) s0 += g[k] * load<V>(x0 + k * L);
+      const V z{};
+      out[j] += hsum4<T, L>(s0, z, z, z)[0];
+    }
+  }
+}
+
+// tile[(f - f0) * TT + i] = src[(t0 + i) * ld + f] for f in [f0, f1); lanes i >= tt are zeroed.
+template <typename T, int TT>
+static void pack_tile(const T* src, int64_t ld, int64_t t0, int64_t tt, int64_t f0, int64_t f1,
+                      T* tile) {
+  constexpr int64_t FB = 16;  // 16 source features per pass: one cache line per token read
+  for (int64_t fb = f0; fb < f1; fb += FB) {
+    const int64_t fe = fb + FB < f1 ? fb + FB : f1;
+    T* dst = tile + (fb - f0) * TT;
+    for (int64_t i = 0; i < tt; ++i) {
+      const T* s = src + (t0 + i) * ld + fb;
+      for (int64_t f = 0; f < fe - fb; ++f) dst[f * TT + i] = s[f];
+    }
+    for (int64_t f = 0; f < fe - fb; ++f)
+      for (int64_t i = tt; i < TT; ++i) dst[f * TT + i] = T(0);
+  }
+}
+
+}  // namespace LDSPARSE_ISA
+}  // namespace ldsparse

@@ -1,0 +1,116 @@
+"""The balancer contract: ``balancer(BalanceProblem) -> BalanceResult``, plus shared objectives.
+
+A balancer is a pure, deterministic function of the problem; it returns boundaries only, so it
+cannot reorder layers. An *objective* says what "load of a stage" means for a balancer: per
+micro-batch time (compute + input receive, from the cost model), parameter count, or layer count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cost_model import CostModel, LayerCosts
+from ..partition import Partition
+
+
+class InfeasiblePartitionError(ValueError):
+    """No contiguous partition fits the per-stage memory capacity."""
+
+    def __init__(self, capacity: float, min_peak_memory: float, num_layers: int, num_stages: int):
+        self.capacity = capacity
+        self.min_peak_memory = min_peak_memory
+        super().__init__(
+            f"no partition of {num_layers} layers into {num_stages} stages fits the memory "
+            f"capacity of {capacity:.6g} bytes per stage; the smallest achievable peak stage "
+            f"memory is {min_peak_memory:.6g} bytes"
+        )
+
+
+@dataclass(frozen=True)
+class BalanceProblem:
+    costs: LayerCosts
+    num_stages: int
+    model: CostModel
+    current: Partition | None = None
+
+    def __post_init__(self) -> None:
+        L, S = self.costs.num_layers, self.num_stages
+        if isinstance(S, bool) or int(S) != S or S < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {S!r}")
+        object.__setattr__(self, "num_stages", int(S))
+        if S > L:
+            raise ValueError(f"cannot split {L} layers into {S} non-empty stages")
+        cur = self.current
+        if cur is not None:
+            if not isinstance(cur, Partition):
+                cur = Partition(tuple(cur))
+                object.__setattr__(self, "current", cur)
+            if cur.num_layers != L or cur.num_stages != S:
+                raise ValueError(
+                    f"current partition {cur} has {cur.num_layers} layers / {cur.num_stages} "
+                    f"stages, the problem has {L} / {S}"
+                )
+
+    @property
+    def num_layers(self) -> int:
+        return self.costs.num_layers
+
+
+@dataclass(frozen=True)
+class BalanceResult:
+    partition: Partition
+    rounds: int  # diffusion rounds (including the final quiet one); 1 for one-shot balancers
+    predicted_step_time: float  # model.predicted_step_time, whatever the balancer's objective
+    max_load: float  # heaviest stage under the balancer's own objective (see ``loads``)
+    name: str
+    loads: tuple[float, ...] = ()  # per-stage loads under the balancer's objective
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Stage load ``(p[stop] - p[start]) / den + recv[start]``.
+
+    ``p`` are exact int prefix sums, so the first term is monotone in both boundaries and is a
+    lower bound of the load; ``recv`` is the input-transfer time (zeros except for time).
+    Bit-identical to ``CostModel.segment_time`` / ``LayerCosts.params_sum``.
+    """
+
+    kind: str
+    p: list[int]
+    den: int
+    recv: list[float]
+
+    def load(self, start: int, stop: int) -> float:
+        return (self.p[stop] - self.p[start]) / self.den + self.recv[start]
+
+    def loads(self, partition: Partition) -> tuple[float, ...]:
+        b = partition.boundaries
+        return tuple(self.load(b[s], b[s + 1]) for s in range(partition.num_stages))
+
+
+def objective(kind: str, problem: BalanceProblem) -> Objective:
+    costs, model, L = problem.costs, problem.model, problem.num_layers
+    if kind == "time":
+        pre = costs._time_prefix
+        return Objective(kind, pre.p, pre.den, [model.recv_time(costs, i) for i in range(L + 1)])
+    if kind == "params":
+        return Objective(kind, costs._params_prefix, 1, [0.0] * (L + 1))
+    if kind == "layers":
+        return Objective(kind, list(range(L + 1)), 1, [0.0] * (L + 1))
+    raise ValueError(f"unknown objective {kind!r}; valid: layers, params, time")
+
+
+def fits_memory(problem: BalanceProblem, partition: Partition) -> bool:
+    model = problem.model
+    return model.capacity is None or max(model.stage_memory(problem.costs, partition)) <= model.capacity
+
+
+def make_result(problem: BalanceProblem, obj: Objective, partition: Partition, name: str, rounds: int = 1) -> BalanceResult:
+    loads = obj.loads(partition)
+    return BalanceResult(
+        partition=partition,
+        rounds=rounds,
+        predicted_step_time=problem.model.predicted_step_time(problem.costs, partition),
+        max_load=max(loads),
+        name=name,
+        loads=loads,
+    )

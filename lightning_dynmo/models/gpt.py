@@ -1,0 +1,398 @@
+"""nanoGPT-style pre-LN decoder laid out as an ordered list of single-tensor layers.
+
+The dynmo strategy splits ``pipeline_layers()`` into contiguous stages and passes exactly one
+activation tensor between them, so every layer here maps one tensor to one tensor:
+
+    [Embedding(tok+pos)] + [Block] * n_layer + [FinalNorm] + [Head]      (L = n_layer + 3)
+
+Pipeline protocol (what the strategy relies on):
+
+* ``pipeline_layers()`` returns the registered ``self.layers`` ModuleList (same object each call).
+  The model keeps no other reference to a layer (no aliases, no weight tying), so the strategy
+  may swap entries it does not own for placeholders.
+* ``pipeline_loss(output, target)``: mean token cross-entropy, a scalar.
+* Batches are ``(inputs, targets)`` int64 ``[B, T]`` tuples.
+* ``configure_optimizers()`` only looks at ``self.parameters()`` (trainable ones), so it works on
+  any subset of layers; decay/no-decay membership is a rule on the parameter (``ndim >= 2``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+__all__ = [
+    "GPTConfig",
+    "Embedding",
+    "CausalSelfAttention",
+    "MLP",
+    "Block",
+    "FinalNorm",
+    "Head",
+    "GPT",
+    "WarmupCosine",
+]
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+    mlp_ratio: float = 4
+    # Optional per-block MLP width ratio (len == n_layer) for heterogeneous layer stacks.
+    mlp_ratios: tuple | None = None
+
+    def __post_init__(self) -> None:
+        if self.mlp_ratios is not None:
+            self.mlp_ratios = tuple(self.mlp_ratios)  # lists from YAML/OmegaConf become tuples
+            if len(self.mlp_ratios) != self.n_layer:
+                raise ValueError(
+                    f"mlp_ratios has {len(self.mlp_ratios)} entries but n_layer={self.n_layer}"
+                )
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def block_mlp_ratio(self, i: int) -> float:
+        return self.mlp_ratio if self.mlp_ratios is None else self.mlp_ratios[i]
+
+    def to_dict(self) -> dict:
+        """Plain dict (tuples -> lists) so checkpoints/hparams.yaml stay portable."""
+        d = dataclasses.asdict(self)
+        if d["mlp_ratios"] is not None:
+            d["mlp_ratios"] = list(d["mlp_ratios"])
+        return d
+
+    @classmethod
+    def from_any(cls, config: "GPTConfig | Mapping | str | None") -> "GPTConfig":
+        """Accept a GPTConfig, a (OmegaConf) mapping, a preset name, or None (defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, GPTConfig):
+            return dataclasses.replace(config)
+        if isinstance(config, str):
+            return cls.preset(config)
+        if isinstance(config, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(config) - fields
+            if unknown:
+                raise ValueError(f"unknown GPTConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
+            return cls(**{k: config[k] for k in config})
+        raise TypeError(f"config must be GPTConfig, dict, preset name or None, got {type(config)}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "GPTConfig":
+        """Named sizes. ``overrides`` replace preset fields (e.g. ``vocab_size=256`` for bytes)."""
+        if name not in _PRESETS:
+            raise ValueError(f"unknown GPT preset {name!r}; valid presets: {sorted(_PRESETS)}")
+        return cls(**{**_PRESETS[name], **overrides})
+
+    @staticmethod
+    def preset_names() -> list[str]:
+        return sorted(_PRESETS)
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # unit tests: milliseconds per step
+    "tiny": dict(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
+    # README main job on 2 CPU cores (~2.7M params, byte-level)
+    "small-cpu": dict(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=192),
+    # GPT-2 sizes (vocab padded to 50304 like nanoGPT); override vocab_size=256 for byte data
+    "gpt2": dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
+}
+
+
+class Embedding(nn.Module):
+    """Layer 0: token + learned position embedding, ``idx [B,T] int64 -> [B,T,C]``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.block_size = config.block_size
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.size(1)
+        if t > self.block_size:
+            raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        # plain nn.Linear attributes so a pruning callback can find them
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig, ratio: float):
+        super().__init__()
+        hidden = max(1, int(round(ratio * config.n_embd)))
+        self.fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block ``[B,T,C] -> [B,T,C]``."""
+
+    def __init__(self, config: GPTConfig, mlp_ratio: float | None = None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config, config.mlp_ratio if mlp_ratio is None else mlp_ratio)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class FinalNorm(nn.Module):
+    """Final LayerNorm as its own layer so the head stays a bare Linear."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(x)
+
+
+class Head(nn.Module):
+    """LM head ``[B,T,C] -> logits [B,T,V]``; untied from the embedding (stages may differ)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup to ``lr``, cosine decay to ``min_lr`` at ``max_steps``.
+
+    A callable object (not a lambda) so ``LambdaLR.state_dict()`` saves its fields.
+    ``max_steps <= 0`` means unknown length: constant ``lr`` after warmup.
+    """
+
+    def __init__(self, warmup_steps: int, max_steps: int, lr: float, min_lr: float):
+        self.warmup_steps = int(warmup_steps)
+        self.max_steps = int(max_steps)
+        self.lr = float(lr)
+        self.min_lr = float(min_lr)
+
+    def lr_at(self, step: int) -> float:
+        if self.warmup_steps > 0 and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.max_steps <= 0:
+            return self.lr
+        if step >= self.max_steps:
+            return self.min_lr
+        span = max(1, self.max_steps - self.warmup_steps)
+        ratio = (step - self.warmup_steps) / span
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
+
+    def __call__(self, step: int) -> float:
+        return self.lr_at(step) / self.lr if self.lr > 0 else 0.0
+
+
+class GPT(L.LightningModule):
+    """Byte/token-level GPT exposing the dynmo pipeline protocol (see module docstring).
+
+    ``val_ppl`` = exp of the token-weighted epoch-mean validation loss (a torchmetrics
+    ``MeanMetric``; sum-based, so it syncs correctly across ranks even where some ranks never
+    updated it).
+    """
+
+    def __init__(
+        self,
+        config: GPTConfig | dict | str | None = None,
+        lr: float = 6e-4,
+        min_lr: float = 6e-5,
+        warmup_steps: int = 10,
+        max_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        seed: int | None = None,
+    ):
+        super().__init__()
+        cfg = GPTConfig.from_any(config)
+        config = cfg.to_dict()  # noqa: F841  -- save_hyperparameters reads this local (a dict)
+        betas = tuple(float(b) for b in betas)
+        self.save_hyperparameters()
+        self.config = cfg
+
+        # fork_rng: seeding the init must not reset the caller's global RNG stream
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            layers: list[nn.Module] = [Embedding(cfg)]
+            layers += [Block(cfg, cfg.block_mlp_ratio(i)) for i in range(cfg.n_layer)]
+            layers += [FinalNorm(cfg), Head(cfg)]
+            self.layers = nn.ModuleList(layers)
+            self._init_weights()
+
+        self.val_loss_mean = MeanMetric()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for m in self.layers.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+        for m in self.layers.modules():  # GPT-2 scaled residual projections
+            if isinstance(m, (CausalSelfAttention, MLP)):
+                nn.init.normal_(m.proj.weight, 0.0, resid_std)
+
+    # ------------------------------------------------------------------ protocol
+    def pipeline_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    # ------------------------------------------------------------------ lightning hooks
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.val_loss_mean.update(loss.detach(), weight=y.numel())
+        self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_loss_mean.update_count == 0:
+            # validation_step did not run here on any rank (e.g. DynMoStrategy evaluates through
+            # the pipeline and logs val_ppl itself), so there is nothing to reduce.
+            return
+        # Called unconditionally on every rank: compute() all-reduces the metric state, so
+        # branching on rank-local "did I update?" could deadlock. Ranks that never ran
+        # validation_step (e.g. non-last pipeline stages) contribute zero weight.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*was called before the ``update``.*")
+            mean = self.val_loss_mean.compute()
+        if torch.isfinite(mean):
+            self.log("val_ppl", torch.exp(mean), prog_bar=True)
+        self.val_loss_mean.reset()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]  # matmul weights and embeddings
+        no_decay = [p for p in params if p.ndim < 2]  # biases and LayerNorm gains
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+            eps=hp.eps,
+        )
+        schedule = WarmupCosine(hp.warmup_steps, self._schedule_steps(), hp.lr, hp.min_lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    def _schedule_steps(self) -> int:
+        """hparam ``max_steps``, else ``trainer.max_steps``; <= 0 means constant after warmup."""
+        steps = self.hparams.max_steps
+        if steps is not None and steps > 0:
+            return int(steps)
+        trainer = self._trainer
+        if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        return -1
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+    ) -> torch.Tensor:
+        """Autoregressive sampling; single-process only (needs every layer present).
+
+        ``idx``: int64 ``[B, T]`` prompt; the context is cropped to ``block_size``.
+        ``temperature <= 0`` means greedy decoding. Returns ``[B, T + max_new_tokens]``.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                ctx = idx[:, -self.config.block_size :]
+                logits = self(ctx)[:, -1, :].float()
+                if temperature <= 0:
+                    nxt = logits.argmax(dim=-1, keepdim=True)
+                else:
+                    logits = logits / temperature
+                    if top_k is not None:
+                        k = min(int(top_k), logits.size(-1))
+                        kth = torch.topk(logits, k).values[:, [-1]]
+                        logits = logits.masked_fill(logits < kth, float("-inf"))
+                    nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+                idx = torch.cat([idx, nxt], dim=1)
+        finally:
+            self.train(was_training)
+        return idx

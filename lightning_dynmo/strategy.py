@@ -1,0 +1,603 @@
+"""``DynMoStrategy``: Lightning's ParallelStrategy for pipeline (x data) parallel training.
+
+How a training step runs (automatic optimisation, unchanged for the user):
+
+1. ``training_step`` runs the whole pipeline schedule (forward *and* backward of every
+   micro-batch) with ``torch.distributed.pipelining`` and returns the batch loss, which every
+   rank learns with one scalar all-reduce. Lightning zeroes gradients between ``training_step``
+   and ``backward``, so the pipeline's gradients are held aside until ``backward``.
+2. ``backward`` restores them, averages them over data-parallel replicas and fires the usual
+   ``on_before_backward``/``on_after_backward`` hooks.
+3. Lightning clips (by the global norm across stages) and steps each rank's optimizer, which
+   holds only the parameters of the layers that rank owns.
+
+Between steps the partition may change: :meth:`rebalance_to` moves layers with their full state
+and the next step builds new stages from cached shape metadata.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import nn
+
+from .engine import PipelineEngine, TensorSpec, discover_layer_specs
+from .migration import MigrationPlan, MigrationStats, execute_migration
+from .optimizer_layout import OptimizerLayout
+from .partition import Partition
+from .precision import add_pipeline_clipping
+from .protocol import PipelineProtocolError, RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
+from .schedules import get_schedule
+from .topology import Topology, build_groups
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def _positive_int(name: str, value: Any, allow: tuple = ()) -> Any:
+    if value in allow:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = f" or one of {list(allow)}" if allow else ""
+        raise ValueError(f"{name} must be a positive integer{extra}, got {value!r}")
+    return value
+
+
+class DynMoStrategy(ParallelStrategy):
+    """Pipeline-parallel training that keeps its stages balanced while the model changes.
+
+    Args:
+        pipeline_parallel: ranks per pipeline (``"auto"``: all processes form one pipeline).
+            Data-parallel replicas = devices x num_nodes / pipeline_parallel.
+        schedule: a ``torch.distributed.pipelining`` schedule by name (see
+            :func:`lightning_dynmo.schedules.available_schedules`).
+        microbatches: micro-batches per step; ``None`` picks the largest divisor of the batch
+            size that is at most 4 x stages (and at least the stage count where the schedule
+            needs it).
+        virtual_stages: stages per rank for interleaved schedules (default 2).
+        balancer: name of the balancer for the initial partition (and later rebalancing).
+        partition: explicit initial boundaries, overriding ``balancer`` for step 0.
+        timeout: timeout of every collective; a dead or stuck rank makes the others fail.
+        start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
+    """
+
+    strategy_name = "dynmo"
+
+    def __init__(
+        self,
+        pipeline_parallel: int | Literal["auto"] = "auto",
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        virtual_stages: int | None = None,
+        balancer: str = "uniform",
+        partition: tuple[int, ...] | list[int] | None = None,
+        accelerator=None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._pp_request = _positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
+        self._schedule_spec = get_schedule(schedule)
+        self._virtual = self._schedule_spec.virtual_stages(virtual_stages)
+        self._microbatches = _positive_int("microbatches", microbatches, allow=(None,))
+        from .balancers import get_balancer
+
+        get_balancer(balancer)  # unknown names fail here, listing the valid ones
+        self._balancer_name = balancer
+        self._initial_partition = tuple(partition) if partition is not None else None
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        self._timeout = timeout or DEFAULT_TIMEOUT
+        self._num_nodes = 1
+
+        # runtime state (set in setup_environment / setup)
+        self.topology: Topology | None = None
+        self.pipeline_group: dist.ProcessGroup | None = None
+        self.data_parallel_group: dist.ProcessGroup | None = None
+        self._pp_groups: list = []
+        self.partition: Partition | None = None
+        self._layers: nn.ModuleList | None = None
+        self._layers_attr = ""
+        self._layout: OptimizerLayout | None = None
+        self._engines: dict[tuple, PipelineEngine] = {}
+        self._layer_specs: dict[tuple, list[TensorSpec]] = {}
+        self._held_grads: list[tuple[nn.Parameter, torch.Tensor]] = []
+        self._last_step_end: float | None = None
+        self.last_migration: MigrationStats | None = None
+        self._val_ppl = None
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def pipeline_parallel(self) -> int:
+        world = self.num_nodes * self.num_processes
+        return world if self._pp_request == "auto" else self._pp_request
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel * self._virtual
+
+    @property
+    def schedule(self) -> str:
+        return self._schedule_spec.name
+
+    @property
+    def pp_rank(self) -> int:
+        return self.global_rank % self.pipeline_parallel
+
+    @property
+    def dp_rank(self) -> int:
+        return self.global_rank // self.pipeline_parallel
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
+        return {"num_replicas": topo.dp, "rank": self.dp_rank}
+
+    def _check_topology(self) -> Topology:
+        return Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._check_topology()  # fail in the launching process, before any worker starts
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self.topology = self._check_topology()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.pipeline_group, self.data_parallel_group, self._pp_groups = build_groups(
+            self.topology, self.global_rank, self._timeout
+        )
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # layers are placed first, then each rank loads its own part
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self._validate_module(trainer, module)
+        layers = pipeline_layers_of(module)
+        self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
+        self.model = self.precision_plugin.convert_module(self.model)
+
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            # Built once on the full model: every parameter's group and hyper-parameters are known
+            # globally, so layers can later move between ranks and checkpoints stay portable.
+            self.setup_optimizers(trainer)
+            self._layout = OptimizerLayout.record(module, self.optimizers)
+        self.partition = self._initial_partition_for(layers)
+        self._place_layers()
+        if fitting:
+            OptimizerLayout.keep_only_local(module, self.optimizers)
+        self.model_to_device()
+        self.setup_precision_plugin()
+        add_pipeline_clipping(self.precision_plugin, self.pipeline_group)
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        rank_zero_info(
+            f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
+            f"schedule={self.schedule}, stages={self.num_stages}, partition {self.partition} "
+            f"(balancer={self._balancer_name})"
+        )
+
+    def _validate_module(self, trainer, module) -> None:
+        if not module.automatic_optimization:
+            raise PipelineProtocolError(
+                "DynMoStrategy runs backward inside the pipeline schedule and needs automatic optimisation; "
+                "set `self.automatic_optimization = True` in your LightningModule"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches` instead "
+                "(the pipeline already accumulates gradients over micro-batches)"
+            )
+        layers = pipeline_layers_of(module)
+        in_layers = {id(p) for p in layers.parameters()}
+        outside = [n for n, p in module.named_parameters() if id(p) not in in_layers]
+        if outside:
+            raise PipelineProtocolError(
+                f"{type(module).__name__} has parameters outside pipeline_layers(): {outside[:5]}; "
+                "every parameter must belong to exactly one pipeline layer (no weight tying across layers)"
+            )
+        if self.num_stages > len(layers):
+            raise ValueError(
+                f"cannot split {len(layers)} layers into {self.num_stages} pipeline stages "
+                f"(pipeline_parallel={self.pipeline_parallel} x virtual_stages={self._virtual}); "
+                f"use at most {len(layers) // self._virtual} pipeline ranks or a deeper model"
+            )
+
+    def _initial_partition_for(self, layers: nn.ModuleList) -> Partition:
+        if self._initial_partition is not None:
+            p = Partition(self._initial_partition)
+            if p.num_layers != len(layers) or p.num_stages != self.num_stages:
+                raise ValueError(
+                    f"partition {self._initial_partition} does not split {len(layers)} layers into "
+                    f"{self.num_stages} stages"
+                )
+            return p
+        from .balancers import BalanceProblem, get_balancer
+        from .cost_model import CostModel, LayerCosts
+
+        params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        problem = BalanceProblem(
+            costs=LayerCosts.from_params(params),
+            num_stages=self.num_stages,
+            model=CostModel(microbatches=self._microbatches or 4 * self.num_stages, schedule=self.schedule),
+            current=None,
+        )
+        return get_balancer(self._balancer_name)(problem).partition
+
+    def rank_of_stage(self, stage: int) -> int:
+        return self._schedule_spec.rank_of_stage(stage, self.pipeline_parallel)
+
+    def local_layer_indices(self) -> list[int]:
+        """Global indices of the layers this rank owns, in pipeline order."""
+        assert self.partition is not None
+        return [
+            i
+            for s in range(self.partition.num_stages)
+            if self.rank_of_stage(s) == self.pp_rank
+            for i in self.partition.layers_of(s)
+        ]
+
+    def _place_layers(self) -> None:
+        """Keep this rank's layers; replace the others with placeholders (their memory is freed)."""
+        assert self._layers is not None and self.partition is not None
+        owner = [self.rank_of_stage(s) for s in self.partition.owner_map()]
+        for i in range(len(self._layers)):
+            if owner[i] != self.pp_rank and not isinstance(self._layers[i], RemoteLayer):
+                self._layers[i] = RemoteLayer(i, owner=owner[i])
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ pipeline execution
+    def _choose_microbatches(self, batch_size: int) -> int:
+        S, pp = self.num_stages, self.pipeline_parallel
+        if self._microbatches is not None:
+            m = self._microbatches
+            if batch_size % m:
+                raise ValueError(
+                    f"batch size {batch_size} is not divisible by microbatches={m}; choose a batch size that "
+                    f"is a multiple of {m} or set microbatches to a divisor of {batch_size}"
+                )
+        else:
+            candidates = [d for d in range(1, batch_size + 1) if batch_size % d == 0 and d <= 4 * S]
+            valid = []
+            for d in candidates:
+                try:
+                    self._schedule_spec.check_microbatches(d, pp)
+                    valid.append(d)
+                except ValueError:
+                    pass
+            if not valid:
+                raise ValueError(
+                    f"no micro-batch count divides batch size {batch_size} and suits schedule "
+                    f"{self.schedule!r} with {pp} pipeline ranks; use a batch size that is a multiple of {pp}"
+                )
+            m = max(valid)
+        self._schedule_spec.check_microbatches(m, pp)
+        return m
+
+    def _engine_for(self, inputs: torch.Tensor, train: bool) -> PipelineEngine:
+        m = self._choose_microbatches(inputs.shape[0])
+        mb_shape = (inputs.shape[0] // m, *inputs.shape[1:])
+        key = (train, mb_shape, inputs.dtype, m)
+        engine = self._engines.get(key)
+        if engine is None:
+            spec_key = (mb_shape, inputs.dtype)
+            if spec_key not in self._layer_specs:
+                self._layer_specs[spec_key] = discover_layer_specs(
+                    self._layers,
+                    self.partition,
+                    self._schedule_spec,
+                    self.pp_rank,
+                    self.pipeline_parallel,
+                    self.pipeline_group,
+                    self.root_device,
+                    inputs[: mb_shape[0]],
+                )
+            engine = PipelineEngine(
+                self._layers,
+                self.partition,
+                self._schedule_spec,
+                self.pp_rank,
+                self.pipeline_parallel,
+                self.pipeline_group,
+                self.root_device,
+                m,
+                self.lightning_module.pipeline_loss,
+                TensorSpec.of(inputs[: mb_shape[0]], requires_grad=False),
+                self._layer_specs[spec_key],
+            )
+            self._engines[key] = engine
+        return engine
+
+    def invalidate_pipeline(self) -> None:
+        """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
+        self._engines.clear()
+        self._layer_specs.clear()
+
+    def _share_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        """Mean batch loss, identical on every rank (one scalar all-reduce over the world)."""
+        dp = self.topology.dp
+        device = self.root_device
+        value = torch.zeros((), dtype=torch.float32, device=device)
+        if losses:
+            value = torch.stack([l.detach().float() for l in losses]).mean().to(device) / dp
+        dist.all_reduce(value)
+        return value
+
+    def _local_params(self) -> list[nn.Parameter]:
+        return [p for p in self.lightning_module.parameters()]
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        module = self.lightning_module
+        batch = args[0] if args else kwargs["batch"]
+        inputs, targets = split_batch(batch)
+        now = time.perf_counter()
+        with self.precision_plugin.train_step_context():
+            engine = self._engine_for(inputs, train=True)
+            for p in self._local_params():
+                p.grad = None
+            losses = engine.run(inputs, targets, train=True)
+        # Lightning zeroes gradients between training_step and backward: keep ours aside.
+        self._held_grads = [(p, p.grad) for p in self._local_params() if p.grad is not None]
+        for p, _ in self._held_grads:
+            p.grad = None
+        loss = self._share_loss(losses)
+        tokens = inputs.numel() * self.topology.dp
+        module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=inputs.shape[0])
+        if self._last_step_end is not None:
+            dt = now - self._last_step_end
+            if dt > 0:
+                module.log("tokens_per_sec", tokens / dt, prog_bar=True, on_step=True, batch_size=inputs.shape[0])
+        module.log("pipeline_seconds", engine.last_step_seconds, on_step=True, batch_size=inputs.shape[0])
+        self._last_step_end = now
+        return loss
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Gradients were computed by the pipeline schedule; restore them, average over replicas
+        and run the usual backward hooks."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, g in self._held_grads:
+            p.grad = g
+        self._held_grads = []
+        self._average_grads_over_replicas()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _average_grads_over_replicas(self) -> None:
+        if self.topology.dp == 1:
+            return
+        grads = [p.grad for p in self._local_params() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.data_parallel_group)
+        flat /= self.topology.dp
+        for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        return self._eval_step("val", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        return self._eval_step("test", *args, **kwargs)
+
+    def _eval_step(self, stage: str, *args: Any, **kwargs: Any):
+        module = self.lightning_module
+        batch = args[0] if args else kwargs["batch"]
+        inputs, targets = split_batch(batch)
+        ctx = self.precision_plugin.val_step_context() if stage == "val" else self.precision_plugin.test_step_context()
+        with ctx:
+            engine = self._engine_for(inputs, train=False)
+            losses = engine.run(inputs, targets, train=False)
+        loss = self._share_loss(losses)
+        module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=inputs.shape[0])
+        ppl = self._perplexity_metric(stage)
+        ppl.update(loss, weight=inputs.numel())
+        module.log(f"{stage}_ppl", ppl, on_step=False, on_epoch=True, metric_attribute=f"_dynmo_{stage}_ppl")
+        return loss
+
+    def _perplexity_metric(self, stage: str):
+        from .metrics import PerplexityFromLoss
+
+        attr = f"_{stage}_ppl_metric"
+        metric = getattr(self, attr, None)
+        if metric is None:
+            metric = PerplexityFromLoss().to(self.root_device)
+            setattr(self, attr, metric)
+        return metric
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("DynMoStrategy does not implement predict yet; use a single-device strategy")
+
+    # ------------------------------------------------------------------ rebalancing
+    def rebalance_to(self, new: Partition | tuple[int, ...] | list[int]) -> MigrationStats:
+        """Move layers (with all their state) so that ``new`` becomes the partition. Collective:
+        every pipeline rank of every replica must call it with the same partition."""
+        new = new if isinstance(new, Partition) else Partition(tuple(new))
+        assert self.partition is not None and self._layers is not None
+        if new.num_layers != self.partition.num_layers or new.num_stages != self.partition.num_stages:
+            raise ValueError(
+                f"partition {new} must split {self.partition.num_layers} layers into {self.partition.num_stages} stages"
+            )
+        plan = MigrationPlan.build(self.partition, new, self.rank_of_stage)
+        self._engines.clear()  # release stage references to layers that may leave
+        stats = execute_migration(
+            plan,
+            self.lightning_module,
+            self._layers,
+            self._layers_attr,
+            self.optimizers,
+            self._layout,
+            self.pp_rank,
+            self.pipeline_group,
+            self.root_device,
+        )
+        self.partition = new
+        self.last_migration = stats
+        log.debug("rank %d migrated: %s", self.global_rank, plan.describe())
+        return stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather_to_zero(self, obj: Any) -> list[Any] | None:
+        """Gather ``obj`` from replica 0's pipeline ranks onto global rank 0."""
+        if self.dp_rank != 0:
+            return None
+        if self.pipeline_parallel == 1:
+            return [obj]
+        group = self._pp_groups[0]
+        out = [None] * self.pipeline_parallel if self.global_rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=group)
+        return out
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model's state dict (global layer indices) on rank 0; empty elsewhere."""
+        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        parts = self._gather_to_zero(local)
+        if not parts:
+            return {}
+        full: dict[str, Any] = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        """The optimizer state in single-process format (any partition can load it), on rank 0."""
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        o = next(i for i, x in enumerate(self.optimizers) if getattr(x, "_optimizer", x) is opt)
+        states = self._layout.local_states(self.lightning_module, self.optimizers, o)
+        parts = self._gather_to_zero(states)
+        if not parts:
+            return {}
+        merged: dict[str, dict] = {}
+        for part in parts:
+            merged.update(part)
+        return self._layout.global_state_dict(opt, o, merged)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        module = self.lightning_module
+        own = module.state_dict()
+        missing = [k for k in own if k not in checkpoint["state_dict"]]
+        if missing and strict:
+            raise KeyError(f"checkpoint lacks {len(missing)} entries this rank needs, e.g. {missing[:3]}")
+        module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in own}, strict=False)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"checkpoint has {len(states)} optimizers, the module configures {len(self.optimizers)}")
+        for o, (opt, sd) in enumerate(zip(self.optimizers, states)):
+            self._layout.load_local(self.lightning_module, opt, o, sd)
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            "dynmo", cls, description="lightning_dynmo: pipeline parallel with live rebalancing", override=True
+        )
+        strategy_registry.register(
+            "dynmo_spawn", cls, description="lightning_dynmo with spawned processes", start_method="spawn", override=True
+        )
+
+
+DynMoStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,30 @@
+"""Build script: the Python package plus the optional sparse-kernel extension (cpp/).
+
+Install with ``pip install torch==2.13.0 && pip install --no-build-isolation -e .[dev]`` so the
+extension compiles against the torch already installed (never a freshly downloaded one).
+"""
+import os
+from setuptools import find_packages, setup
+
+from cpp.build import extension_modules, build_ext_cmdclass  # noqa: E402  (owned by cpp/)
+
+setup(
+    name="lightning_dynmo",
+    version="0.1.0",
+    description="Pipeline-parallel Lightning strategy that rebalances dynamic models while they train",
+    packages=find_packages(include=["lightning_dynmo", "lightning_dynmo.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch>=2.4",  # install torch==2.13.0 first; a satisfied range pulls nothing
+        "lightning>=2.6,<2.7",
+        "torchmetrics>=1.4",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "tensorboard>=2.15",
+        "matplotlib>=3.8",
+    ],
+    extras_require={"dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja"]},
+    ext_modules=extension_modules(),
+    cmdclass=build_ext_cmdclass(),
+    zip_safe=False,
+)
