@@ -43,6 +43,9 @@ from .migration import MigrationPlan, MigrationStats, execute_migration
 from .optimizer_layout import OptimizerLayout
 from .partition import Partition
 from .precision import add_pipeline_clipping
+from .profiler import PipelineProfiler, layer_memory_bytes
+from .cost_model import imbalance
+from .rebalance import RebalancePolicy
 from .protocol import PipelineProtocolError, RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
 from .schedules import get_schedule
 from .topology import Topology, build_groups
@@ -75,6 +78,13 @@ class DynMoStrategy(ParallelStrategy):
         virtual_stages: stages per rank for interleaved schedules (default 2).
         balancer: name of the balancer for the initial partition (and later rebalancing).
         partition: explicit initial boundaries, overriding ``balancer`` for step 0.
+        rebalance: ``"never"``, ``"every_n"`` (every ``rebalance_interval`` steps),
+            ``"on_event"`` (after ``request_rebalance``) or ``"auto"`` (when the busy-time
+            imbalance exceeds ``imbalance_threshold`` and the predicted saving over
+            ``rebalance_horizon`` steps exceeds the measured migration cost).
+        memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
+            activations in flight); balancers never exceed it. ``None``: unlimited.
+        plot: save a pipeline timeline and stage-load PNG next to the logs at each rebalance.
         timeout: timeout of every collective; a dead or stuck rank makes the others fail.
         start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
     """
@@ -89,6 +99,13 @@ class DynMoStrategy(ParallelStrategy):
         virtual_stages: int | None = None,
         balancer: str = "uniform",
         partition: tuple[int, ...] | list[int] | None = None,
+        rebalance: str = "never",
+        rebalance_interval: int = 50,
+        imbalance_threshold: float = 0.1,
+        rebalance_horizon: int = 100,
+        rebalance_cooldown: int = 10,
+        memory_capacity: float | None = None,
+        plot: bool = True,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -114,6 +131,17 @@ class DynMoStrategy(ParallelStrategy):
         get_balancer(balancer)  # unknown names fail here, listing the valid ones
         self._balancer_name = balancer
         self._initial_partition = tuple(partition) if partition is not None else None
+        self.policy = RebalancePolicy(
+            mode=rebalance,
+            interval=rebalance_interval,
+            threshold=imbalance_threshold,
+            horizon=rebalance_horizon,
+            cooldown=rebalance_cooldown,
+        )
+        if memory_capacity is not None and not memory_capacity > 0:
+            raise ValueError(f"memory_capacity must be a positive number of bytes or None, got {memory_capacity!r}")
+        self._memory_capacity = memory_capacity
+        self._plot = bool(plot)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
         self._start_method = start_method
@@ -137,7 +165,15 @@ class DynMoStrategy(ParallelStrategy):
         self._held_grads: list[tuple[nn.Parameter, torch.Tensor]] = []
         self._last_step_end: float | None = None
         self.last_migration: MigrationStats | None = None
-        self._val_ppl = None
+        self.rebalance_history: list[dict] = []
+        self._profiler: PipelineProfiler | None = None
+        self._profiling_reason: str | None = None
+        self._decide_next = False
+        self._rank_busy: list[float] = []
+        self._rank_wall: list[float] = []
+        self._known_costs: dict[int, tuple[float, float]] = {}
+        self._migration_cost_estimate: float | None = None
+        self._batch_checked = False
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -241,6 +277,7 @@ class DynMoStrategy(ParallelStrategy):
         if fitting:
             OptimizerLayout.keep_only_local(module, self.optimizers)
         self.model_to_device()
+        self._profiler = PipelineProfiler(self.root_device)
         self.setup_precision_plugin()
         add_pipeline_clipping(self.precision_plugin, self.pipeline_group)
         if fitting:
@@ -390,41 +427,87 @@ class DynMoStrategy(ParallelStrategy):
         self._engines.clear()
         self._layer_specs.clear()
 
-    def _share_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
-        """Mean batch loss, identical on every rank (one scalar all-reduce over the world)."""
-        dp = self.topology.dp
-        device = self.root_device
-        value = torch.zeros((), dtype=torch.float32, device=device)
+    def _step_allreduce(self, losses: list[torch.Tensor] | None, busy: float, wall: float) -> torch.Tensor:
+        """The one collective of every step: the mean batch loss plus, piggy-backed, whether any
+        rank profiled layers in this step and every rank's busy and wall time. Afterwards all
+        ranks hold identical numbers, so every later decision is the same everywhere."""
+        topo = self.topology
+        W = topo.world_size
+        vec = torch.zeros(2 + 2 * W, dtype=torch.float64, device=self.root_device)
         if losses:
-            value = torch.stack([l.detach().float() for l in losses]).mean().to(device) / dp
-        dist.all_reduce(value)
-        return value
+            vec[0] = torch.stack([l.detach().double() for l in losses]).mean().to(vec.device) / topo.dp
+        vec[1] = 1.0 if self._profiling_reason else 0.0
+        vec[2 + self.global_rank] = busy
+        vec[2 + W + self.global_rank] = wall
+        dist.all_reduce(vec)
+        host = vec.cpu().tolist()
+        self._decide_next = host[1] > 0
+        # per pipeline rank: the slowest replica
+        self._rank_busy = [max(host[2 + d * topo.pp + r] for d in range(topo.dp)) for r in range(topo.pp)]
+        self._rank_wall = [max(host[2 + W + d * topo.pp + r] for d in range(topo.dp)) for r in range(topo.pp)]
+        return vec[0].float()
 
     def _local_params(self) -> list[nn.Parameter]:
         return [p for p in self.lightning_module.parameters()]
+
+    def _check_same_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """First step only: every rank of a pipeline must see the same batch, or stage 0's inputs
+        and the last stage's targets silently disagree."""
+        self._batch_checked = True
+        if self.pipeline_parallel == 1:
+            return
+        digest = torch.tensor(
+            [float(inputs.double().sum()), float(targets.double().sum()), float(inputs.shape[0])],
+            dtype=torch.float64,
+            device=self.root_device,
+        )
+        lo, hi = digest.clone(), digest.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.pipeline_group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.pipeline_group)
+        if not torch.equal(lo, hi):
+            raise RuntimeError(
+                f"rank {self.global_rank}: the ranks of one pipeline received different batches. Every pipeline "
+                "rank must load the same batch: use a sampler with a fixed seed (Lightning's DistributedSampler, "
+                "which the Trainer injects by default, or `DataLoader(..., generator=torch.Generator().manual_seed(s))`)."
+            )
 
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
         batch = args[0] if args else kwargs["batch"]
         inputs, targets = split_batch(batch)
+        if not self._batch_checked:
+            self._check_same_batch(inputs, targets)
         now = time.perf_counter()
         with self.precision_plugin.train_step_context():
             engine = self._engine_for(inputs, train=True)
+            self._profiler.instrument(engine)
             for p in self._local_params():
                 p.grad = None
+            self._profiler.begin_step()
             losses = engine.run(inputs, targets, train=True)
+            self._profiler.end_step()
+        if self._profiling_reason:
+            for i, ft in self._profiler.layer_times().items():
+                self._known_costs[i] = ft
         # Lightning zeroes gradients between training_step and backward: keep ours aside.
         self._held_grads = [(p, p.grad) for p in self._local_params() if p.grad is not None]
         for p, _ in self._held_grads:
             p.grad = None
-        loss = self._share_loss(losses)
+        busy = sum(self._profiler.busy_seconds().values())
+        loss = self._step_allreduce(losses, busy, engine.last_step_seconds)
+        self.policy.observe_busy(self._rank_busy)
         tokens = inputs.numel() * self.topology.dp
-        module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=inputs.shape[0])
+        bs = inputs.shape[0]
+        module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=bs)
         if self._last_step_end is not None:
             dt = now - self._last_step_end
             if dt > 0:
-                module.log("tokens_per_sec", tokens / dt, prog_bar=True, on_step=True, batch_size=inputs.shape[0])
-        module.log("pipeline_seconds", engine.last_step_seconds, on_step=True, batch_size=inputs.shape[0])
+                module.log("tokens_per_sec", tokens / dt, prog_bar=True, on_step=True, batch_size=bs)
+        wall = max(self._rank_wall) if self._rank_wall else 0.0
+        if wall > 0 and self.pipeline_parallel > 1:
+            idle = 1.0 - sum(self._rank_busy) / (len(self._rank_busy) * wall)
+            module.log("pipeline/idle_fraction", max(0.0, idle), on_step=True, batch_size=bs)
+            module.log("pipeline/imbalance", imbalance(self._rank_busy), on_step=True, batch_size=bs)
         self._last_step_end = now
         return loss
 
@@ -468,12 +551,19 @@ class DynMoStrategy(ParallelStrategy):
         with ctx:
             engine = self._engine_for(inputs, train=False)
             losses = engine.run(inputs, targets, train=False)
-        loss = self._share_loss(losses)
+        loss = self._share_eval_loss(losses)
         module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=inputs.shape[0])
         ppl = self._perplexity_metric(stage)
         ppl.update(loss, weight=inputs.numel())
         module.log(f"{stage}_ppl", ppl, on_step=False, on_epoch=True, metric_attribute=f"_dynmo_{stage}_ppl")
         return loss
+
+    def _share_eval_loss(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        value = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        if losses:
+            value = torch.stack([l.detach().float() for l in losses]).mean().to(value.device) / self.topology.dp
+        dist.all_reduce(value)
+        return value
 
     def _perplexity_metric(self, stage: str):
         from .metrics import PerplexityFromLoss
@@ -489,6 +579,178 @@ class DynMoStrategy(ParallelStrategy):
         raise NotImplementedError("DynMoStrategy does not implement predict yet; use a single-device strategy")
 
     # ------------------------------------------------------------------ rebalancing
+    def request_rebalance(self, reason: str = "requested") -> None:
+        """Ask for a rebalance (Algorithm 1): the next step is profiled per layer, then balanced.
+        Callbacks call this on every rank (callbacks run everywhere); a request seen by any rank
+        is enough, because the decision to act is agreed in the step's collective."""
+        self.policy.request(str(reason))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        step = self.lightning_module.trainer.global_step
+        if self._decide_next:
+            self._decide_next = False
+            self._profiler.stop_layer_profiling()
+            self._rebalance_from_profile(step, self._profiling_reason or "peer request")
+            self._profiling_reason = None
+        reason = self.policy.profile_reason(step)
+        if reason:
+            self._profiling_reason = reason
+            self._profiler.start_layer_profiling(self._layers, self.local_layer_indices())
+        else:
+            self._profiling_reason = None
+
+    def _cost_model(self) -> "CostModel":
+        from .cost_model import CostModel
+
+        name = self.schedule
+        cost_schedule = {"gpipe": "gpipe", "zero_bubble": "zero_bubble", "zbv": "zero_bubble"}.get(name, "1f1b")
+        m = next(iter(self._engines.values())).microbatches if self._engines else (self._microbatches or 4 * self.num_stages)
+        return CostModel(microbatches=m, schedule=cost_schedule, capacity=self._memory_capacity)
+
+    def gather_layer_costs(self) -> tuple["LayerCosts", list[dict]]:
+        """Per-layer costs identical on every rank (collective over the world). Data-parallel
+        replicas may measure different times (different data): each layer takes its slowest
+        replica's time, because the slowest replica sets the step time. Returns the costs and the
+        chunk timeline of the last step of every rank (for plots)."""
+        from .cost_model import LayerCosts
+
+        local = {}
+        for i in self.local_layer_indices():
+            layer = self._layers[i]
+            f, b = self._known_costs.get(i, (math.nan, math.nan))
+            params = sum(p.numel() for p in layer.parameters())
+            local[i] = (f, b, params, layer_memory_bytes(layer, self.optimizers))
+        events = [
+            {"rank": self.global_rank, "stage": e.stage, "kind": e.kind, "mb": e.microbatch, "start": e.start, "end": e.end}
+            for e in self._profiler.events
+        ]
+        parts: list = [None] * self.topology.world_size
+        dist.all_gather_object(parts, (local, events))
+        merged: dict[int, list] = {}
+        all_events: list[dict] = []
+        for part, ev in parts:
+            all_events.extend(ev)
+            for i, (f, b, n, mem) in part.items():
+                if i not in merged:
+                    merged[i] = [f, b, n, mem]
+                else:
+                    cur = merged[i]
+                    cur[0] = max(cur[0], f) if not math.isnan(f) else cur[0]
+                    cur[1] = max(cur[1], b) if not math.isnan(b) else cur[1]
+                    cur[3] = max(cur[3], mem)
+        L = len(self._layers)
+        fwd = [merged[i][0] for i in range(L)]
+        bwd = [merged[i][1] for i in range(L)]
+        params = [int(merged[i][2]) for i in range(L)]
+        memory = [float(merged[i][3]) for i in range(L)]
+        measured = [i for i in range(L) if not math.isnan(fwd[i]) and params[i] > 0]
+        per_param = (
+            sum(fwd[i] + bwd[i] for i in measured) / max(1, sum(params[i] for i in measured)) if measured else 3e-9
+        )
+        for i in range(L):  # a layer nobody timed yet: estimate from its size (DeepSpeed's proxy)
+            if math.isnan(fwd[i]) or math.isnan(bwd[i]):
+                fwd[i], bwd[i] = params[i] * per_param / 3, 2 * params[i] * per_param / 3
+        specs = next(iter(self._layer_specs.values()), None)
+        activation = [float(sp.nbytes) for sp in specs] if specs else [0.0] * L
+        return LayerCosts(tuple(fwd), tuple(bwd), tuple(params), tuple(memory), tuple(activation)), all_events
+
+    def _rebalance_from_profile(self, step: int, reason: str) -> None:
+        from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
+
+        t0 = time.perf_counter()
+        costs, events = self.gather_layer_costs()
+        model = self._cost_model()
+        before = self.partition
+        record: dict[str, Any] = {"step": step, "reason": reason, "balancer": self._balancer_name, "before": str(before)}
+        try:
+            result = get_balancer(self._balancer_name)(
+                BalanceProblem(costs=costs, num_stages=self.num_stages, model=model, current=before)
+            )
+        except InfeasiblePartitionError as err:
+            record.update(applied=False, why=f"refused: {err}")
+            self._record_rebalance(record, costs, model, events, before, None)
+            return
+        decide_s = time.perf_counter() - t0
+        pred_now = model.predicted_step_time(costs, before)
+        pred_new = model.predicted_step_time(costs, result.partition)
+        cost = self._migration_cost_estimate
+        if cost is None:
+            cost = max(self._rank_wall) if self._rank_wall else 0.0  # first time: assume one step
+        accept, why = self.policy.accept(pred_now, pred_new, cost)
+        record.update(
+            after=str(result.partition),
+            rounds=result.rounds,
+            decision_ms=decide_s * 1e3,
+            predicted_step_before=pred_now,
+            predicted_step_after=pred_new,
+            imbalance_before=imbalance(model.stage_times(costs, before)),
+            imbalance_after=imbalance(model.stage_times(costs, result.partition)),
+            bubble_before=model.bubble_fraction(costs, before),
+            bubble_after=model.bubble_fraction(costs, result.partition),
+        )
+        if result.partition == before or not accept:
+            record.update(applied=False, why="already balanced" if result.partition == before else why)
+            self._record_rebalance(record, costs, model, events, before, None)
+            return
+        stats = self.rebalance_to(result.partition)
+        agreed = torch.tensor([stats.seconds, float(stats.bytes_sent)], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        moved_bytes = torch.tensor([float(stats.bytes_sent)], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(moved_bytes)
+        self._migration_cost_estimate = float(agreed[0]) + decide_s
+        self.policy.applied(step)
+        record.update(
+            applied=True,
+            why=why,
+            migration_ms=float(agreed[0]) * 1e3,
+            migration_bytes=int(moved_bytes.item()),
+            moved_layers=before.moved_layers(result.partition),
+        )
+        self._record_rebalance(record, costs, model, events, before, result.partition)
+
+    def _record_rebalance(
+        self, record: dict, costs, model, events: list[dict], before: Partition, new: Partition | None
+    ) -> None:
+        """Log a rebalance decision: metrics to the Lightning loggers, a JSON line and plots."""
+        self.rebalance_history.append(record)
+        module = self.lightning_module
+        for key in ("decision_ms", "migration_ms", "migration_bytes", "imbalance_before", "imbalance_after",
+                    "bubble_before", "bubble_after", "predicted_step_before", "predicted_step_after"):
+            if key in record:
+                module.log(f"rebalance/{key}", float(record[key]), on_step=True, on_epoch=False, batch_size=1)
+        for s, b in enumerate(self.partition.boundaries[1:-1], start=1):
+            module.log(f"partition/b{s}", float(b), on_step=True, on_epoch=False, batch_size=1)
+        out_dir = self._output_dir()  # collective (Trainer.log_dir broadcasts): every rank calls it
+        if not self.is_global_zero:
+            return
+        rank_zero_info(
+            f"dynmo rebalance @ step {record['step']} ({record['reason']}): {record['before']} -> "
+            f"{record.get('after', record['before'])} applied={record['applied']} ({record.get('why', '')})"
+        )
+        if out_dir is None:
+            return
+        import json
+        import os
+
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "rebalance_history.jsonl"), "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._plot and events:
+            from .plotting import save_rebalance_figure
+
+            save_rebalance_figure(
+                os.path.join(out_dir, f"rebalance_step{record['step']:06d}.png"),
+                events,
+                before=(str(before), model.stage_times(costs, before)),
+                after=(str(new), model.stage_times(costs, new)) if new is not None else None,
+                title=f"step {record['step']}: {record['reason']}",
+            )
+
+    def _output_dir(self) -> str | None:
+        """Where logs go (``Trainer.log_dir`` is a broadcast: call on every rank)."""
+        trainer = self.lightning_module.trainer
+        return trainer.log_dir or trainer.default_root_dir
+
     def rebalance_to(self, new: Partition | tuple[int, ...] | list[int]) -> MigrationStats:
         """Move layers (with all their state) so that ``new`` becomes the partition. Collective:
         every pipeline rank of every replica must call it with the same partition."""
@@ -499,6 +761,8 @@ class DynMoStrategy(ParallelStrategy):
                 f"partition {new} must split {self.partition.num_layers} layers into {self.partition.num_stages} stages"
             )
         plan = MigrationPlan.build(self.partition, new, self.rank_of_stage)
+        if self._profiler is not None:
+            self._profiler.stop_layer_profiling()  # hooks must not travel with the layers
         self._engines.clear()  # release stage references to layers that may leave
         stats = execute_migration(
             plan,

@@ -34,6 +34,13 @@ static inline V load(const T* p) { V v; std::memcpy(&v, p, sizeof(V)); return v;
 template <typename V, typename T>
 static inline void store(T* p, V v) { std::memcpy(p, &v, sizeof(V)); }
 
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define LDSPARSE_HAS_SHUFFLEVECTOR 1
+#endif
+#endif
+
+#ifdef LDSPARSE_HAS_SHUFFLEVECTOR
 // Lanes [Off, Off + sizeof...(I)) of v as a shorter vector.
 template <typename T, int N, int Off, typename V, std::size_t... I>
 static inline typename Vec<T, N>::type slice(V v, std::index_sequence<I...>) {
@@ -59,39 +66,53 @@ static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typenam
                        slice<T, H, 0>(d, seq) + slice<T, H, H>(d, seq));
   }
 }
+#else
+// Older compilers (GCC < 12): plain lane loop, correct but slower.
+template <typename T, int N>
+static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typename Vec<T, N>::type b,
+                                             typename Vec<T, N>::type c, typename Vec<T, N>::type d) {
+  typename Vec<T, 4>::type r{};
+  for (int i = 0; i < N; ++i) { r[0] += a[i]; r[1] += b[i]; r[2] += c[i]; r[3] += d[i]; }
+  return r;
+}
+#endif
 
 // y[i * ldy + r] = bias[r] + sum_j val[j] * tile[col[j] * TT + i], rows r in [r0, r1), i < tt.
 template <typename T, int TT>
 static void spmm_rows(const int32_t* crow, const int32_t* col, const T* val, int64_t r0,
                       int64_t r1, const T* tile, const T* bias, T* y, int64_t ldy, int64_t tt) {
   using V = vec_t<T>;
-  constexpr int L = kLanes<T>, NV = TT / L, RB = 16;
+  constexpr int L = kLanes<T>, NV = TT / L, RB = 16, U = NV >= 4 ? 2 : (NV == 2 ? 4 : 8);
   static_assert(TT % L == 0, "tile width must be a whole number of vectors");
   alignas(64) T buf[RB * TT];  // RB finished rows, written out transposed in one go
   for (int64_t rb = r0; rb < r1; rb += RB) {
     const int64_t re = rb + RB < r1 ? rb + RB : r1;
     for (int64_t r = rb; r < re; ++r) {
-      // Two accumulator sets so consecutive non-zeros do not serialise on FMA latency.
-      V a[NV], c[NV];
+      // U accumulator sets (>= 8 vectors in flight) so consecutive non-zeros do not
+      // serialise on FMA latency when the tile is only one or two vectors wide.
+      V acc[U][NV];
       const T b = bias ? bias[r] : T(0);
-      for (int k = 0; k < NV; ++k) { a[k] = V{} + b; c[k] = V{}; }
+      for (int u = 0; u < U; ++u)
+        for (int k = 0; k < NV; ++k) acc[u][k] = V{} + (u == 0 ? b : T(0));
       int32_t j = crow[r];
       const int32_t end = crow[r + 1];
-      for (; j + 1 < end; j += 2) {
-        const T w0 = val[j], w1 = val[j + 1];
-        const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
-        const T* x1 = tile + static_cast<int64_t>(col[j + 1]) * TT;
-        for (int k = 0; k < NV; ++k) {
-          a[k] += w0 * load<V>(x0 + k * L);
-          c[k] += w1 * load<V>(x1 + k * L);
+      for (; j + U - 1 < end; j += U) {
+        for (int u = 0; u < U; ++u) {
+          const T w = val[j + u];
+          const T* xr = tile + static_cast<int64_t>(col[j + u]) * TT;
+          for (int k = 0; k < NV; ++k) acc[u][k] += w * load<V>(xr + k * L);
         }
       }
-      if (j < end) {
-        const T w0 = val[j];
-        const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
-        for (int k = 0; k < NV; ++k) a[k] += w0 * load<V>(x0 + k * L);
+      for (; j < end; ++j) {
+        const T w = val[j];
+        const T* xr = tile + static_cast<int64_t>(col[j]) * TT;
+        for (int k = 0; k < NV; ++k) acc[0][k] += w * load<V>(xr + k * L);
       }
-      for (int k = 0; k < NV; ++k) store(buf + (r - rb) * TT + k * L, a[k] + c[k]);
+      for (int k = 0; k < NV; ++k) {
+        V sum = acc[0][k];
+        for (int u = 1; u < U; ++u) sum += acc[u][k];
+        store(buf + (r - rb) * TT + k * L, sum);
+      }
     }
     const int64_t nr = re - rb;
     for (int64_t i = 0; i < tt; ++i) {

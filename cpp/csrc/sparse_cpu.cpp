@@ -20,18 +20,20 @@ namespace ldsparse {
 
 const char* selected_isa() {
   static const char* isa = [] {
-    const char* env = std::getenv("LDSPARSE_ISA");
-    if (env && (!std::strcmp(env, "default") || !std::strcmp(env, "avx2") ||
-                !std::strcmp(env, "avx512")))
-      return env;
+    int widest = 0;  // 0 default, 1 avx2, 2 avx512
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) widest = 1;
+    if (widest == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-      return "avx512";
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
+      widest = 2;
 #endif
-    return "default";
+    static const char* names[] = {"default", "avx2", "avx512"};
+    // LDSPARSE_ISA may narrow the choice (tests, A/B timing), never widen it past the CPU.
+    if (const char* env = std::getenv("LDSPARSE_ISA"))
+      for (int i = 0; i < widest; ++i)
+        if (!std::strcmp(env, names[i])) return names[i];
+    return names[widest];
   }();
   return isa;
 }
@@ -91,6 +93,14 @@ int64_t row_chunks(int64_t rows, int64_t ntiles, int threads) {
   int64_t chunks = threads;
   while (chunks * ntiles < 4 * threads && chunks < rows) chunks *= 2;  // few tokens: split rows more
   return std::max<int64_t>(1, std::min(chunks, rows));
+}
+
+void check_csr(const at::Tensor& crow, const at::Tensor& col) {
+  TORCH_CHECK(crow.scalar_type() == at::kInt && col.scalar_type() == at::kInt,
+              "ldsparse: crow_indices/col_indices must be int32");
+  TORCH_CHECK(crow.dim() == 1 && crow.numel() >= 1 && col.dim() == 1,
+              "ldsparse: bad CSR index shapes");
+  TORCH_CHECK(crow.is_contiguous() && col.is_contiguous(), "ldsparse: CSR indices must be contiguous");
 }
 
 struct Scratch {  // 64-byte aligned per-thread tile buffer

@@ -1,0 +1,133 @@
+"""Dense nn.Linear vs torch.sparse CSR vs lightning_dynmo SparseLinear, forward and
+forward+backward, across sparsities, in one process with the same thread count.
+
+Methods are timed round-robin (one call of each per round) so drift from other load on the
+machine hits all of them alike; each number is the median over rounds.  Prints one JSON
+object as the last line.
+
+    python benchmarks/sparse_linear.py [--quick] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from lightning_dynmo import sparse  # noqa: E402
+from lightning_dynmo.sparse import SparseLinear  # noqa: E402
+
+SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+
+
+def _dense_step(layer, x, g, backward):
+    def run():
+        if not backward:
+            with torch.no_grad():
+                return layer(x)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).backward(g)
+    return run
+
+
+def _torch_sparse_step(w_csr, bias, x, g, backward):
+    def run():
+        if not backward:
+            with torch.no_grad():
+                return torch.sparse.mm(w_csr, x.t()).t() + bias
+        w_csr.grad = None
+        x.grad = None
+        (torch.sparse.mm(w_csr, x.t()).t() + bias).backward(g)
+    return run
+
+
+def _round_robin(fns: dict, rounds: int) -> dict:
+    for fn in fns.values():  # warm-up
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_shape(in_f, out_f, tokens, sparsities, rounds, torch_sparse_min):
+    gen = torch.Generator().manual_seed(0)
+    dense = nn.Linear(in_f, out_f)
+    x = torch.randn(tokens, in_f, generator=gen).requires_grad_()
+    g = torch.randn(tokens, out_f, generator=gen)
+    rows = []
+    for s in sparsities:
+        mask = torch.rand(out_f, in_f, generator=gen) >= s
+        ours = SparseLinear.from_dense(dense, mask)
+        w_csr = (dense.weight.detach() * mask).to_sparse_csr().requires_grad_()
+        bias = dense.bias.detach()
+        with_ts = s >= torch_sparse_min
+        row = {"in": in_f, "out": out_f, "tokens": tokens, "sparsity": s}
+        for backward, tag in ((False, "fwd"), (True, "fwd_bwd")):
+            fns = {"dense": _dense_step(dense, x, g, backward), "ours": _dense_step(ours, x, g, backward)}
+            if with_ts:
+                fns["torch_sparse"] = _torch_sparse_step(w_csr, bias, x, g, backward)
+            ms = _round_robin(fns, rounds)
+            for k in ("dense", "torch_sparse", "ours"):
+                row[f"{k}_{tag}_ms"] = round(ms[k], 2) if k in ms else None
+        row["speedup_vs_dense"] = round(row["dense_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], 2)
+        if with_ts:
+            row["speedup_vs_torch_sparse"] = round(row["torch_sparse_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], 2)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _crossover(rows, key):
+    wins = [r["sparsity"] for r in rows if r[f"ours_{key}_ms"] < r[f"dense_{key}_ms"]]
+    return min(wins) if wins else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="GPT shapes only, fewer rounds")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not sparse.extension_available():
+        print(f"WARNING: compiled kernels missing ({sparse.extension_error()!r}); timing the slow "
+              "reference path")
+    rounds = args.rounds or (3 if args.quick else 7)
+    results = {}
+    for in_f, out_f in ((768, 3072), (3072, 768)):
+        results[f"{in_f}x{out_f}x2048"] = bench_shape(in_f, out_f, 2048, SPARSITIES, rounds, 0.0)
+    if not args.quick:  # torch.sparse takes tens of seconds per call here at low sparsity
+        results["4096x4096x4096"] = bench_shape(4096, 4096, 4096, SPARSITIES, 3, 0.9)
+    gpt = {r["sparsity"]: r for r in results["768x3072x2048"]}
+    summary = {
+        "device": "cpu", "cpu": platform.processor() or platform.machine(),
+        "isa": sparse._ops._C.cpu_isa() if sparse.extension_available() else None,
+        "threads": args.threads, "quick": args.quick, "rounds": rounds, "torch": torch.__version__,
+        "speedup_vs_dense_at_90": gpt[0.9]["speedup_vs_dense"],
+        "speedup_vs_torch_sparse_at_90": gpt[0.9]["speedup_vs_torch_sparse"],
+        "crossover_sparsity": _crossover(results["768x3072x2048"], "fwd_bwd"),
+        "crossover_sparsity_fwd": _crossover(results["768x3072x2048"], "fwd"),
+        "crossover_sparsity_by_shape": {k: _crossover(v, "fwd_bwd") for k, v in results.items()},
+        "speedup_vs_dense_at_90_by_shape": {
+            k: next(r["speedup_vs_dense"] for r in v if r["sparsity"] == 0.9) for k, v in results.items()},
+        "results": results,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Dense-or-sparse choice per layer, from the crossover density measured on this device.
+
+Pruning must never slow a layer down, so the choice is measured rather than assumed: the
+first request for a (device, threads, shape bucket) times dense vs SparseLinear
+forward+backward at decreasing densities, and caches the density below which sparse wins.
+Set ``LDSPARSE_CROSSOVER=<density>`` to skip the measurement (e.g. in CI).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from . import _ops
+from .linear import MaskedLinear, SparseLinear
+
+_DENSITIES = (0.6, 0.45, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.02, 0.01)
+_CACHE: Dict[Tuple, float] = {}
+
+
+def _bucket(n: int) -> int:
+    """Next power of two: nearby shapes share one measurement."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _fwd_bwd(layer: nn.Module, x: Tensor):
+    def run():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer(x).sum().backward()
+    return run
+
+
+def _measure(in_f: int, out_f: int, tokens: int, device: torch.device, repeats: int = 3) -> float:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    dense = nn.Linear(in_f, out_f).to(device)
+    x = torch.randn(tokens, in_f, generator=gen).to(device).requires_grad_()
+    t_dense = _time(_fwd_bwd(dense, x), device, repeats)
+    prev: Optional[Tuple[float, float]] = None
+    for d in _DENSITIES:
+        mask = (torch.rand(out_f, in_f, generator=gen) < d).to(device)
+        t_sparse = _time(_fwd_bwd(SparseLinear.from_dense(dense, mask), x), device, repeats)
+        if t_sparse < t_dense:
+            if prev is None:
+                return d
+            # Sparse time is ~linear in density: interpolate to where it meets dense.
+            d_hi, t_hi = prev
+            return d + (d_hi - d) * (t_dense - t_sparse) / max(t_hi - t_sparse, 1e-12)
+        prev = (d, t_sparse)
+    return 0.0
+
+
+def crossover_density(in_features: int, out_features: int, tokens: int = 2048,
+                      device=None) -> float:
+    """Density below which SparseLinear's forward+backward beats dense on ``device``
+    (0.0: never).  Autotuned once per (device, threads, power-of-two shape bucket)."""
+    override = os.environ.get("LDSPARSE_CROSSOVER", "").strip()
+    if override:
+        return float(override)
+    device = torch.device(device if device is not None else "cpu")
+    if not _ops.extension_available():
+        return 0.0  # the reference path densifies: never faster than dense
+    shape = (_bucket(in_features), _bucket(out_features), _bucket(min(tokens, 4096)))
+    key = (device.type, device.index, torch.get_num_threads()) + shape
+    if key not in _CACHE:
+        with torch.enable_grad():
+            _CACHE[key] = _measure(*shape, device)
+    return _CACHE[key]
+
+
+def maybe_sparsify(linear: nn.Linear, mask: Tensor, tokens: int = 2048) -> nn.Module:
+    """SparseLinear if it is faster than dense at this mask's density, else MaskedLinear."""
+    if isinstance(linear, (SparseLinear, MaskedLinear)):
+        linear = linear.to_dense()
+    density = float(mask.float().mean())
+    threshold = crossover_density(linear.in_features, linear.out_features, tokens,
+                                  linear.weight.device)
+    if density < threshold:
+        return SparseLinear.from_dense(linear, mask)
+    return MaskedLinear.from_dense(linear, mask)

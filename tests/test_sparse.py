@@ -1,0 +1,217 @@
+"""SparseLinear / ldsparse kernels agree with the dense masked computation (CPU)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from lightning_dynmo import sparse
+from lightning_dynmo.sparse import MaskedLinear, SparseLinear, _ops
+
+
+def _mask(out_f, in_f, density, gen, empty_rows=True):
+    mask = torch.rand(out_f, in_f, generator=gen) < density
+    if empty_rows and out_f > 2:
+        mask[out_f // 2] = False
+    return mask
+
+
+def _check_layer(lead, in_f, out_f, density, bias, seed, atol=1e-4):
+    gen = torch.Generator().manual_seed(seed)
+    dense = nn.Linear(in_f, out_f, bias=bias)
+    mask = _mask(out_f, in_f, density, gen)
+    layer = SparseLinear.from_dense(dense, mask)
+    x = torch.randn(*lead, in_f, generator=gen, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = (dense.weight.detach() * mask).requires_grad_()
+    b_ref = dense.bias.detach().clone().requires_grad_() if bias else None
+    y = layer(x)
+    y_ref = nn.functional.linear(x_ref, w_ref, b_ref)
+    assert y.shape == (*lead, out_f)
+    torch.testing.assert_close(y, y_ref, atol=atol, rtol=1e-4)
+    g = torch.randn(y.shape, generator=gen)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=atol, rtol=1e-4)
+    torch.testing.assert_close(layer.values.grad, w_ref.grad[mask], atol=atol, rtol=1e-4)
+    if bias:
+        torch.testing.assert_close(layer.bias.grad, b_ref.grad, atol=atol, rtol=1e-4)
+
+
+def test_extension_built():
+    if os.environ.get("LDSPARSE_REQUIRE_EXT", "1") == "0":
+        pytest.skip("LDSPARSE_REQUIRE_EXT=0")
+    assert sparse.extension_available(), f"extension failed to import: {sparse.extension_error()!r}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(lead=st.lists(st.integers(0, 9), min_size=0, max_size=2), in_f=st.integers(1, 70),
+       out_f=st.integers(1, 70), density=st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_matches_dense_masked(lead, in_f, out_f, density, bias, seed):
+    _check_layer(tuple(lead), in_f, out_f, density, bias, seed)
+
+
+@pytest.mark.parametrize("tokens,in_f,out_f,density", [
+    (1, 300, 257, 0.1),       # decode step: one token, rows split across chunks
+    (300, 129, 65, 0.2),      # several token tiles plus a ragged one
+    (2 * 128 + 3, 40, 700, 0.5),
+    (64, 33, 19, 0.0),        # all-zero matrix
+])
+def test_matches_dense_masked_larger(tokens, in_f, out_f, density):
+    _check_layer((tokens,), in_f, out_f, density, True, seed=tokens)
+
+
+def test_skewed_rows():
+    """One dense row among empty ones: the nnz-balanced row split must still be right."""
+    mask = torch.zeros(64, 96, dtype=torch.bool)
+    mask[5] = True
+    mask[60, ::7] = True
+    dense = nn.Linear(96, 64)
+    layer = SparseLinear.from_dense(dense, mask)
+    x = torch.randn(3, 100, 96)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, dense.weight * mask, dense.bias),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(0)
+    layer = SparseLinear.from_dense(nn.Linear(13, 11), _mask(11, 13, 0.4, gen)).double()
+    assert layer.crow_indices.dtype == torch.int32  # .double() must leave indices alone
+    x = torch.randn(2, 7, 13, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def f(x, values, bias):
+        return _ops.sparse_linear(x.reshape(-1, 13), values, bias, layer.crow_indices,
+                                  layer.col_indices, layer.crow_indices_t, layer.col_indices_t,
+                                  layer.perm_t)
+
+    assert torch.autograd.gradcheck(f, (x, layer.values, layer.bias))
+
+
+def test_kernels_match_reference_ops():
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 70, generator=gen) * _mask(50, 70, 0.2, gen)
+    csr = w.to_sparse_csr()
+    crow, col, vals = csr.crow_indices().int(), csr.col_indices().int(), csr.values()
+    x, g, b = torch.randn(90, 70, generator=gen), torch.randn(90, 50, generator=gen), torch.randn(50)
+    torch.testing.assert_close(_ops.spmm(crow, col, vals, x, b), _ops.ref_spmm(crow, col, vals, x, b))
+    torch.testing.assert_close(_ops.sddmm(crow, col, g, x), _ops.ref_sddmm(crow, col, g, x),
+                               atol=1e-4, rtol=1e-4)
+    for got, want in zip(_ops.csr_transpose(crow, col, 70), _ops.ref_csr_transpose(crow, col, 70)):
+        assert torch.equal(got, want)
+
+
+def test_module_state_is_compressed_and_movable():
+    dense = nn.Linear(64, 32)
+    mask = torch.rand(32, 64) < 0.1
+    layer = SparseLinear.from_dense(dense, mask)
+    params = dict(layer.named_parameters())
+    assert set(params) == {"values", "bias"} and params["values"].shape == (int(mask.sum()),)
+    assert set(dict(layer.named_buffers())) == {"crow_indices", "col_indices", "crow_indices_t",
+                                                "col_indices_t", "perm_t"}
+    assert all(b.dtype == torch.int32 for b in layer.buffers())
+    assert all(t.numel() < 64 * 32 for t in layer.state_dict().values())
+    back = layer.to_dense()
+    assert isinstance(back, nn.Linear)
+    torch.testing.assert_close(back.weight, dense.weight * mask)
+    # A checkpoint with another pattern loads into a freshly built layer.
+    other = SparseLinear(64, 32)
+    other.load_state_dict(layer.state_dict())
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(other(x), layer(x))
+
+
+def test_adam_state_is_nnz_sized_and_pattern_is_kept():
+    dense = nn.Linear(40, 30)
+    mask = torch.rand(30, 40) < 0.2
+    layer = SparseLinear.from_dense(dense, mask)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        layer(torch.randn(8, 40)).pow(2).mean().backward()
+        opt.step()
+    assert opt.state[layer.values]["exp_avg"].shape == (int(mask.sum()),)
+    assert torch.all(layer.to_dense().weight[~mask] == 0)
+
+
+def test_masked_linear_keeps_pruned_weights_zero():
+    dense = nn.Linear(20, 10)
+    mask = torch.rand(10, 20) < 0.5
+    layer = MaskedLinear.from_dense(dense, mask)
+    layer(torch.randn(4, 20)).sum().backward()
+    assert torch.all(layer.weight.grad[~mask] == 0)
+    torch.testing.assert_close(layer.to_dense().weight, dense.weight * mask)
+
+
+def test_maybe_sparsify_follows_crossover(monkeypatch):
+    monkeypatch.setenv("LDSPARSE_CROSSOVER", "0.5")
+    dense = nn.Linear(32, 16)
+    assert isinstance(sparse.maybe_sparsify(dense, torch.rand(16, 32) < 0.1), SparseLinear)
+    assert isinstance(sparse.maybe_sparsify(dense, torch.rand(16, 32) < 0.9), MaskedLinear)
+
+
+def test_crossover_density_autotunes_and_caches(monkeypatch):
+    monkeypatch.delenv("LDSPARSE_CROSSOVER", raising=False)
+    d = sparse.crossover_density(64, 64, tokens=64)
+    assert 0.0 <= d <= 1.0
+    assert sparse.crossover_density(60, 50, tokens=40) == d  # same power-of-two bucket: cached
+
+
+def test_torch_compile_forward_backward():
+    dense = nn.Linear(24, 12)
+    mask = torch.rand(12, 24) < 0.3
+    layer = SparseLinear.from_dense(dense, mask)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    compiled(x).sum().backward()
+    grad_compiled = layer.values.grad.clone()
+    layer.values.grad = None
+    layer(x).sum().backward()
+    torch.testing.assert_close(grad_compiled, layer.values.grad)
+
+
+@pytest.mark.skipif(not sparse.extension_available(), reason="needs the compiled extension")
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+def test_narrower_isa_builds_agree(isa):
+    """The run-time ISA dispatch: the SSE2/AVX2 builds give the same answers."""
+    order = ["default", "avx2", "avx512"]
+    if order.index(isa) >= order.index(_ops._C.cpu_isa()) and isa != "default":
+        pytest.skip(f"CPU has no ISA wider than {isa}")
+    code = ("import torch; from torch import nn; from lightning_dynmo.sparse import SparseLinear, _ops;"
+            "assert _ops._C.cpu_isa() == '%s';"
+            "torch.manual_seed(0); d = nn.Linear(70, 50); m = torch.rand(50, 70) < 0.3;"
+            "l = SparseLinear.from_dense(d, m); x = torch.randn(130, 70, requires_grad=True);"
+            "y = l(x); y.sum().backward();"
+            "torch.testing.assert_close(y, nn.functional.linear(x, d.weight * m, d.bias), atol=1e-4, rtol=1e-4);"
+            "torch.testing.assert_close(l.values.grad, x.sum(0).expand(50, 70)[m], atol=1e-3, rtol=1e-4)") % isa
+    env = dict(os.environ, LDSPARSE_ISA=isa)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_package_works_without_extension():
+    """A broken build must not break the package: ops fall back to the reference path."""
+    code = (
+        "import sys, importlib.abc, warnings\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'lightning_dynmo.sparse._C': raise ImportError('blocked for test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch; from torch import nn\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from lightning_dynmo import sparse\n"
+        "assert not sparse.extension_available() and any('SLOWER' in str(x.message) for x in w)\n"
+        "assert sparse.crossover_density(64, 64, 64) == 0.0\n"
+        "torch.manual_seed(0); d = nn.Linear(30, 20); m = torch.rand(20, 30) < 0.3\n"
+        "l = sparse.SparseLinear.from_dense(d, m); x = torch.randn(2, 9, 30, requires_grad=True)\n"
+        "y = l(x); y.sum().backward()\n"
+        "torch.testing.assert_close(y, nn.functional.linear(x, d.weight * m, d.bias))\n"
+        "torch.testing.assert_close(l.values.grad, x.reshape(-1, 30).sum(0).expand(20, 30)[m])\n"
+        "assert isinstance(sparse.maybe_sparsify(d, m), sparse.MaskedLinear)\n")
+    env = {k: v for k, v in os.environ.items() if k != "LDSPARSE_CROSSOVER"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
