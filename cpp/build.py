@@ -18,7 +18,7 @@ EXT_NAME = "lightning_dynmo.sparse._C"
 CPU_SOURCES = ["ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kernels_avx2.cpp",
                "cpu_kernels_avx512.cpp"]
 CUDA_SOURCES = ["cuda/sparse_cuda.cu"]
-CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr"]
 
 

@@ -17,6 +17,7 @@ and the next step builds new stages from cached shape metadata.
 from __future__ import annotations
 
 import logging
+import warnings
 import math
 import time
 from contextlib import nullcontext
@@ -51,6 +52,9 @@ from .schedules import get_schedule
 from .topology import Topology, build_groups
 
 log = logging.getLogger(__name__)
+# Our epoch-level metrics are already all-reduced (identical on every rank); Lightning cannot
+# know that and would recommend sync_dist=True, which would add a collective per logged value.
+warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level.*")
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -215,6 +219,12 @@ class DynMoStrategy(ParallelStrategy):
         return self.global_rank // self.pipeline_parallel
 
     @property
+    def is_distributed(self) -> bool:
+        """Always: Lightning then injects a DistributedSampler (with our replica count and rank),
+        which also gives every rank of a pipeline the same batch order."""
+        return True
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
         return {"num_replicas": topo.dp, "rank": self.dp_rank}
@@ -279,7 +289,7 @@ class DynMoStrategy(ParallelStrategy):
         self.model_to_device()
         self._profiler = PipelineProfiler(self.root_device)
         self.setup_precision_plugin()
-        add_pipeline_clipping(self.precision_plugin, self.pipeline_group)
+        add_pipeline_clipping(self.precision_plugin, self.pipeline_group, self._param_positions)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         rank_zero_info(
@@ -324,16 +334,24 @@ class DynMoStrategy(ParallelStrategy):
                 )
             return p
         from .balancers import BalanceProblem, get_balancer
-        from .cost_model import CostModel, LayerCosts
+        from .cost_model import LayerCosts
 
         params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         problem = BalanceProblem(
             costs=LayerCosts.from_params(params),
             num_stages=self.num_stages,
-            model=CostModel(microbatches=self._microbatches or 4 * self.num_stages, schedule=self.schedule),
+            model=self._cost_model(),
             current=None,
         )
         return get_balancer(self._balancer_name)(problem).partition
+
+    def _param_positions(self, optimizer) -> tuple[list[tuple[int, nn.Parameter]], int]:
+        """This rank's parameters of ``optimizer`` with their single-process positions."""
+        o = next(i for i, x in enumerate(self.optimizers) if getattr(x, "_optimizer", x) is optimizer)
+        slots = self._layout.slots
+        local = [(slots[n].index, p) for n, p in self.lightning_module.named_parameters()
+                 if n in slots and slots[n].optimizer == o]
+        return sorted(local, key=lambda t: t[0]), sum(len(g) for g in self._layout.group_indices[o])
 
     def rank_of_stage(self, stage: int) -> int:
         return self._schedule_spec.rank_of_stage(stage, self.pipeline_parallel)
@@ -600,10 +618,11 @@ class DynMoStrategy(ParallelStrategy):
             self._profiling_reason = None
 
     def _cost_model(self) -> "CostModel":
+        """The cost model for this run. Every partition stage is one (virtual) stage; interleaved
+        and looped schedules are modelled as 1F1B over the virtual stages."""
         from .cost_model import CostModel
 
-        name = self.schedule
-        cost_schedule = {"gpipe": "gpipe", "zero_bubble": "zero_bubble", "zbv": "zero_bubble"}.get(name, "1f1b")
+        cost_schedule = {"gpipe": "gpipe", "zero_bubble": "zero_bubble", "zbv": "zero_bubble"}.get(self.schedule, "1f1b")
         m = next(iter(self._engines.values())).microbatches if self._engines else (self._microbatches or 4 * self.num_stages)
         return CostModel(microbatches=m, schedule=cost_schedule, capacity=self._memory_capacity)
 

@@ -147,9 +147,12 @@ class RunStats:
                 self.train_start: float | None = None
                 self.train_end: float | None = None
                 self.last_val_step: int | None = None
+                self.initial_partition: str | None = None
 
             def on_train_start(self, trainer, pl_module) -> None:
                 self.train_start = time.perf_counter()
+                p = getattr(trainer.strategy, "partition", None)
+                self.initial_partition = str(p) if p is not None else None
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
                 self._t = time.perf_counter()
@@ -193,6 +196,13 @@ def _read_csv_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
+def _cfg_get(node: Any, key: str) -> Any:
+    try:
+        return node.get(key)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ckpt_cb, loggers) -> dict:
     cm = trainer.callback_metrics
     csv_path = run_dir / "logs" / "csv" / "metrics.csv"
@@ -215,6 +225,12 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
     tps_mean = sum(tps_values) / len(tps_values) if tps_values else None
 
     partition = getattr(strategy, "partition", None)
+    history = getattr(strategy, "rebalance_history", None)
+    rebalance_file = None
+    if history:
+        log_dir = Path(trainer.log_dir or run_dir) if loggers else run_dir
+        candidate = log_dir / "rebalance_history.jsonl"
+        rebalance_file = str(candidate) if candidate.is_file() else None
     train_s = (stats.train_end - stats.train_start) if stats.train_start and stats.train_end else None
     summary = {
         "model": cfg.model.preset,
@@ -225,6 +241,11 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         "world_size": trainer.world_size,
         "partition": str(partition) if partition is not None else None,
         "partition_boundaries": list(partition.boundaries) if hasattr(partition, "boundaries") else None,
+        "initial_partition": stats.initial_partition,
+        "rebalance": _cfg_get(cfg.strategy, "rebalance"),
+        "rebalance_decisions": len(history) if history is not None else None,
+        "rebalances_applied": sum(bool(r.get("applied")) for r in history) if history is not None else None,
+        "rebalance_history": rebalance_file,
         "steps": int(trainer.global_step),
         "train_loss": last("train_loss"),
         "val_loss": last("val_loss"),
@@ -258,13 +279,21 @@ def print_summary(s: dict) -> None:
         + (f" (validated at step {s['val_step']})" if s["val_step"] is not None else ""),
         f"  tokens/s (mean) {f(s['tokens_per_sec_mean'], ',.0f')} | train {f(s['train_time_s'], '.1f')} s | "
         f"wall {s['wall_time_s']:.1f} s",
-        f"  partition {s['partition'] or 'n/a (no pipeline)'}",
+        f"  partition {s['partition'] or 'n/a (no pipeline)'}"
+        + (
+            f" (initial {s['initial_partition']}; rebalance={s['rebalance']}: "
+            f"{s['rebalances_applied']} applied of {s['rebalance_decisions']} decisions)"
+            if s["rebalance_decisions"]
+            else ""
+        ),
         f"  run dir      {s['run_dir']}",
     ]
     if s["csv_metrics"]:
         lines.append(f"  csv metrics  {s['csv_metrics']}")
     if s["tensorboard_dir"]:
         lines.append(f"  tensorboard  {s['tensorboard_dir']}")
+    if s["rebalance_history"]:
+        lines.append(f"  rebalances   {s['rebalance_history']}")
     if s["checkpoint_dir"]:
         lines.append(f"  checkpoints  {s['checkpoint_dir']} (last: {s['last_checkpoint'] or 'none'})")
     lines.append(f"  summary      {Path(s['run_dir']) / 'summary.json'}")

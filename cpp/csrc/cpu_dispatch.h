@@ -1,6 +1,7 @@
 // Run-time instruction-set dispatch for the CPU kernels (one table per ISA build).
 #pragma once
 #include <cstdint>
+#include <string>
 
 namespace ldsparse {
 
@@ -30,8 +31,10 @@ LDSPARSE_DECLARE_ISA(isa_avx2)
 LDSPARSE_DECLARE_ISA(isa_avx512)
 #undef LDSPARSE_DECLARE_ISA
 
-// Widest ISA this CPU supports: "avx512", "avx2" or "default".  LDSPARSE_ISA env overrides.
+// ISA the kernels dispatch to: the widest this CPU supports ("avx512", "avx2", "default"),
+// unless narrowed by the LDSPARSE_ISA env var or set_cpu_isa().
 const char* selected_isa();
+bool set_cpu_isa(const std::string& name);
 const CpuKernels<float>& cpu_kernels(float);
 const CpuKernels<double>& cpu_kernels(double);
 

@@ -10,6 +10,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -18,24 +20,44 @@
 
 namespace ldsparse {
 
-const char* selected_isa() {
-  static const char* isa = [] {
-    int widest = 0;  // 0 default, 1 avx2, 2 avx512
+namespace {
+const char* const kIsaNames[] = {"default", "avx2", "avx512"};
+
+int widest_isa() {  // 0 default, 1 avx2, 2 avx512
+  static const int widest = [] {
+    int w = 0;
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) widest = 1;
-    if (widest == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) w = 1;
+    if (w == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq"))
-      widest = 2;
+      w = 2;
 #endif
-    static const char* names[] = {"default", "avx2", "avx512"};
-    // LDSPARSE_ISA may narrow the choice (tests, A/B timing), never widen it past the CPU.
-    if (const char* env = std::getenv("LDSPARSE_ISA"))
-      for (int i = 0; i < widest; ++i)
-        if (!std::strcmp(env, names[i])) return names[i];
-    return names[widest];
+    return w;
   }();
-  return isa;
+  return widest;
+}
+
+int isa_index(const char* name) {
+  for (int i = 0; i <= widest_isa(); ++i)
+    if (name && !std::strcmp(name, kIsaNames[i])) return i;
+  return -1;
+}
+
+std::atomic<int> g_isa{[] {
+  const int requested = isa_index(std::getenv("LDSPARSE_ISA"));
+  return requested >= 0 ? requested : widest_isa();
+}()};
+}  // namespace
+
+const char* selected_isa() { return kIsaNames[g_isa.load()]; }
+
+// Narrow (or restore) the kernels' ISA at run time, for tests and A/B timing; an ISA the
+// CPU lacks is refused.
+bool set_cpu_isa(const std::string& name) {
+  const int i = isa_index(name.c_str());
+  if (i >= 0) g_isa.store(i);
+  return i >= 0;
 }
 
 const CpuKernels<float>& cpu_kernels(float) {

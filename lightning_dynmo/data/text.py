@@ -94,7 +94,7 @@ class ByteTextDataModule(L.LightningDataModule):
         batch_size: int = 16,
         val_fraction: float = 0.05,
         num_workers: int = 0,
-        seed: int = 1234,
+        shuffle_seed: int = 1234,
         stride: int | None = None,
     ):
         super().__init__()
@@ -108,7 +108,7 @@ class ByteTextDataModule(L.LightningDataModule):
         self.batch_size = int(batch_size)
         self.val_fraction = float(val_fraction)
         self.num_workers = int(num_workers)
-        self.seed = int(seed)
+        self.shuffle_seed = int(shuffle_seed)
         self.stride = int(stride) if stride else self.block_size
         self.train_dataset: ByteBlockDataset | None = None
         self.val_dataset: ByteBlockDataset | None = None
@@ -145,7 +145,7 @@ class ByteTextDataModule(L.LightningDataModule):
             self.train_dataset,
             batch_size=self.batch_size,
             shuffle=True,
-            generator=torch.Generator().manual_seed(self.seed),
+            generator=torch.Generator().manual_seed(self.shuffle_seed),
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

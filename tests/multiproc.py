@@ -1,0 +1,41 @@
+"""Helpers for tests that launch real multi-process jobs with torchrun (gloo, 1 thread per rank)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "pipeline_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_worker(tmp: Path, nproc: int, runs: list[dict], timeout: int = 600) -> list[dict]:
+    """Launch ``runs`` in one torchrun job of ``nproc`` ranks; return rank 0's results."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = tmp / "spec.json"
+    out = tmp / "result.json"
+    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(spec),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())["runs"]

@@ -1,0 +1,117 @@
+"""Runs a list of DynMo training configs in one torchrun launch and records what tests compare.
+
+Usage: torchrun --nproc-per-node N tests/workers/pipeline_worker.py SPEC.json
+SPEC: {"out": path, "runs": [config, ...]}; each config is a dict (see ``run_one``). Rank 0
+writes {"runs": [{"losses": [...], "state": path, "optim": path, "history": [...]}, ...]}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+
+import lightning_dynmo  # noqa: E402,F401  (registers "dynmo")
+from lightning_dynmo import DynMoStrategy, Partition, register_balancer  # noqa: E402
+from lightning_dynmo.balancers import BalanceResult  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import make_loader, make_model  # noqa: E402
+
+
+@register_balancer("test_cycle", override=True)
+def cycle_balancer(problem):
+    """Moves boundaries at every call (a legitimate user balancer): shift the first boundary that
+    can move one layer, alternating direction, so every rebalance migrates layers."""
+    cur = problem.current or Partition.from_sizes([1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
+    b = list(cur.boundaries)
+    S = len(b) - 1
+    # rotate: move one layer from the largest stage to its right (or left) neighbour
+    sizes = list(cur.sizes)
+    big = max(range(S), key=lambda s: (sizes[s], -s))
+    if big + 1 < S:
+        b[big + 1] -= 1
+    else:
+        b[big] += 1
+    new = Partition(tuple(b))
+    t = problem.model.predicted_step_time(problem.costs, new)
+    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="test_cycle", loads=())
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    nnodes = int(cfg.get("nnodes", 1))
+    model = make_model(cfg)
+    pp = cfg["pp"]
+    dp = world // pp
+    strategy = DynMoStrategy(
+        pipeline_parallel=pp,
+        schedule=cfg.get("schedule", "1f1b"),
+        microbatches=cfg.get("microbatches", 4),
+        balancer=cfg.get("balancer", "uniform"),
+        partition=cfg.get("partition"),
+        rebalance=cfg.get("rebalance", "never"),
+        rebalance_interval=cfg.get("rebalance_interval", 1),
+        plot=False,
+        timeout=120,
+    )
+    rec = LossRecorder()
+    ckpt_dir = os.path.join(out_dir, f"ckpt{idx}")
+    callbacks = [rec]
+    if cfg.get("save_ckpt"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=cfg["steps"]))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world // nnodes,
+        num_nodes=nnodes,
+        max_steps=cfg["steps"],
+        logger=False,
+        enable_checkpointing=bool(cfg.get("save_ckpt")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        gradient_clip_val=cfg.get("clip"),
+        callbacks=callbacks,
+        default_root_dir=out_dir,
+    )
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
+    state = trainer.strategy.lightning_module_state_dict()
+    optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    result = {"losses": rec.losses, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp}
+    if trainer.global_rank == 0:
+        result["state"] = os.path.join(out_dir, f"state{idx}.pt")
+        result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
+        torch.save(state, result["state"])
+        torch.save(optim, result["optim"])
+        if cfg.get("save_ckpt"):
+            result["ckpt"] = os.path.join(ckpt_dir, "last.ckpt")
+    return result
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    out_dir = os.path.dirname(os.path.abspath(spec["out"]))
+    results = [run_one(cfg, out_dir, i) for i, cfg in enumerate(spec["runs"])]
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(spec["out"], "w") as fh:
+            json.dump({"runs": results}, fh)
+
+
+if __name__ == "__main__":
+    main()
