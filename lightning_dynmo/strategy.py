@@ -130,6 +130,8 @@ class DynMoStrategy(ParallelStrategy):
         self._schedule_spec = get_schedule(schedule)
         self._virtual = self._schedule_spec.virtual_stages(virtual_stages)
         self._microbatches = _positive_int("microbatches", microbatches, allow=(None,))
+        if self._microbatches is not None and self._pp_request != "auto":
+            self._schedule_spec.check_microbatches(self._microbatches, self._pp_request)
         from .balancers import get_balancer
 
         get_balancer(balancer)  # unknown names fail here, listing the valid ones
@@ -352,6 +354,12 @@ class DynMoStrategy(ParallelStrategy):
         local = [(slots[n].index, p) for n, p in self.lightning_module.named_parameters()
                  if n in slots and slots[n].optimizer == o]
         return sorted(local, key=lambda t: t[0]), sum(len(g) for g in self._layout.group_indices[o])
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The module's layer list; entries this rank does not own are :class:`RemoteLayer`."""
+        assert self._layers is not None, "layers are placed in setup()"
+        return self._layers
 
     def rank_of_stage(self, stage: int) -> int:
         return self._schedule_spec.rank_of_stage(stage, self.pipeline_parallel)

@@ -124,6 +124,23 @@ def test_module_state_is_compressed_and_movable():
     torch.testing.assert_close(other(x), layer(x))
 
 
+def test_generic_migration_by_names():
+    """What the pipeline's layer migration does: meta skeleton, to_empty, copy by name."""
+    import copy
+    src = SparseLinear.from_dense(nn.Linear(48, 24), torch.rand(24, 48) < 0.2)
+    memo = {id(t): (nn.Parameter(torch.empty_like(t, device="meta")) if isinstance(t, nn.Parameter)
+                    else torch.empty_like(t, device="meta"))
+            for t in list(src.parameters()) + list(src.buffers())}
+    dst = copy.deepcopy(src, memo).to_empty(device="cpu")
+    params, buffers = dict(dst.named_parameters()), dict(dst.named_buffers())
+    for name, p in src.named_parameters():
+        params[name].data.copy_(p)
+    for name, b in src.named_buffers():
+        buffers[name].copy_(b)
+    x = torch.randn(7, 48)
+    torch.testing.assert_close(dst(x), src(x))
+
+
 def test_adam_state_is_nnz_sized_and_pattern_is_kept():
     dense = nn.Linear(40, 30)
     mask = torch.rand(30, 40) < 0.2

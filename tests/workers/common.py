@@ -19,7 +19,7 @@ def make_model(cfg: dict) -> GPT:
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
     )
-    return GPT(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=cfg["steps"] + 5, seed=cfg.get("seed", 0))
+    return GPT(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
 
 
 def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
@@ -28,7 +28,7 @@ def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
     process the same permutation, so step k sees the union of the replicas' batches k, and
     ``batch[r::dp]`` is exactly replica r's batch."""
     g = torch.Generator().manual_seed(123)
-    n = 512
+    n = cfg.get("n_samples", 512)
     data = torch.randint(0, 64, (n, 17), generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
     if reference:

@@ -1,0 +1,78 @@
+"""Small helpers shared by the dynamism mechanisms and callbacks.
+
+They hide the difference between plain Lightning (every rank holds the whole model, or there is
+only one process) and a pipeline strategy such as ``DynMoStrategy`` (each rank holds a contiguous
+slice of ``pipeline_layers()``; the others are :class:`~lightning_dynmo.protocol.RemoteLayer`).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..protocol import RemoteLayer
+
+
+def pipeline_layers(pl_module: nn.Module) -> nn.ModuleList | None:
+    fn = getattr(pl_module, "pipeline_layers", None)
+    return fn() if callable(fn) else None
+
+
+def local_layers(pl_module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    """``(global index, layer)`` of the layers this rank holds (``RemoteLayer`` entries skipped)."""
+    layers = pipeline_layers(pl_module)
+    if layers is None:
+        raise TypeError(
+            f"{type(pl_module).__name__} does not define pipeline_layers(); the dynamism callbacks index "
+            "layers through the dynmo pipeline protocol (see lightning_dynmo.protocol)"
+        )
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, RemoteLayer):
+            yield i, layer
+
+
+def is_pipeline_strategy(strategy) -> bool:
+    """True when layers are split over ranks (the strategy exposes a pipeline group and local layers)."""
+    return hasattr(strategy, "pipeline_group") and callable(getattr(strategy, "local_layer_indices", None))
+
+
+def pipeline_reduce_group(trainer):
+    """``(needs_reduce, group)``: whether per-layer quantities must be summed over ranks, and over
+    which group (``None`` = default group). Under plain DDP every rank holds the whole model, so
+    nothing is reduced (replicas are identical)."""
+    strategy = trainer.strategy
+    if not is_pipeline_strategy(strategy):
+        return False, None
+    if not (dist.is_available() and dist.is_initialized()):
+        return False, None
+    return True, strategy.pipeline_group
+
+
+def all_reduce_over_pipeline(trainer, vec: torch.Tensor, op=None) -> torch.Tensor:
+    """Sum (or ``op``) a fixed-size vector over the pipeline group; identity without a pipeline."""
+    needs, group = pipeline_reduce_group(trainer)
+    if needs:
+        dist.all_reduce(vec, op=op or dist.ReduceOp.SUM, group=group)
+    return vec
+
+
+def request_rebalance(trainer, reason: str) -> bool:
+    """Ask the strategy to rebalance if it can; plain Lightning strategies just ignore it."""
+    fn = getattr(trainer.strategy, "request_rebalance", None)
+    if callable(fn):
+        fn(reason)
+        return True
+    return False
+
+
+def invalidate_pipeline(trainer) -> None:
+    fn = getattr(trainer.strategy, "invalidate_pipeline", None)
+    if callable(fn):
+        fn()
+
+
+def reduce_device(trainer, pl_module) -> torch.device:
+    strategy = trainer.strategy
+    return getattr(strategy, "root_device", None) or pl_module.device
