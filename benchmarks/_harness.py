@@ -1,0 +1,82 @@
+"""Shared plumbing for the benchmarks: launching workers and timing steps.
+
+Workers run in fresh processes (one thread each) so that every variant is measured under the
+same conditions, one after another within one invocation; the machine is shared and noisy, so
+variants are interleaved over repeats and the median is reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
+
+
+def launch(script: Path, nproc: int, args: list[str], timeout: int = 900) -> dict:
+    """Run ``script --worker ...`` on ``nproc`` ranks (torchrun if > 1); return its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        if nproc == 1:
+            cmd = [sys.executable, str(script), "--worker", "--out", str(out), *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   str(script), "--worker", "--out", str(out), *args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"benchmark worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        return json.loads(out.read_text())
+
+
+def write_result(path: str, result: dict) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(path).write_text(json.dumps(result))
+
+
+class StepTimer(L.Callback):
+    """Wall time of each training step, measured on every rank from batch start to batch end
+    (the optimizer step included), plus the step's logged metrics."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.metrics: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+
+    def seconds_per_step(self, skip: int) -> float:
+        """Median step-to-step time after ``skip`` warm-up steps."""
+        ts = self.starts[skip:]
+        deltas = [b - a for a, b in zip(ts, ts[1:])]
+        return statistics.median(deltas) if deltas else float("nan")
+
+
+def median(xs):
+    return statistics.median(xs)

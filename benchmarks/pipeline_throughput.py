@@ -1,0 +1,100 @@
+"""Single process vs a 2-stage dynmo pipeline on a balanced GPT, 1 thread per rank.
+
+Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over single-process
+tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
+
+    python benchmarks/pipeline_throughput.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import StepTimer, launch, median, write_result  # noqa: E402
+
+
+def model_and_data(args):
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dynmo.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0)
+    model = GPT(cfg, seed=0, warmup_steps=1)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (args.batch * (args.steps + 2), args.block + 1), generator=g)
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=args.batch, drop_last=True)
+    return model, loader
+
+
+def worker(args) -> None:
+    import torch
+    import lightning as L
+
+    torch.set_num_threads(1)
+    model, loader = model_and_data(args)
+    timer = StepTimer()
+    common = dict(accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0)
+    if args.mode == "single":
+        trainer = L.Trainer(devices=1, **common)
+    else:
+        from lightning_dynmo import DynMoStrategy
+
+        trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, schedule=args.schedule, microbatches=args.microbatches,
+                                                   balancer="param"), devices=2, **common)
+    trainer.fit(model, train_dataloaders=loader)
+    sec = timer.seconds_per_step(skip=args.warmup)
+    result = {"tokens_per_sec": args.batch * args.block / sec, "seconds_per_step": sec}
+    if args.mode == "pipeline":
+        result["partition"] = str(trainer.strategy.partition)
+    write_result(args.out, result)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=["single", "pipeline"], default="single", help=argparse.SUPPRESS)
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    args = p.parse_args()
+    args.steps = args.steps or (8 if args.quick else 16)
+    args.warmup = 3
+    if args.worker:
+        worker(args)
+        return
+    repeats = args.repeats or (1 if args.quick else 3)
+    fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
+    single, pipe = [], []
+    for r in range(repeats):  # interleaved so that load changes hit both variants alike
+        single.append(launch(Path(__file__), 1, fwd + ["--mode=single"]))
+        pipe.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"]))
+        print(f"repeat {r}: single {single[-1]['tokens_per_sec']:.0f} tok/s, pipeline {pipe[-1]['tokens_per_sec']:.0f} tok/s",
+              flush=True)
+    s = median([x["tokens_per_sec"] for x in single])
+    q = median([x["tokens_per_sec"] for x in pipe])
+    m, pp = args.microbatches, 2
+    ideal = m * pp / (m + pp - 1)
+    print(json.dumps({
+        "benchmark": "pipeline_throughput", "schedule": args.schedule, "microbatches": m, "stages": pp,
+        "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch},
+        "partition": pipe[-1]["partition"], "single_tokens_per_sec": round(s, 1), "pipeline_tokens_per_sec": round(q, 1),
+        "speedup": round(q / s, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(q / s / ideal, 3),
+        "repeats": repeats, "threads_per_rank": 1,
+    }))
+
+
+if __name__ == "__main__":
+    main()
