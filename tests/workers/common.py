@@ -11,10 +11,10 @@ def make_model(cfg: dict) -> GPT:
     n_layer = cfg.get("n_layer", 6)
     config = GPTConfig(
         vocab_size=64,
-        block_size=16,
+        block_size=cfg.get("block", 16),
         n_layer=n_layer,
         n_head=2,
-        n_embd=32,
+        n_embd=cfg.get("n_embd", 32),
         dropout=0.0,
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
@@ -29,7 +29,7 @@ def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
     ``batch[r::dp]`` is exactly replica r's batch."""
     g = torch.Generator().manual_seed(123)
     n = cfg.get("n_samples", 512)
-    data = torch.randint(0, 64, (n, 17), generator=g)
+    data = torch.randint(0, 64, (n, cfg.get("block", 16) + 1), generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
     if reference:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()  # DistributedSampler epoch 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -47,10 +48,16 @@ def cycle_balancer(problem):
 class LossRecorder(L.Callback):
     def __init__(self):
         self.losses = []
+        self.step_seconds = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+        self.step_seconds.append(time.perf_counter() - self._t0)
 
 
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
@@ -67,6 +74,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         partition=cfg.get("partition"),
         rebalance=cfg.get("rebalance", "never"),
         rebalance_interval=cfg.get("rebalance_interval", 1),
+        imbalance_threshold=cfg.get("imbalance_threshold", 0.1),
+        rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
         plot=False,
         timeout=120,
     )
@@ -93,7 +102,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
     state = trainer.strategy.lightning_module_state_dict()
     optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
-    result = {"losses": rec.losses, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp}
+    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")

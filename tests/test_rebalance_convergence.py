@@ -1,0 +1,66 @@
+"""Live rebalancing on real, unequal layers: a block 16x wider than the others makes the
+Megatron-style uniform partition lopsided; the strategy measures it, moves to the partition that is optimal for
+the layers' FLOPs, and the measured step time drops."""
+from __future__ import annotations
+
+import sys
+from itertools import combinations
+from pathlib import Path
+from statistics import median
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
+from multiproc import run_worker  # noqa: E402
+
+pytestmark = pytest.mark.slow
+RATIOS = [16, 1, 1, 1, 1, 1]  # block 0 is ~6x the work of the others
+
+
+def flops_per_layer(n_embd: int, T: int, vocab: int) -> list[float]:
+    """Forward FLOPs per sequence of each pipeline layer (matmuls + attention)."""
+    blocks = [2 * T * (4 * n_embd * n_embd + 2 * r * n_embd * n_embd) + 4 * T * T * n_embd for r in RATIOS]
+    # embedding ~ free, final norm ~ free, head = 2*T*n_embd*vocab
+    return [0.0, *blocks, 0.0, 2 * T * n_embd * vocab]
+
+
+def best_max_load(loads: list[float], stages: int) -> float:
+    L = len(loads)
+    best = float("inf")
+    for cuts in combinations(range(1, L), stages - 1):
+        b = (0, *cuts, L)
+        best = min(best, max(sum(loads[b[i]:b[i + 1]]) for i in range(stages)))
+    return best
+
+
+def max_load(loads, partition: str) -> float:
+    out = []
+    for part in partition.split("|"):
+        a, b = (int(x) for x in part.split("-"))
+        out.append(sum(loads[a:b + 1]))
+    return max(out)
+
+
+@pytest.mark.parametrize("mode,balancer", [("auto", "partition_time"), ("on_event_every_n", "diffusion_time")])
+def test_rebalance_converges_to_the_optimum_and_speeds_up(tmp_path, mode, balancer):
+    steps = 14
+    cfg = {
+        "pp": 2, "steps": steps, "batch": 16, "microbatches": 4, "n_layer": 6, "mlp_ratios": RATIOS,
+        "n_embd": 128, "block": 64, "schedule": "1f1b", "balancer": balancer, "partition": [0, 5, 9],
+        "clip": None, "imbalance_threshold": 0.2, "rebalance_cooldown": 2,
+    }
+    if mode == "auto":
+        cfg["rebalance"] = "auto"
+    else:
+        cfg.update(rebalance="every_n", rebalance_interval=4)
+    res = run_worker(tmp_path, 2, [cfg])[0]
+    applied = [h for h in res["history"] if h.get("applied")]
+    assert applied, res["history"]
+    first = applied[0]["step"]
+    loads = flops_per_layer(cfg["n_embd"], cfg["block"], 64)
+    opt = best_max_load(loads, 2)
+    # the final partition is optimal for the layers' real work (within measurement noise)
+    assert max_load(loads, res["partition"]) <= 1.10 * opt, (res["partition"], res["history"])
+    before = median(res["step_seconds"][1:first])
+    after = median(res["step_seconds"][-4:])
+    assert after < 0.9 * before, (before, after, res["history"])
