@@ -1,6 +1,6 @@
 """Live rebalancing on real, unequal layers: a block 16x wider than the others makes the
 Megatron-style uniform partition lopsided; the strategy measures it, moves to the partition that is optimal for
-the layers' FLOPs, and the measured step time drops."""
+the layers' FLOPs, and the measured imbalance between the ranks collapses."""
 from __future__ import annotations
 
 import sys
@@ -61,6 +61,9 @@ def test_rebalance_converges_to_the_optimum_and_speeds_up(tmp_path, mode, balanc
     opt = best_max_load(loads, 2)
     # the final partition is optimal for the layers' real work (within measurement noise)
     assert max_load(loads, res["partition"]) <= 1.10 * opt, (res["partition"], res["history"])
-    before = median(res["step_seconds"][1:first])
-    after = median(res["step_seconds"][-4:])
-    assert after < 0.9 * before, (before, after, res["history"])
+    # Measured effect: the busy-time imbalance between the two ranks, taken within each step (both
+    # ranks measured at once, so machine load cancels out); wall-clock throughput gains are
+    # reported by benchmarks/rebalance.py, not asserted in a timed test.
+    before = median(res["imbalance"][1:first])
+    after = median(res["imbalance"][-4:])
+    assert after < 0.5 * before, (before, after, res["imbalance"], res["history"])

@@ -49,6 +49,7 @@ class LossRecorder(L.Callback):
     def __init__(self):
         self.losses = []
         self.step_seconds = []
+        self.imbalance = []
         self._t0 = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -58,6 +59,8 @@ class LossRecorder(L.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
         self.step_seconds.append(time.perf_counter() - self._t0)
+        imb = trainer.callback_metrics.get("pipeline/imbalance")
+        self.imbalance.append(float(imb) if imb is not None else None)
 
 
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
@@ -102,7 +105,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
     state = trainer.strategy.lightning_module_state_dict()
     optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
-    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp}
+    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
