@@ -33,7 +33,8 @@ from common import make_loader, make_model  # noqa: E402
 @register_balancer("test_shift", override=True)
 def shift_balancer(problem):
     """Moves one boundary layer at every call, alternating direction (forces a migration every step)."""
-    cur = problem.current
+    cur = problem.current or Partition.from_sizes(
+        [1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
     b = list(cur.boundaries)
     sizes = list(cur.sizes)
     big = max(range(len(sizes)), key=lambda s: (sizes[s], -s))

@@ -1,0 +1,231 @@
+"""Static vs dynamic pipeline balancing for one dynamic-model case, side by side.
+
+    python benchmarks/dynamism.py --case freezing|early_exit|pruning [--quick]
+
+Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each) and trains the
+same model, data and dynamism callback three times in one job:
+
+* ``uniform``  static: equal layer counts (Megatron), ``rebalance="never"``;
+* ``param``    static: equal parameter counts (DeepSpeed), ``rebalance="never"``;
+* ``dynmo``    ``balancer="partition_time", rebalance="on_event"``: the callback's
+  ``request_rebalance`` makes the strategy profile the next step per layer and re-partition.
+
+The dynamism event happens early (freezing / threshold drop / pruning schedule); throughput
+(tokens/s from step wall-clock on rank 0) and the pipeline idle fraction (the strategy's
+``pipeline/idle_fraction`` metric, read from ``trainer.callback_metrics`` every step, plus per-rank
+``1 - busy/wall``) are averaged over a measurement window after the event and after the dynmo run
+has rebalanced. ``speedup_vs_static`` = dynmo tokens/s over the better static baseline. The last
+line of output is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASES = ("freezing", "early_exit", "pruning")
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", choices=CASES, required=True)
+    ap.add_argument("--quick", action="store_true", help="fewer steps (CI smoke run)")
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _plan(case: str, quick: bool) -> dict:
+    steps, window, rounds = (26, (12, 26), 2) if quick else (60, (24, 60), 3)
+    plan = dict(steps=steps, window=window, rounds=rounds, event=4, batch=16, microbatches=4,
+                model=dict(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128, dropout=0.0))
+    if case == "freezing":
+        plan["callback"] = dict(schedule={4: 4})  # embedding + 3 blocks frozen from step 4
+    elif case == "early_exit":
+        plan["callback"] = dict(schedule={4: 0.93}, check_interval=2)
+    else:
+        plan["callback"] = dict(final_sparsity=0.9, start_step=2, n_steps=3, frequency=2, sparse_kernels="auto",
+                                kernel_tokens=plan["batch"] // plan["microbatches"] * 64)
+    return plan
+
+
+# ------------------------------------------------------------------------------ worker side
+def _worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    sys.path.insert(0, ROOT)
+    from lightning_dynmo import DynMoStrategy
+    from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing
+    from lightning_dynmo.dynamic import EarlyExitGPT
+    from lightning_dynmo.models import GPT, GPTConfig
+
+    plan = _plan(args.case, args.quick)
+    cfg = GPTConfig(**plan["model"])
+    g = torch.Generator().manual_seed(0)
+    n = plan["batch"] * plan["steps"]
+    data = torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
+    ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+
+    class Meter(L.Callback):
+        def __init__(self):
+            self.t, self.idle, self.rank_idle, self.partition = [], [], [], []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.t.append(time.perf_counter())
+            m = trainer.callback_metrics.get("pipeline/idle_fraction")
+            self.idle.append(float(m) if m is not None else float("nan"))
+            s = trainer.strategy
+            busy, wall = getattr(s, "_rank_busy", None), getattr(s, "_rank_wall", None)
+            w = max(wall) if wall else 0.0
+            self.rank_idle.append([1.0 - b / w for b in busy] if w > 0 else [])
+            self.partition.append(str(s.partition))
+
+    configs = [("uniform", "uniform", "never"), ("param", "param", "never"), ("dynmo", "partition_time", "on_event")]
+    out: dict[str, list] = {name: [] for name, _, _ in configs}
+    # rounds interleave the configurations (u p d u p d ...) so that load drift on a shared
+    # machine hits all of them alike; the summary takes each configuration's median round
+    for name, balancer, rebalance in [c for _ in range(plan["rounds"]) for c in configs]:
+        torch.manual_seed(0)
+        if args.case == "early_exit":
+            model = EarlyExitGPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
+            cb = EarlyExit(**plan["callback"])
+        else:
+            model = GPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
+            cb = LayerFreezing(**plan["callback"]) if args.case == "freezing" else GradualPruning(**plan["callback"])
+        meter = Meter()
+        strategy = DynMoStrategy(pipeline_parallel=2, microbatches=plan["microbatches"], balancer=balancer,
+                                 rebalance=rebalance, plot=False, rebalance_cooldown=1, timeout=300)
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=plan["steps"],
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, limit_val_batches=0, callbacks=[cb, meter],
+                            default_root_dir=tempfile.mkdtemp())
+        err = None
+        try:
+            trainer.fit(model, DataLoader(ds, batch_size=plan["batch"], shuffle=False, drop_last=True))
+        except Exception as e:  # report, do not hide: a failing configuration is a result too
+            err = f"{type(e).__name__}: {e}"[:500]
+        a, b = plan["window"]
+        rec = {"balancer": balancer, "rebalance": rebalance, "error": err}
+        if err is None and len(meter.t) >= b:
+            secs = meter.t[b - 1] - meter.t[a - 1]
+            tokens = plan["batch"] * cfg.block_size * (b - a)
+            idle = [x for x in meter.idle[a:b] if x == x]
+            per_rank = [r for r in meter.rank_idle[a:b] if r]
+            rec.update(
+                tokens_per_sec=tokens / secs,
+                step_ms=1e3 * secs / (b - a),
+                idle_fraction=sum(idle) / len(idle) if idle else None,
+                idle_fraction_per_rank=[sum(col) / len(col) for col in zip(*per_rank)] if per_rank else None,
+                partition_initial=meter.partition[0],
+                partition_final=meter.partition[-1],
+                rebalances=[{k: h.get(k) for k in ("step", "reason", "before", "after", "applied", "why")}
+                            for h in strategy.rebalance_history],
+            )
+            if args.case == "pruning":
+                rec["sparsity"] = cb.sparsity
+                rec["sparse_kernel_layers"] = sum(
+                    1 for m in model.modules() if getattr(m, "sparse_kernel", False))  # local to rank 0
+            if args.case == "freezing":
+                rec["frozen_layers"] = cb.n_frozen
+            if args.case == "early_exit":
+                rec["active_fraction_per_layer"] = cb.last_fractions
+        out[name].append(rec)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, default=str)
+
+
+# ------------------------------------------------------------------------------ launcher side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_round(recs: list[dict]) -> dict:
+    good = sorted((r for r in recs if r.get("tokens_per_sec")), key=lambda r: r["tokens_per_sec"])
+    if not good:
+        return recs[0]
+    med = dict(good[(len(good) - 1) // 2])
+    med["tokens_per_sec_rounds"] = [round(r["tokens_per_sec"], 1) for r in recs if r.get("tokens_per_sec")]
+    idle = [r["idle_fraction"] for r in good if r.get("idle_fraction") is not None]
+    med["idle_fraction"] = sum(idle) / len(idle) if idle else None
+    per = [r["idle_fraction_per_rank"] for r in good if r.get("idle_fraction_per_rank")]
+    med["idle_fraction_per_rank"] = [sum(c) / len(c) for c in zip(*per)] if per else None
+    return med
+
+
+def _summarise(case: str, quick: bool, rounds: dict) -> dict:
+    runs = {k: _median_round(v) for k, v in rounds.items()}
+    ok = {k: v for k, v in runs.items() if v.get("tokens_per_sec")}
+    static = [k for k in ("uniform", "param") if k in ok]
+    best = max(static, key=lambda k: ok[k]["tokens_per_sec"]) if static else None
+    dyn = ok.get("dynmo")
+    res = {
+        "benchmark": "dynamism",
+        "case": case,
+        "quick": quick,
+        "stages": 2,
+        "threads_per_rank": 1,
+        "rounds": len(next(iter(rounds.values()))),
+        "tokens_per_sec": {k: round(v["tokens_per_sec"], 1) for k, v in ok.items()},
+        "tokens_per_sec_rounds": {k: v["tokens_per_sec_rounds"] for k, v in ok.items()},
+        "best_static": best,
+        "speedup_vs_static": round(dyn["tokens_per_sec"] / ok[best]["tokens_per_sec"], 4) if dyn and best else None,
+        "idle_fraction_static": round(ok[best]["idle_fraction"], 4) if best and ok[best]["idle_fraction"] is not None else None,
+        "idle_fraction_dynmo": round(dyn["idle_fraction"], 4) if dyn and dyn["idle_fraction"] is not None else None,
+        "idle_fraction_per_rank_static": [round(x, 4) for x in ok[best]["idle_fraction_per_rank"] or []] if best else None,
+        "idle_fraction_per_rank_dynmo": [round(x, 4) for x in dyn["idle_fraction_per_rank"] or []] if dyn else None,
+        "partition": {k: (v.get("partition_initial"), v.get("partition_final")) for k, v in ok.items()},
+        "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
+    }
+    if dyn:
+        res["dynmo_rebalances"] = [f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
+                                   for h in dyn.get("rebalances", [])]
+    for key in ("sparsity", "sparse_kernel_layers", "frozen_layers", "active_fraction_per_layer"):
+        if dyn and key in dyn:
+            val = dyn[key]
+            res[key] = [None if x != x else round(x, 3) for x in val] if isinstance(val, list) else val
+    return res
+
+
+def main(argv=None) -> None:
+    args = _args(argv)
+    if "LOCAL_RANK" in os.environ:
+        _worker(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "runs.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), os.path.abspath(__file__), "--case", args.case, "--out", out]
+        if args.quick:
+            cmd.append("--quick")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+            print(json.dumps({"benchmark": "dynamism", "case": args.case, "error": f"torchrun exit {proc.returncode}"}))
+            sys.exit(1)
+        runs = json.load(open(out))
+    for name, recs in runs.items():
+        for r in recs:
+            if r.get("error"):
+                print(f"{name}: ERROR {r['error']}")
+            else:
+                print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
+                      f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
+    print(json.dumps(_summarise(args.case, args.quick, runs)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Static vs dynamic balancers on a GPT whose layers cost different amounts, 2 stages, 1 thread
+per rank, all variants in one invocation (interleaved over repeats).
+
+The model is a GPT with an 8k-token vocabulary and two 8x-wide MLP blocks right before the head:
+the embedding holds as many parameters as the LM head but costs almost nothing to run, while the
+head's matmul costs about seven narrow blocks. Megatron-style equal layer counts put the wide
+blocks and the head on the last stage; DeepSpeed-style parameter balancing counts the cheap
+embedding as heavy and does the same. Time-based balancers profile a step
+and migrate; parameter-based dynamic balancers are included for comparison.
+
+Last line: JSON with tokens/s per balancer, ``efficiency`` (ideal balanced step time from the
+measured per-layer costs / measured step time, best dynamic balancer), ``speedup_vs_static``
+(best dynamic / best static tokens/s) and ``rebalance_cost_iterations`` (profiling overhead +
+decision + migration of one rebalance, in training iterations).
+
+    python benchmarks/rebalance.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._harness import StepTimer, launch, write_result  # noqa: E402
+
+STATIC = ["uniform", "param"]
+DYNAMIC = ["partition_time", "partition_param", "diffusion_time", "diffusion_param"]
+RATIOS = [1, 1, 1, 1, 1, 1, 8, 8]  # two wide blocks right before the head
+VOCAB = 8192
+
+
+def worker(args) -> None:
+    import torch
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dynmo import DynMoStrategy
+    from lightning_dynmo.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    results = {}
+    for name in STATIC + DYNAMIC:
+        cfg = GPTConfig(vocab_size=VOCAB, block_size=args.block, n_layer=len(RATIOS), n_head=4, n_embd=args.embd,
+                        dropout=0.0, mlp_ratios=tuple(RATIOS))
+        model = GPT(cfg, seed=0, warmup_steps=1)
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, VOCAB, (args.batch * (args.steps + 2), args.block + 1), generator=g)
+        loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=args.batch, drop_last=True)
+        dynamic = name in DYNAMIC
+        strategy = DynMoStrategy(
+            pipeline_parallel=2, schedule="1f1b", microbatches=args.microbatches,
+            balancer=name, partition=None if not dynamic else _uniform(len(RATIOS) + 3),
+            rebalance="every_n" if dynamic else "never", rebalance_interval=args.interval, plot=False,
+        )
+        timer = StepTimer()
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[timer], limit_val_batches=0)
+        trainer.fit(model, train_dataloaders=loader)
+        history = trainer.strategy.rebalance_history
+        steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
+        # steady state: after the last applied rebalance, excluding profiled steps
+        profiled = {h["step"] - 1 for h in history}
+        last = max([h["step"] for h in history if h.get("applied")], default=0)
+        steady = [t for i, t in enumerate(steps) if i >= max(last, 2) and i not in profiled]
+        step_s = median(steady)
+        cost_ms = None
+        applied = [h for h in history if h.get("applied")]
+        if applied:
+            h = applied[0]
+            prof_step = h["step"] - 1
+            overhead = max(0.0, steps[prof_step] - step_s) if prof_step < len(steps) else 0.0
+            cost_ms = overhead * 1e3 + h["decision_ms"] + h["migration_ms"]
+        # Ideal balanced step from the same steps' measured work: every rank busy for the
+        # average compute, stretched only by the unavoidable fill/drain (m+S-1)/m.
+        m, S = args.microbatches, 2
+        eff = [sum(timer.busy[i]) / S * (m + S - 1) / m / t for i, t in enumerate(steps)
+               if i >= max(last, 2) and i not in profiled]
+        results[name] = {
+            "tokens_per_sec": args.batch * args.block / step_s, "step_seconds": step_s,
+            "partition": str(trainer.strategy.partition), "rebalance_cost_ms": cost_ms,
+            "efficiency": median(eff), "rebalances": len(applied),
+        }
+    write_result(args.out, results)
+
+
+def _uniform(L: int) -> list[int]:
+    half = (L + 1) // 2
+    return [0, half, L]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--embd", type=int, default=192)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
+    p.add_argument("--repeats", type=int, default=None)
+    args = p.parse_args()
+    args.steps = args.steps or (12 if args.quick else 20)
+    if args.worker:
+        worker(args)
+        return
+    repeats = args.repeats or (1 if args.quick else 2)
+    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval")]
+    runs = []
+    for r in range(repeats):
+        runs.append(launch(Path(__file__), 2, fwd))
+        print(f"repeat {r}: " + ", ".join(f"{k} {v['tokens_per_sec']:.0f} tok/s ({v['partition']})" for k, v in runs[-1].items()),
+              flush=True)
+    agg = {name: {"tokens_per_sec": round(median(r[name]["tokens_per_sec"] for r in runs), 1),
+                  "partition": runs[-1][name]["partition"]} for name in STATIC + DYNAMIC}
+    best_dyn = max(DYNAMIC, key=lambda n: agg[n]["tokens_per_sec"])
+    best_static = max(STATIC, key=lambda n: agg[n]["tokens_per_sec"])
+    eff = median(r[best_dyn]["efficiency"] for r in runs)
+    costs = [r[n]["rebalance_cost_ms"] / 1e3 / r[n]["step_seconds"] for r in runs for n in DYNAMIC
+             if r[n]["rebalance_cost_ms"] is not None]
+    print(json.dumps({
+        "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else ""), "stages": 2, "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB,
+        "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg}, "partitions": {n: agg[n]["partition"] for n in agg},
+        "best_dynamic": best_dyn, "best_static": best_static,
+        "efficiency": round(eff, 3),
+        "efficiency_by_balancer": {n: round(median(r[n]["efficiency"] for r in runs), 3) for n in agg},
+        "speedup_vs_static": round(agg[best_dyn]["tokens_per_sec"] / agg[best_static]["tokens_per_sec"], 3),
+        "rebalance_cost_iterations": round(median(costs), 3) if costs else None,
+        "repeats": repeats, "threads_per_rank": 1,
+    }))
+
+
+if __name__ == "__main__":
+    main()
