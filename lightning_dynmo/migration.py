@@ -44,13 +44,22 @@ class MigrationPlan:
     moves: tuple[LayerMove, ...]
 
     @classmethod
-    def build(cls, old: Partition, new: Partition, rank_of_stage: Callable[[int], int]) -> "MigrationPlan":
+    def build(
+        cls,
+        old: Partition,
+        new: Partition,
+        rank_of_stage: Callable[[int], int],
+        new_rank_of_stage: Callable[[int], int] | None = None,
+    ) -> "MigrationPlan":
+        """Moves that turn ``old`` into ``new``. The stage counts may differ (re-packing onto
+        fewer ranks); ``new_rank_of_stage`` maps the new partition's stages when they do."""
         if old.num_layers != new.num_layers:
             raise ValueError(f"partitions cover different layer counts: {old} vs {new}")
+        new_rank_of_stage = new_rank_of_stage or rank_of_stage
         old_owner, new_owner = old.owner_map(), new.owner_map()
         moves = []
         for i, (a, b) in enumerate(zip(old_owner, new_owner)):
-            ra, rb = rank_of_stage(a), rank_of_stage(b)
+            ra, rb = rank_of_stage(a), new_rank_of_stage(b)
             if ra != rb:
                 moves.append(LayerMove(i, ra, rb, a, b))
         return cls(old, new, tuple(moves))
@@ -192,7 +201,4 @@ def execute_migration(
             continue
         stats.moves.append(f"layer {move.layer}: {move.src}->{move.dst}")
     stats.seconds = time.perf_counter() - t0
-    for layer in layers:  # owner hints on placeholders follow the new partition
-        if isinstance(layer, RemoteLayer):
-            pass
     return stats

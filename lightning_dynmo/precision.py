@@ -19,8 +19,11 @@ import torch.distributed as dist
 class PipelineGradClipMixin:
     _dynmo_pipeline_group: dist.ProcessGroup | None = None
     _dynmo_positions: Callable | None = None  # optimizer -> (list[(position, param)], total)
+    _dynmo_active: Callable[[], bool] = staticmethod(lambda: True)  # False on a released rank
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:  # type: ignore[override]
+        if not self._dynmo_active():
+            return  # a released rank holds no gradients and is not in the pipeline group
         opt = getattr(optimizer, "_optimizer", optimizer)
         slots, total = self._dynmo_positions(opt)
         slots = [(i, p) for i, p in slots if p.grad is not None]
@@ -45,7 +48,9 @@ class PipelineGradClipMixin:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
-def add_pipeline_clipping(plugin, group: dist.ProcessGroup | None, positions: Callable) -> None:
+def add_pipeline_clipping(
+    plugin, group: dist.ProcessGroup | None, positions: Callable, active: Callable[[], bool] = lambda: True
+) -> None:
     """Make ``plugin`` (any Lightning precision plugin) clip by the global norm over ``group``.
 
     ``positions(optimizer)`` returns this rank's ``(single-process position, parameter)`` pairs
@@ -55,3 +60,4 @@ def add_pipeline_clipping(plugin, group: dist.ProcessGroup | None, positions: Ca
         plugin.__class__ = type(f"Pipeline{cls.__name__}", (PipelineGradClipMixin, cls), {})
     plugin._dynmo_pipeline_group = group
     plugin._dynmo_positions = positions
+    plugin._dynmo_active = active

@@ -88,6 +88,10 @@ class DynMoStrategy(ParallelStrategy):
             ``rebalance_horizon`` steps exceeds the measured migration cost).
         memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
             activations in flight); balancers never exceed it. ``None``: unlimited.
+        repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
+            move the layers onto the fewest ranks whose balanced partition fits memory and whose
+            predicted step time stays within ``repack_tolerance`` of the current one; the other
+            ranks are released (they keep no layers and do no training compute).
         plot: save a pipeline timeline and stage-load PNG next to the logs at each rebalance.
         timeout: timeout of every collective; a dead or stuck rank makes the others fail.
         start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
@@ -109,6 +113,8 @@ class DynMoStrategy(ParallelStrategy):
         rebalance_horizon: int = 100,
         rebalance_cooldown: int = 10,
         memory_capacity: float | None = None,
+        repack: str | int = "off",
+        repack_tolerance: float = 0.05,
         plot: bool = True,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
@@ -147,6 +153,12 @@ class DynMoStrategy(ParallelStrategy):
         if memory_capacity is not None and not memory_capacity > 0:
             raise ValueError(f"memory_capacity must be a positive number of bytes or None, got {memory_capacity!r}")
         self._memory_capacity = memory_capacity
+        if not (repack in ("off", "auto") or (isinstance(repack, int) and not isinstance(repack, bool) and repack >= 1)):
+            raise ValueError(f"repack must be 'off', 'auto' or a positive number of pipeline ranks, got {repack!r}")
+        if not 0 <= repack_tolerance < 1:
+            raise ValueError(f"repack_tolerance must be in [0, 1), got {repack_tolerance!r}")
+        self._repack = repack
+        self._repack_tolerance = float(repack_tolerance)
         self._plot = bool(plot)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
@@ -180,6 +192,10 @@ class DynMoStrategy(ParallelStrategy):
         self._known_costs: dict[int, tuple[float, float]] = {}
         self._migration_cost_estimate: float | None = None
         self._batch_checked = False
+        self._active_pp: int | None = None
+        self._repack_requested: int | str | None = None
+        self._last_batch_size: int | None = None
+        self.released_ranks: list[int] = []
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -205,8 +221,18 @@ class DynMoStrategy(ParallelStrategy):
         return world if self._pp_request == "auto" else self._pp_request
 
     @property
+    def pp_size(self) -> int:
+        """Ranks in the pipeline now (fewer than ``pipeline_parallel`` after re-packing)."""
+        return self._active_pp or self.pipeline_parallel
+
+    @property
+    def released(self) -> bool:
+        """True on a rank that re-packing took out of the pipeline (it holds no layers)."""
+        return self.pp_rank >= self.pp_size
+
+    @property
     def num_stages(self) -> int:
-        return self.pipeline_parallel * self._virtual
+        return self.pp_size * self._virtual
 
     @property
     def schedule(self) -> str:
@@ -291,7 +317,7 @@ class DynMoStrategy(ParallelStrategy):
         self.model_to_device()
         self._profiler = PipelineProfiler(self.root_device)
         self.setup_precision_plugin()
-        add_pipeline_clipping(self.precision_plugin, self.pipeline_group, self._param_positions)
+        add_pipeline_clipping(self.precision_plugin, self.pipeline_group, self._param_positions, lambda: not self.released)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         rank_zero_info(
@@ -362,7 +388,7 @@ class DynMoStrategy(ParallelStrategy):
         return self._layers
 
     def rank_of_stage(self, stage: int) -> int:
-        return self._schedule_spec.rank_of_stage(stage, self.pipeline_parallel)
+        return self._schedule_spec.rank_of_stage(stage, self.pp_size)
 
     def local_layer_indices(self) -> list[int]:
         """Global indices of the layers this rank owns, in pipeline order."""
@@ -387,8 +413,12 @@ class DynMoStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ pipeline execution
-    def _choose_microbatches(self, batch_size: int) -> int:
-        S, pp = self.num_stages, self.pipeline_parallel
+    def _choose_microbatches(self, batch_size: int, pp: int | None = None) -> int:
+        """Micro-batches for ``batch_size`` on ``pp`` pipeline ranks (default: now). Unless the user
+        pinned the count, the largest divisor of the batch that is at most 4 x stages, so that
+        after re-packing onto fewer ranks the micro-batches grow again."""
+        pp = pp or self.pp_size
+        S = pp * self._virtual
         if self._microbatches is not None:
             m = self._microbatches
             if batch_size % m:
@@ -427,7 +457,7 @@ class DynMoStrategy(ParallelStrategy):
                     self.partition,
                     self._schedule_spec,
                     self.pp_rank,
-                    self.pipeline_parallel,
+                    self.pp_size,
                     self.pipeline_group,
                     self.root_device,
                     inputs[: mb_shape[0]],
@@ -437,7 +467,7 @@ class DynMoStrategy(ParallelStrategy):
                 self.partition,
                 self._schedule_spec,
                 self.pp_rank,
-                self.pipeline_parallel,
+                self.pp_size,
                 self.pipeline_group,
                 self.root_device,
                 m,
@@ -469,8 +499,9 @@ class DynMoStrategy(ParallelStrategy):
         host = vec.cpu().tolist()
         self._decide_next = host[1] > 0
         # per pipeline rank: the slowest replica
-        self._rank_busy = [max(host[2 + d * topo.pp + r] for d in range(topo.dp)) for r in range(topo.pp)]
-        self._rank_wall = [max(host[2 + W + d * topo.pp + r] for d in range(topo.dp)) for r in range(topo.pp)]
+        active = range(self.pp_size)
+        self._rank_busy = [max(host[2 + d * topo.pp + r] for d in range(topo.dp)) for r in active]
+        self._rank_wall = [max(host[2 + W + d * topo.pp + r] for d in range(topo.dp)) for r in active]
         return vec[0].float()
 
     def _local_params(self) -> list[nn.Parameter]:
@@ -504,6 +535,9 @@ class DynMoStrategy(ParallelStrategy):
         if not self._batch_checked:
             self._check_same_batch(inputs, targets)
         now = time.perf_counter()
+        self._last_batch_size = int(inputs.shape[0])
+        if self.released:
+            return self._released_step(inputs)
         with self.precision_plugin.train_step_context():
             engine = self._engine_for(inputs, train=True)
             self._profiler.instrument(engine)
@@ -530,11 +564,19 @@ class DynMoStrategy(ParallelStrategy):
             if dt > 0:
                 module.log("tokens_per_sec", tokens / dt, prog_bar=True, on_step=True, batch_size=bs)
         wall = max(self._rank_wall) if self._rank_wall else 0.0
-        if wall > 0 and self.pipeline_parallel > 1:
+        if wall > 0 and self.pp_size > 1:
             idle = 1.0 - sum(self._rank_busy) / (len(self._rank_busy) * wall)
             module.log("pipeline/idle_fraction", max(0.0, idle), on_step=True, batch_size=bs)
             module.log("pipeline/imbalance", imbalance(self._rank_busy), on_step=True, batch_size=bs)
         self._last_step_end = now
+        return loss
+
+    def _released_step(self, inputs: torch.Tensor) -> torch.Tensor:
+        """A released rank computes nothing; it only joins the step's world collective (which
+        Lightning's loop and the other ranks' decisions rely on) and reports the shared loss."""
+        self._held_grads = []
+        loss = self._step_allreduce(None, 0.0, 0.0)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, on_step=True, batch_size=inputs.shape[0])
         return loss
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -574,9 +616,11 @@ class DynMoStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         inputs, targets = split_batch(batch)
         ctx = self.precision_plugin.val_step_context() if stage == "val" else self.precision_plugin.test_step_context()
-        with ctx:
-            engine = self._engine_for(inputs, train=False)
-            losses = engine.run(inputs, targets, train=False)
+        losses = None
+        if not self.released:
+            with ctx:
+                engine = self._engine_for(inputs, train=False)
+                losses = engine.run(inputs, targets, train=False)
         loss = self._share_eval_loss(losses)
         module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True, batch_size=inputs.shape[0])
         ppl = self._perplexity_metric(stage)
@@ -682,10 +726,18 @@ class DynMoStrategy(ParallelStrategy):
         return LayerCosts(tuple(fwd), tuple(bwd), tuple(params), tuple(memory), tuple(activation)), all_events
 
     def _rebalance_from_profile(self, step: int, reason: str) -> None:
-        from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
-
+        """Algorithm 1: balance on the profiled costs, migrate, then (optionally) re-pack."""
         t0 = time.perf_counter()
         costs, events = self.gather_layer_costs()
+        self._rebalance_decision(step, reason, costs, events, t0)
+        target = self._repack_requested if self._repack_requested is not None else self._repack
+        self._repack_requested = None
+        if target != "off" and self.pp_size > 1:
+            self._consider_repack(step, target, costs)
+
+    def _rebalance_decision(self, step: int, reason: str, costs, events, t0: float) -> None:
+        from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
+
         model = self._cost_model()
         before = self.partition
         record: dict[str, Any] = {"step": step, "reason": reason, "balancer": self._balancer_name, "before": str(before)}
@@ -734,6 +786,126 @@ class DynMoStrategy(ParallelStrategy):
             moved_layers=before.moved_layers(result.partition),
         )
         self._record_rebalance(record, costs, model, events, before, result.partition)
+
+    # ------------------------------------------------------------------ re-packing
+    def request_repack(self, target: int | str = "auto") -> None:
+        """Ask to pack the pipeline onto ``target`` ranks (or ``"auto"``): the next step is
+        profiled, balanced, and then packed. Call on every rank, like ``request_rebalance``."""
+        if not (target == "auto" or (isinstance(target, int) and not isinstance(target, bool) and target >= 1)):
+            raise ValueError(f"repack target must be 'auto' or a positive number of pipeline ranks, got {target!r}")
+        self._repack_requested = target
+        self.policy.request(f"repack to {target}")
+
+    def plan_repack(self, costs, target: int | str) -> tuple[int, Partition, int, float] | str:
+        """Pure decision: ``(ranks, partition, microbatches, predicted step)`` for packing onto
+        ``target`` ranks (``"auto"``: the fewest that fit memory and keep the predicted step time
+        within the tolerance), or a string saying why not. Costs are per micro-batch of the current
+        micro-batch count and are rescaled for the micro-batch count each candidate would use."""
+        from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
+        from .cost_model import CostModel, LayerCosts
+
+        now = self.pp_size
+        if self._last_batch_size is None or not self._engines:
+            return "no step has run yet"
+        cur_m = next(iter(self._engines.values())).microbatches
+        model_now = self._cost_model()
+        pred_now = model_now.predicted_step_time(costs, self.partition)
+        if target != "auto":
+            if target >= now:
+                return f"target {target} is not below the current {now} pipeline ranks"
+            candidates = [int(target)]
+        else:
+            candidates = list(range(1, now))
+        reasons = []
+        for r in candidates:
+            try:
+                m = self._choose_microbatches(self._last_batch_size, pp=r)
+            except ValueError as err:
+                reasons.append(f"{r} ranks: schedule {self.schedule!r} cannot run: {err}")
+                continue
+            k = cur_m / m  # per-micro-batch work and activations grow when micro-batches grow
+            scaled = LayerCosts(
+                tuple(f * k for f in costs.forward), tuple(b * k for b in costs.backward), costs.params,
+                costs.memory, tuple(a * k for a in costs.activation),
+            )
+            model = CostModel(microbatches=m, schedule=model_now.schedule, capacity=self._memory_capacity)
+            try:
+                result = get_balancer(self._balancer_name)(
+                    BalanceProblem(costs=scaled, num_stages=r * self._virtual, model=model, current=None)
+                )
+            except InfeasiblePartitionError as err:
+                reasons.append(f"{r} ranks: {err}")
+                continue
+            pred = model.predicted_step_time(scaled, result.partition)
+            if target != "auto" or pred <= (1 + self._repack_tolerance) * pred_now:
+                return r, result.partition, m, pred
+            reasons.append(f"{r} ranks: predicted step {pred * 1e3:.1f} ms > {1 + self._repack_tolerance:.2f} x {pred_now * 1e3:.1f} ms")
+        return "; ".join(reasons) or "no candidate"
+
+    def _consider_repack(self, step: int, target: int | str, costs) -> None:
+        before_ranks, before = self.pp_size, self.partition
+        plan = self.plan_repack(costs, target)
+        record: dict[str, Any] = {"step": step, "reason": f"repack {target}", "kind": "repack", "before": str(before),
+                                  "ranks_before": before_ranks}
+        if isinstance(plan, str):
+            record.update(applied=False, why=f"refused: {plan}")
+            self._record_rebalance(record, costs, self._cost_model(), [], before, None)
+            return
+        ranks, partition, m, pred = plan
+        t0 = time.perf_counter()
+        released = self.repack_to(ranks, partition)
+        seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.root_device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        self.policy.applied(step)
+        record.update(applied=True, after=str(partition), ranks_after=ranks, microbatches=m, released=released,
+                      predicted_step_after=pred, migration_ms=float(seconds) * 1e3, why=f"packed {before_ranks} -> {ranks}")
+        self._record_rebalance(record, costs, self._cost_model(), [], before, None)
+
+    def repack_to(self, ranks: int, partition: Partition | tuple[int, ...] | list[int]) -> list[int]:
+        """Move every layer (with its state) onto the first ``ranks`` pipeline ranks of each
+        replica, rebuild the pipeline groups on them and release the others. Collective over the
+        world: every rank calls it with the same arguments. Returns the released global ranks."""
+        partition = partition if isinstance(partition, Partition) else Partition(tuple(partition))
+        if not 1 <= ranks < self.pp_size:
+            raise ValueError(f"can only pack {self.pp_size} pipeline ranks onto 1..{self.pp_size - 1}, got {ranks}")
+        if partition.num_stages != ranks * self._virtual or partition.num_layers != len(self._layers):
+            raise ValueError(f"partition {partition} does not split {len(self._layers)} layers into {ranks * self._virtual} stages")
+        spec = self._schedule_spec
+        plan = MigrationPlan.build(self.partition, partition, self.rank_of_stage, lambda s: spec.rank_of_stage(s, ranks))
+        self._profiler.stop_layer_profiling()
+        self._engines.clear()
+        if not self.released:
+            stats = execute_migration(plan, self.lightning_module, self._layers, self._layers_attr, self.optimizers,
+                                      self._layout, self.pp_rank, self.pipeline_group, self.root_device)
+            self.last_migration = stats
+        topo = self.topology
+        # every world rank creates every replica's new group, in the same order
+        groups = [dist.new_group([d * topo.pp + k for k in range(ranks)], timeout=self._timeout) for d in range(topo.dp)]
+        self._active_pp = ranks
+        self.partition = partition
+        self._pp_groups = groups
+        self.pipeline_group = groups[self.dp_rank] if not self.released else None
+        self.precision_plugin._dynmo_pipeline_group = self.pipeline_group
+        released = [d * topo.pp + k for d in range(topo.dp) for k in range(ranks, topo.pp)]
+        self.released_ranks = released
+        if self.released:
+            self._layer_specs.clear()
+            if self.root_device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._notify_released(released)
+        return released
+
+    def _notify_released(self, released: list[int]) -> None:
+        """Tell the launcher/scheduler: ``on_workers_released(ranks)`` on the LightningModule and
+        on every callback that defines it, plus a log line and a metric."""
+        module = self.lightning_module
+        trainer = module.trainer
+        for obj in [module, *trainer.callbacks]:
+            hook = getattr(obj, "on_workers_released", None)
+            if callable(hook):
+                hook(released)
+        module.log("pipeline/ranks", float(self.pp_size), on_step=True, on_epoch=False, batch_size=1)
+        rank_zero_info(f"dynmo: packed onto {self.pp_size} pipeline ranks per replica; released ranks {released}")
 
     def _record_rebalance(
         self, record: dict, costs, model, events: list[dict], before: Partition, new: Partition | None
@@ -787,6 +959,9 @@ class DynMoStrategy(ParallelStrategy):
             raise ValueError(
                 f"partition {new} must split {self.partition.num_layers} layers into {self.partition.num_stages} stages"
             )
+        if self.released:  # not in the pipeline group: nothing to send or receive
+            self.partition = new
+            return MigrationStats()
         plan = MigrationPlan.build(self.partition, new, self.rank_of_stage)
         if self._profiler is not None:
             self._profiler.stop_layer_profiling()  # hooks must not travel with the layers
@@ -812,10 +987,12 @@ class DynMoStrategy(ParallelStrategy):
         """Gather ``obj`` from replica 0's pipeline ranks onto global rank 0."""
         if self.dp_rank != 0:
             return None
-        if self.pipeline_parallel == 1:
+        if self.released:
+            return None
+        if self.pp_size == 1:
             return [obj]
         group = self._pp_groups[0]
-        out = [None] * self.pipeline_parallel if self.global_rank == 0 else None
+        out = [None] * self.pp_size if self.global_rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=group)
         return out
 

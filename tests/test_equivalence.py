@@ -40,7 +40,7 @@ BACKWARD_ORDER = {"looped_bfs": lambda m: reversed(range(m))}
 
 def lightning_reference_losses(cfg: dict, dp: int) -> list[float]:
     """Per-step losses of ordinary single-process Lightning training on the whole batch."""
-    key = ("lightning", cfg["steps"], cfg["batch"] * dp, cfg.get("clip"))
+    key = ("lightning", cfg["steps"], cfg["batch"] * dp, cfg.get("clip"), cfg.get("n_samples"))
     if key not in _REF_CACHE:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -64,7 +64,7 @@ def microbatched_reference(cfg: dict, dp: int):
     optimizer and LR schedule, and torch's clip_grad_norm_. Adam amplifies fp32 rounding in
     near-zero gradients, so weights are compared against this reference, which sums in the
     pipeline's order; losses are also compared against plain Lightning training above."""
-    key = ("micro", cfg["steps"], cfg["batch"], dp, cfg["microbatches"], cfg.get("clip"), cfg.get("schedule"))
+    key = ("micro", cfg["steps"], cfg["batch"], dp, cfg["microbatches"], cfg.get("clip"), cfg.get("schedule"), cfg.get("n_samples"))
     if key in _REF_CACHE:
         return _REF_CACHE[key]
     threads = torch.get_num_threads()

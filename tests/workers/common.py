@@ -22,6 +22,23 @@ def make_model(cfg: dict) -> GPT:
     return GPT(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
 
 
+class EpochPermutation(torch.utils.data.Sampler):
+    """The order DistributedSampler(shuffle=True, seed=0) gives one replica: a new permutation
+    per epoch (Lightning calls ``set_epoch``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
 def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
     """The pipeline gets a plain loader; Lightning injects DistributedSampler(shuffle=True, seed=0)
     (it always shuffles training data in distributed runs). ``reference=True`` gives a single
@@ -32,6 +49,5 @@ def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
     data = torch.randint(0, 64, (n, cfg.get("block", 16) + 1), generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
     if reference:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()  # DistributedSampler epoch 0
-        return DataLoader(ds, batch_size=batch, sampler=order, drop_last=True)
+        return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
     return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)

@@ -63,6 +63,16 @@ class LossRecorder(L.Callback):
         self.imbalance.append(float(imb) if imb is not None else None)
 
 
+class ReleaseListener(L.Callback):
+    """What a launcher would do: listen for released workers."""
+
+    def __init__(self):
+        self.ranks = []
+
+    def on_workers_released(self, ranks):
+        self.ranks = list(ranks)
+
+
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     nnodes = int(cfg.get("nnodes", 1))
@@ -78,13 +88,16 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         rebalance=cfg.get("rebalance", "never"),
         rebalance_interval=cfg.get("rebalance_interval", 1),
         imbalance_threshold=cfg.get("imbalance_threshold", 0.1),
+        repack=cfg.get("repack", "off"),
+        memory_capacity=cfg.get("memory_capacity"),
         rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
         plot=False,
         timeout=120,
     )
     rec = LossRecorder()
+    released_hook = ReleaseListener()
     ckpt_dir = os.path.join(out_dir, f"ckpt{idx}")
-    callbacks = [rec]
+    callbacks = [rec, released_hook]
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=cfg["steps"]))
     trainer = L.Trainer(
@@ -103,9 +116,14 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         default_root_dir=out_dir,
     )
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
+    local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)))
+    per_rank = [None] * world
+    torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
     optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
-    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp}
+    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
+              "params_per_rank": [n for n, _ in per_rank], "released_per_rank": [r for _, r in per_rank],
+              "released_hook": released_hook.ranks}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
