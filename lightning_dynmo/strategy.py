@@ -195,6 +195,7 @@ class DynMoStrategy(ParallelStrategy):
         self._active_pp: int | None = None
         self._repack_requested: int | str | None = None
         self._last_batch_size: int | None = None
+        self._last_microbatches: int | None = None
         self.released_ranks: list[int] = []
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -446,6 +447,8 @@ class DynMoStrategy(ParallelStrategy):
 
     def _engine_for(self, inputs: torch.Tensor, train: bool) -> PipelineEngine:
         m = self._choose_microbatches(inputs.shape[0])
+        if train:
+            self._last_microbatches = m
         mb_shape = (inputs.shape[0] // m, *inputs.shape[1:])
         key = (train, mb_shape, inputs.dtype, m)
         engine = self._engines.get(key)
@@ -675,7 +678,7 @@ class DynMoStrategy(ParallelStrategy):
         from .cost_model import CostModel
 
         cost_schedule = {"gpipe": "gpipe", "zero_bubble": "zero_bubble", "zbv": "zero_bubble"}.get(self.schedule, "1f1b")
-        m = next(iter(self._engines.values())).microbatches if self._engines else (self._microbatches or 4 * self.num_stages)
+        m = self._last_microbatches or self._microbatches or 4 * self.num_stages
         return CostModel(microbatches=m, schedule=cost_schedule, capacity=self._memory_capacity)
 
     def gather_layer_costs(self) -> tuple["LayerCosts", list[dict]]:
@@ -805,9 +808,9 @@ class DynMoStrategy(ParallelStrategy):
         from .cost_model import CostModel, LayerCosts
 
         now = self.pp_size
-        if self._last_batch_size is None or not self._engines:
+        if self._last_batch_size is None or self._last_microbatches is None:
             return "no step has run yet"
-        cur_m = next(iter(self._engines.values())).microbatches
+        cur_m = self._last_microbatches
         model_now = self._cost_model()
         pred_now = model_now.predicted_step_time(costs, self.partition)
         if target != "auto":
