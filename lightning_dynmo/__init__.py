@@ -1,15 +1,32 @@
 """lightning_dynmo: pipeline-parallel Lightning training that rebalances dynamic models live.
 
-``import lightning_dynmo`` registers the Lightning strategy name ``"dynmo"``.
+``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``.
 """
-from .balancers import available_balancers, get_balancer, register_balancer
+from .balancers import (
+    BalanceProblem,
+    BalanceResult,
+    InfeasiblePartitionError,
+    available_balancers,
+    get_balancer,
+    register_balancer,
+)
+from .callbacks import EarlyExit, GradualPruning, LayerFreezing
+from .cost_model import CostModel, LayerCosts
 from .partition import Partition
 from .protocol import PipelineProtocolError, RemoteLayer
 from .schedules import available_schedules
 from .strategy import DynMoStrategy
 
 __all__ = [
+    "BalanceProblem",
+    "BalanceResult",
+    "CostModel",
     "DynMoStrategy",
+    "EarlyExit",
+    "GradualPruning",
+    "InfeasiblePartitionError",
+    "LayerCosts",
+    "LayerFreezing",
     "Partition",
     "PipelineProtocolError",
     "RemoteLayer",
