@@ -42,7 +42,7 @@ def launch(script: Path, nproc: int, args: list[str], timeout: int = 900) -> dic
             cmd = [sys.executable, str(script), "--worker", "--out", str(out), *args]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   "--standalone",
                    str(script), "--worker", "--out", str(out), *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:

@@ -207,8 +207,8 @@ def main(argv=None) -> None:
         out = os.path.join(tmp, "runs.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), os.path.abspath(__file__), "--case", args.case, "--out", out]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+               os.path.abspath(__file__), "--case", args.case, "--out", out]
         if args.quick:
             cmd.append("--quick")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -47,25 +47,32 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
+    stage-to-rank layout, this rank's position, the pipeline group and the device."""
+
+    layers: nn.ModuleList
+    partition: Partition
+    spec: ScheduleSpec
+    pp_rank: int
+    pp_size: int
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+
 def _layer_needs_grad(layer: nn.Module) -> bool:
     return any(p.requires_grad for p in layer.parameters())
 
 
-def discover_layer_specs(
-    layers: nn.ModuleList,
-    partition: Partition,
-    spec: ScheduleSpec,
-    pp_rank: int,
-    pp_size: int,
-    group: dist.ProcessGroup | None,
-    device: torch.device,
-    microbatch_input: torch.Tensor,
-) -> list[TensorSpec]:
+def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor) -> list[TensorSpec]:
     """One no-grad forward of one micro-batch through the pipeline; returns every layer's output spec.
 
     Each rank runs its own stages in pipeline order and passes the activation on with a blocking
     object send; then the per-layer specs are all-gathered so every rank knows the whole table.
     """
+    layers, partition, spec = placement.layers, placement.partition, placement.spec
+    pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     obj_device = device if device.type == "cuda" else None
     local: dict[int, TensorSpec] = {}
@@ -113,18 +120,14 @@ class PipelineEngine:
 
     def __init__(
         self,
-        layers: nn.ModuleList,
-        partition: Partition,
-        spec: ScheduleSpec,
-        pp_rank: int,
-        pp_size: int,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
+        placement: Placement,
         microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         input_spec: TensorSpec,
         layer_specs: list[TensorSpec],
     ) -> None:
+        layers, partition, spec = placement.layers, placement.partition, placement.spec
+        pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
         self.partition = partition
         self.spec = spec
         self.pp_rank = pp_rank

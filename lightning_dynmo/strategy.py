@@ -20,9 +20,8 @@ import logging
 import warnings
 import math
 import time
-from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -39,13 +38,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
-from .engine import PipelineEngine, TensorSpec, discover_layer_specs
+from .engine import PipelineEngine, Placement, TensorSpec, discover_layer_specs
 from .migration import MigrationPlan, MigrationStats, execute_migration
 from .optimizer_layout import OptimizerLayout
 from .partition import Partition
 from .precision import add_pipeline_clipping
 from .profiler import PipelineProfiler, layer_memory_bytes
-from .cost_model import imbalance
+from .cost_model import CostModel, LayerCosts, imbalance
 from .rebalance import RebalancePolicy
 from .protocol import PipelineProtocolError, RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
 from .schedules import get_schedule
@@ -363,8 +362,6 @@ class DynMoStrategy(ParallelStrategy):
                 )
             return p
         from .balancers import BalanceProblem, get_balancer
-        from .cost_model import LayerCosts
-
         params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         problem = BalanceProblem(
             costs=LayerCosts.from_params(params),
@@ -453,26 +450,13 @@ class DynMoStrategy(ParallelStrategy):
         key = (train, mb_shape, inputs.dtype, m)
         engine = self._engines.get(key)
         if engine is None:
+            placement = Placement(self._layers, self.partition, self._schedule_spec, self.pp_rank, self.pp_size,
+                                  self.pipeline_group, self.root_device)
             spec_key = (mb_shape, inputs.dtype)
             if spec_key not in self._layer_specs:
-                self._layer_specs[spec_key] = discover_layer_specs(
-                    self._layers,
-                    self.partition,
-                    self._schedule_spec,
-                    self.pp_rank,
-                    self.pp_size,
-                    self.pipeline_group,
-                    self.root_device,
-                    inputs[: mb_shape[0]],
-                )
+                self._layer_specs[spec_key] = discover_layer_specs(placement, inputs[: mb_shape[0]])
             engine = PipelineEngine(
-                self._layers,
-                self.partition,
-                self._schedule_spec,
-                self.pp_rank,
-                self.pp_size,
-                self.pipeline_group,
-                self.root_device,
+                placement,
                 m,
                 self.lightning_module.pipeline_loss,
                 TensorSpec.of(inputs[: mb_shape[0]], requires_grad=False),
@@ -672,22 +656,18 @@ class DynMoStrategy(ParallelStrategy):
         else:
             self._profiling_reason = None
 
-    def _cost_model(self) -> "CostModel":
+    def _cost_model(self) -> CostModel:
         """The cost model for this run. Every partition stage is one (virtual) stage; interleaved
         and looped schedules are modelled as 1F1B over the virtual stages."""
-        from .cost_model import CostModel
-
         cost_schedule = {"gpipe": "gpipe", "zero_bubble": "zero_bubble", "zbv": "zero_bubble"}.get(self.schedule, "1f1b")
         m = self._last_microbatches or self._microbatches or 4 * self.num_stages
         return CostModel(microbatches=m, schedule=cost_schedule, capacity=self._memory_capacity)
 
-    def gather_layer_costs(self) -> tuple["LayerCosts", list[dict]]:
+    def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
         """Per-layer costs identical on every rank (collective over the world). Data-parallel
         replicas may measure different times (different data): each layer takes its slowest
         replica's time, because the slowest replica sets the step time. Returns the costs and the
         chunk timeline of the last step of every rank (for plots)."""
-        from .cost_model import LayerCosts
-
         local = {}
         for i in self.local_layer_indices():
             layer = self._layers[i]
@@ -805,8 +785,6 @@ class DynMoStrategy(ParallelStrategy):
         within the tolerance), or a string saying why not. Costs are per micro-batch of the current
         micro-batch count and are rescaled for the micro-batch count each candidate would use."""
         from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
-        from .cost_model import CostModel, LayerCosts
-
         now = self.pp_size
         if self._last_batch_size is None or self._last_microbatches is None:
             return "no step has run yet"

@@ -33,7 +33,7 @@ def run_worker(tmp: Path, nproc: int, runs: list[dict], timeout: int = 600) -> l
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(spec),
+        "--standalone", str(WORKER), str(spec),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -13,7 +13,7 @@ from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.protocol import PipelineProtocolError, pipeline_layers_of
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import ROOT, free_port, worker_env  # noqa: E402
+from multiproc import ROOT, worker_env  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "bad_input_worker.py"
 
@@ -55,8 +55,8 @@ def test_module_without_protocol_names_what_is_missing():
 
 
 def _run(case: str, timeout: int = 120):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(WORKER), case]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(WORKER), case]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
     return proc, time.time() - t0

@@ -12,8 +12,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing
-from lightning_dynmo.dynamic import EarlyExitGPT, ExitBlock, PrunableLinear
-from lightning_dynmo.models import GPT, GPTConfig
+from lightning_dynmo.dynamic import EarlyExitGPT, PrunableLinear
+from lightning_dynmo.models import GPT
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, bias=True)
 

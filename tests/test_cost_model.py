@@ -2,7 +2,7 @@
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from lightning_dynmo.cost_model import SCHEDULES, CostModel, LayerCosts, imbalance
 from lightning_dynmo.partition import Partition

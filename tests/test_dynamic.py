@@ -3,7 +3,6 @@ schedule, PrunableLinear, early-exit blocks."""
 from __future__ import annotations
 
 import math
-import os
 import socket
 
 import pytest

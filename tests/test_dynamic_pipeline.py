@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multiproc import ROOT, free_port, worker_env  # noqa: E402
+from multiproc import ROOT, worker_env  # noqa: E402
 
 WORKER = ROOT / "tests" / "workers" / "dynamism_worker.py"
 PRUNE = {"final_sparsity": 0.7, "start_step": 0, "n_steps": 3, "frequency": 2, "sparse_kernels": False}
@@ -28,8 +28,8 @@ def _launch(tmp: Path, runs: list[dict], nproc: int | None) -> list[dict]:
     spec, out = tmp / "spec.json", tmp / "result.json"
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
     if nproc:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(spec)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               str(WORKER), str(spec)]
     else:
         cmd = [sys.executable, str(WORKER), str(spec)]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)

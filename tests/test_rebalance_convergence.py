@@ -67,3 +67,19 @@ def test_rebalance_converges_to_the_optimum_and_speeds_up(tmp_path, mode, balanc
     before = median(res["imbalance"][1:first])
     after = median(res["imbalance"][-4:])
     assert after < 0.5 * before, (before, after, res["imbalance"], res["history"])
+
+
+def test_frozen_prefix_runs_no_backward(tmp_path):
+    """Freezing layers 0-4 (the whole first stage) at step 2: afterwards stage 0 builds no autograd
+    graph, so its backward chunks are empty calls, its layers hold no gradients, and training goes
+    on. (Rebalancing is off here so that stage 0 stays exactly the frozen prefix.)"""
+    cfg = {"pp": 2, "steps": 6, "batch": 16, "microbatches": 4, "n_layer": 6, "n_embd": 128, "block": 64,
+           "schedule": "1f1b", "partition": [0, 5, 9], "clip": 1.0, "freeze": {"2": 5}, "rebalance": "never"}
+    res = run_worker(tmp_path, 2, [cfg])[0]
+    f0, b0 = res["chunk_seconds_per_rank"][0]["F"], res["chunk_seconds_per_rank"][0]["B"]
+    f1, b1 = res["chunk_seconds_per_rank"][1]["F"], res["chunk_seconds_per_rank"][1]["B"]
+    assert b1 > f1 > 0  # the trainable stage runs a real backward
+    assert b0 < 0.25 * f0, res["chunk_seconds_per_rank"]  # the frozen stage runs none
+    assert res["partition"] == "0-4|5-8"
+    assert res["grads_per_rank"][0] == 0 and res["grads_per_rank"][1] > 0
+    assert len(res["losses"]) == cfg["steps"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from typing import Any, Callable, Literal
 

@@ -41,7 +41,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..models.gpt import GPT, Block, Embedding, FinalNorm, GPTConfig
 

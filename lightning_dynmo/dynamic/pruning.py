@@ -27,7 +27,6 @@ gradient, so compute follows density while memory does not shrink.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist

@@ -98,6 +98,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     released_hook = ReleaseListener()
     ckpt_dir = os.path.join(out_dir, f"ckpt{idx}")
     callbacks = [rec, released_hook]
+    if cfg.get("freeze"):
+        from lightning_dynmo import LayerFreezing
+
+        callbacks.append(LayerFreezing(schedule={int(k): int(v) for k, v in cfg["freeze"].items()}))
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=cfg["steps"]))
     trainer = L.Trainer(
@@ -116,13 +120,18 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         default_root_dir=out_dir,
     )
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
-    local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)))
+    events = trainer.strategy._profiler.events  # the last step's chunk timeline on this rank
+    chunk_seconds = {k: sum(e.end - e.start for e in events if e.kind == k) for k in "FBW"}
+    grads = sum(1 for p in trainer.lightning_module.parameters() if p.grad is not None)
+    local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
+             chunk_seconds, grads)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
     optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
     result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
-              "params_per_rank": [n for n, _ in per_rank], "released_per_rank": [r for _, r in per_rank],
+              "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
+              "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
               "released_hook": released_hook.ranks}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
