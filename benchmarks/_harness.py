@@ -71,7 +71,7 @@ class StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.ends.append(time.perf_counter())
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
-        self.busy.append(list(getattr(trainer.strategy, "_rank_busy", [])))
+        self.busy.append(list(getattr(trainer.strategy, "rank_busy_seconds", [])))
 
     def seconds_per_step(self, skip: int) -> float:
         """Median step-to-step time after ``skip`` warm-up steps."""

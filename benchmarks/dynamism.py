@@ -84,7 +84,7 @@ def _worker(args) -> None:
             m = trainer.callback_metrics.get("pipeline/idle_fraction")
             self.idle.append(float(m) if m is not None else float("nan"))
             s = trainer.strategy
-            busy, wall = getattr(s, "_rank_busy", None), getattr(s, "_rank_wall", None)
+            busy, wall = getattr(s, "rank_busy_seconds", None), getattr(s, "rank_wall_seconds", None)
             w = max(wall) if wall else 0.0
             self.rank_idle.append([1.0 - b / w for b in busy] if w > 0 else [])
             self.partition.append(str(s.partition))

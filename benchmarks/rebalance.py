@@ -65,7 +65,8 @@ def worker(args) -> None:
         # steady state: after the last applied rebalance, excluding profiled steps
         profiled = {h["step"] - 1 for h in history}
         last = max([h["step"] for h in history if h.get("applied")], default=0)
-        steady = [t for i, t in enumerate(steps) if i >= max(last, 2) and i not in profiled]
+        decided = {h["step"] for h in history}  # steps whose start ran a decision (and maybe a migration)
+        steady = [t for i, t in enumerate(steps) if i >= max(last, 2) and i not in profiled | decided]
         step_s = median(steady)
         cost_ms = None
         applied = [h for h in history if h.get("applied")]
@@ -78,8 +79,10 @@ def worker(args) -> None:
         # average compute, stretched only by the unavoidable fill/drain (m+S-1)/m.
         m, S = args.microbatches, 2
         eff = [sum(timer.busy[i]) / S * (m + S - 1) / m / t for i, t in enumerate(steps)
-               if i >= max(last, 2) and i not in profiled]
+               if i >= max(last, 2) and i not in profiled | decided]
+        prof = [steps[i] for i in profiled if 2 <= i < len(steps)]
         results[name] = {
+            "profiling_overhead": (median(prof) / step_s - 1) if prof else None,
             "tokens_per_sec": args.batch * args.block / step_s, "step_seconds": step_s,
             "partition": str(trainer.strategy.partition), "rebalance_cost_ms": cost_ms,
             "efficiency": median(eff), "rebalances": len(applied),
@@ -131,6 +134,9 @@ def main() -> None:
         "efficiency_by_balancer": {n: round(median(r[n]["efficiency"] for r in runs), 3) for n in agg},
         "speedup_vs_static": round(agg[best_dyn]["tokens_per_sec"] / agg[best_static]["tokens_per_sec"], 3),
         "rebalance_cost_iterations": round(median(costs), 3) if costs else None,
+        # a profiled step (per-layer hooks) vs a steady step of the same variant
+        "profiling_overhead": round(median(r[n]["profiling_overhead"] for r in runs for n in DYNAMIC
+                                           if r[n]["profiling_overhead"] is not None), 3),
         "repeats": repeats, "threads_per_rank": 1,
     }))
 

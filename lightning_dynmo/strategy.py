@@ -491,6 +491,16 @@ class DynMoStrategy(ParallelStrategy):
         self._rank_wall = [max(host[2 + W + d * topo.pp + r] for d in range(topo.dp)) for r in active]
         return vec[0].float()
 
+    @property
+    def rank_busy_seconds(self) -> list[float]:
+        """Compute seconds of each pipeline rank in the last step (slowest replica), same on every rank."""
+        return list(self._rank_busy)
+
+    @property
+    def rank_wall_seconds(self) -> list[float]:
+        """Pipeline-schedule wall seconds of each pipeline rank in the last step, same on every rank."""
+        return list(self._rank_wall)
+
     def _local_params(self) -> list[nn.Parameter]:
         return [p for p in self.lightning_module.parameters()]
 

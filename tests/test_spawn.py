@@ -1,0 +1,26 @@
+"""The notebook/test way of launching: Lightning's spawn launcher with ``strategy="dynmo_spawn"``."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+import lightning_dynmo  # noqa: F401  (registers the strategy names)
+from lightning_dynmo.data import ByteTextDataModule
+from lightning_dynmo.models import GPT, GPTConfig
+
+pytestmark = pytest.mark.slow
+
+
+def test_spawned_pipeline_trains_and_returns_to_the_main_process(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+    dm = ByteTextDataModule(block_size=32, batch_size=8)
+    trainer = L.Trainer(strategy="dynmo_spawn", accelerator="cpu", devices=2, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=2, val_check_interval=3, default_root_dir=tmp_path)
+    trainer.fit(model, dm)
+    assert trainer.strategy.strategy_name == "dynmo"
+    assert trainer.global_step == 3
+    loss = float(trainer.callback_metrics["val_loss"])
+    assert 0 < loss < 6.0
