@@ -267,7 +267,7 @@ class DynMoStrategy(ParallelStrategy):
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _PipelineSpawnLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -1057,6 +1057,21 @@ class DynMoStrategy(ParallelStrategy):
         strategy_registry.register(
             "dynmo_spawn", cls, description="lightning_dynmo with spawned processes", start_method="spawn", override=True
         )
+
+
+class _PipelineSpawnLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher hands rank 0's ``state_dict`` back to the main process; on a
+    pipeline rank 0 owns only its own layers, so hand back the gathered full model instead."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        module = trainer.lightning_module
+        full = self._strategy.lightning_module_state_dict()  # collective: every rank calls it
+        original = module.state_dict
+        module.state_dict = lambda *a, **k: full  # what the parent class saves for the main process
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            module.state_dict = original
 
 
 DynMoStrategy.register_strategies(StrategyRegistry)

@@ -19,8 +19,13 @@ def test_spawned_pipeline_trains_and_returns_to_the_main_process(tmp_path):
     trainer = L.Trainer(strategy="dynmo_spawn", accelerator="cpu", devices=2, max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=2, val_check_interval=3, default_root_dir=tmp_path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer.fit(model, dm)
-    assert trainer.strategy.strategy_name == "dynmo"
-    assert trainer.global_step == 3
     loss = float(trainer.callback_metrics["val_loss"])
     assert 0 < loss < 6.0
+    # the main process gets the whole trained model back, not only rank 0's layers
+    after = model.state_dict()
+    assert set(after) == set(before)
+    changed = [k for k in before if k.startswith("layers.") and not torch.equal(before[k], after[k])]
+    last = len(model.pipeline_layers()) - 1
+    assert any(k.startswith("layers.0.") for k in changed) and any(k.startswith(f"layers.{last}.") for k in changed)
