@@ -16,6 +16,7 @@ and the next step builds new stages from cached shape metadata.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import warnings
 import math
@@ -286,6 +287,7 @@ class DynMoStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        atexit.register(_destroy_process_group_at_exit)
         self.pipeline_group, self.data_parallel_group, self._pp_groups = build_groups(
             self.topology, self.global_rank, self._timeout
         )
@@ -1057,6 +1059,17 @@ class DynMoStrategy(ParallelStrategy):
         strategy_registry.register(
             "dynmo_spawn", cls, description="lightning_dynmo with spawned processes", start_method="spawn", override=True
         )
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Tear the process group down before interpreter shutdown: left to static destructors, gloo's
+    worker threads can outlive Python and abort the process ("terminate called without an active
+    exception") after a successful run."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 class _PipelineSpawnLauncher(_MultiProcessingLauncher):

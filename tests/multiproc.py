@@ -36,6 +36,10 @@ def run_worker(tmp: Path, nproc: int, runs: list[dict], timeout: int = 600) -> l
         "--standalone", str(WORKER), str(spec),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    (tmp / "worker.log").write_text(proc.stdout + "\n" + proc.stderr)
     if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        key = [l for l in (proc.stdout + proc.stderr).splitlines()
+               if any(w in l for w in ("Error", "error:", "terminate", "what()", "Abort"))]
+        raise AssertionError(f"worker failed ({proc.returncode}); full log {tmp / 'worker.log'}\n"
+                             + "\n".join(key[-30:]) + f"\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())["runs"]

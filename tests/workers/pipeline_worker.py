@@ -150,6 +150,9 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(spec["out"], "w") as fh:
             json.dump({"runs": results}, fh)
+    if torch.distributed.is_initialized():  # leave no gloo threads for interpreter shutdown
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
