@@ -47,6 +47,7 @@ from .precision import add_pipeline_clipping
 from .profiler import PipelineProfiler, layer_memory_bytes
 from .cost_model import CostModel, LayerCosts, imbalance
 from .rebalance import RebalancePolicy
+from .repack import RepackPlan, plan_repack
 from .protocol import PipelineProtocolError, RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
 from .schedules import get_schedule
 from .topology import Topology, build_groups
@@ -791,49 +792,14 @@ class DynMoStrategy(ParallelStrategy):
         self._repack_requested = target
         self.policy.request(f"repack to {target}")
 
-    def plan_repack(self, costs, target: int | str) -> tuple[int, Partition, int, float] | str:
-        """Pure decision: ``(ranks, partition, microbatches, predicted step)`` for packing onto
-        ``target`` ranks (``"auto"``: the fewest that fit memory and keep the predicted step time
-        within the tolerance), or a string saying why not. Costs are per micro-batch of the current
-        micro-batch count and are rescaled for the micro-batch count each candidate would use."""
-        from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
-        now = self.pp_size
+    def plan_repack(self, costs: LayerCosts, target: int | str) -> RepackPlan | str:
+        """What :func:`lightning_dynmo.repack.plan_repack` decides for this run's state."""
         if self._last_batch_size is None or self._last_microbatches is None:
             return "no step has run yet"
-        cur_m = self._last_microbatches
-        model_now = self._cost_model()
-        pred_now = model_now.predicted_step_time(costs, self.partition)
-        if target != "auto":
-            if target >= now:
-                return f"target {target} is not below the current {now} pipeline ranks"
-            candidates = [int(target)]
-        else:
-            candidates = list(range(1, now))
-        reasons = []
-        for r in candidates:
-            try:
-                m = self._choose_microbatches(self._last_batch_size, pp=r)
-            except ValueError as err:
-                reasons.append(f"{r} ranks: schedule {self.schedule!r} cannot run: {err}")
-                continue
-            k = cur_m / m  # per-micro-batch work and activations grow when micro-batches grow
-            scaled = LayerCosts(
-                tuple(f * k for f in costs.forward), tuple(b * k for b in costs.backward), costs.params,
-                costs.memory, tuple(a * k for a in costs.activation),
-            )
-            model = CostModel(microbatches=m, schedule=model_now.schedule, capacity=self._memory_capacity)
-            try:
-                result = get_balancer(self._balancer_name)(
-                    BalanceProblem(costs=scaled, num_stages=r * self._virtual, model=model, current=None)
-                )
-            except InfeasiblePartitionError as err:
-                reasons.append(f"{r} ranks: {err}")
-                continue
-            pred = model.predicted_step_time(scaled, result.partition)
-            if target != "auto" or pred <= (1 + self._repack_tolerance) * pred_now:
-                return r, result.partition, m, pred
-            reasons.append(f"{r} ranks: predicted step {pred * 1e3:.1f} ms > {1 + self._repack_tolerance:.2f} x {pred_now * 1e3:.1f} ms")
-        return "; ".join(reasons) or "no candidate"
+        return plan_repack(
+            costs, self.partition, self._cost_model(), self.pp_size, target, self._balancer_name,
+            lambda r: self._choose_microbatches(self._last_batch_size, pp=r), self._virtual, self._repack_tolerance,
+        )
 
     def _consider_repack(self, step: int, target: int | str, costs) -> None:
         before_ranks, before = self.pp_size, self.partition
@@ -844,7 +810,7 @@ class DynMoStrategy(ParallelStrategy):
             record.update(applied=False, why=f"refused: {plan}")
             self._record_rebalance(record, costs, self._cost_model(), [], before, None)
             return
-        ranks, partition, m, pred = plan
+        ranks, partition, m, pred = plan.ranks, plan.partition, plan.microbatches, plan.predicted_step
         t0 = time.perf_counter()
         released = self.repack_to(ranks, partition)
         seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.root_device)
