@@ -4,6 +4,12 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import time
+
+import lightning as L
+
+from lightning_dynmo import Partition, register_balancer
+from lightning_dynmo.balancers import BalanceResult
 from lightning_dynmo.models import GPT, GPTConfig
 
 
@@ -51,3 +57,44 @@ def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
     if reference:
         return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
     return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)
+
+
+def shift_one_boundary(problem):
+    """Moves boundaries at every call (a legitimate user balancer): shift the first boundary that
+    can move one layer, alternating direction, so every rebalance migrates layers."""
+    cur = problem.current or Partition.from_sizes([1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
+    b = list(cur.boundaries)
+    S = len(b) - 1
+    # rotate: move one layer from the largest stage to its right (or left) neighbour
+    sizes = list(cur.sizes)
+    big = max(range(S), key=lambda s: (sizes[s], -s))
+    if big + 1 < S:
+        b[big + 1] -= 1
+    else:
+        b[big] += 1
+    new = Partition(tuple(b))
+    t = problem.model.predicted_step_time(problem.costs, new)
+    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="shift_one_boundary", loads=())
+
+
+# the same user balancer under the names the workers use
+for _name in ("test_cycle", "test_shift"):
+    register_balancer(_name, override=True)(shift_one_boundary)
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = []
+        self.step_seconds = []
+        self.imbalance = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.step_seconds.append(time.perf_counter() - self._t0)
+        imb = trainer.callback_metrics.get("pipeline/imbalance")
+        self.imbalance.append(float(imb) if imb is not None else None)

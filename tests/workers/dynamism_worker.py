@@ -21,39 +21,12 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 
 import lightning_dynmo  # noqa: E402,F401  (registers "dynmo")
-from lightning_dynmo import DynMoStrategy, Partition, register_balancer  # noqa: E402
-from lightning_dynmo.balancers import BalanceResult  # noqa: E402
+from lightning_dynmo import DynMoStrategy  # noqa: E402
 from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing  # noqa: E402
 from lightning_dynmo.dynamic import EarlyExitGPT  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import make_loader, make_model  # noqa: E402
-
-
-@register_balancer("test_shift", override=True)
-def shift_balancer(problem):
-    """Moves one boundary layer at every call, alternating direction (forces a migration every step)."""
-    cur = problem.current or Partition.from_sizes(
-        [1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
-    b = list(cur.boundaries)
-    sizes = list(cur.sizes)
-    big = max(range(len(sizes)), key=lambda s: (sizes[s], -s))
-    if big + 1 < len(sizes):
-        b[big + 1] -= 1
-    else:
-        b[big] += 1
-    new = Partition(tuple(b))
-    t = problem.model.predicted_step_time(problem.costs, new)
-    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="test_shift", loads=())
-
-
-class LossRecorder(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+from common import LossRecorder, make_loader, make_model  # noqa: E402
 
 
 def build_model(cfg: dict):

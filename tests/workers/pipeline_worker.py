@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -19,48 +18,10 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 
 import lightning_dynmo  # noqa: E402,F401  (registers "dynmo")
-from lightning_dynmo import DynMoStrategy, Partition, register_balancer  # noqa: E402
-from lightning_dynmo.balancers import BalanceResult  # noqa: E402
+from lightning_dynmo import DynMoStrategy  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import make_loader, make_model  # noqa: E402
-
-
-@register_balancer("test_cycle", override=True)
-def cycle_balancer(problem):
-    """Moves boundaries at every call (a legitimate user balancer): shift the first boundary that
-    can move one layer, alternating direction, so every rebalance migrates layers."""
-    cur = problem.current or Partition.from_sizes([1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
-    b = list(cur.boundaries)
-    S = len(b) - 1
-    # rotate: move one layer from the largest stage to its right (or left) neighbour
-    sizes = list(cur.sizes)
-    big = max(range(S), key=lambda s: (sizes[s], -s))
-    if big + 1 < S:
-        b[big + 1] -= 1
-    else:
-        b[big] += 1
-    new = Partition(tuple(b))
-    t = problem.model.predicted_step_time(problem.costs, new)
-    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="test_cycle", loads=())
-
-
-class LossRecorder(L.Callback):
-    def __init__(self):
-        self.losses = []
-        self.step_seconds = []
-        self.imbalance = []
-        self._t0 = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
-        self.step_seconds.append(time.perf_counter() - self._t0)
-        imb = trainer.callback_metrics.get("pipeline/imbalance")
-        self.imbalance.append(float(imb) if imb is not None else None)
+from common import LossRecorder, make_loader, make_model  # noqa: E402
 
 
 class ReleaseListener(L.Callback):
