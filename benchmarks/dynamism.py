@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -145,12 +144,6 @@ def _worker(args) -> None:
 
 
 # ------------------------------------------------------------------------------ launcher side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _median_round(recs: list[dict]) -> dict:
     good = sorted((r for r in recs if r.get("tokens_per_sec")), key=lambda r: r["tokens_per_sec"])
     if not good:

@@ -165,8 +165,10 @@ class DynMoStrategy(ParallelStrategy):
             raise ValueError(f"start_method must be popen, spawn, fork or forkserver, got {start_method!r}")
         self._start_method = start_method
         self._process_group_backend = process_group_backend
-        if isinstance(timeout, (int, float)):
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
         self._timeout = timeout or DEFAULT_TIMEOUT
         self._num_nodes = 1
 

@@ -35,7 +35,8 @@ def test_1f1b_with_fewer_microbatches_than_stages():
 
 
 @pytest.mark.parametrize("kw", [{"pipeline_parallel": 0}, {"microbatches": -1}, {"rebalance": "sometimes"},
-                                {"rebalance_interval": 0}, {"memory_capacity": -5}, {"virtual_stages": 2}])
+                                {"rebalance_interval": 0}, {"memory_capacity": -5}, {"virtual_stages": 2},
+                                {"timeout": 0}, {"repack": "sometimes"}, {"repack_tolerance": 2.0}])
 def test_nonsense_options_are_rejected(kw):
     with pytest.raises(ValueError):
         DynMoStrategy(**kw)

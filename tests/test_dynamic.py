@@ -3,7 +3,8 @@ schedule, PrunableLinear, early-exit blocks."""
 from __future__ import annotations
 
 import math
-import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ from lightning_dynmo.dynamic import (
     sparse_kernels_available,
 )
 from lightning_dynmo.models import GPT, Block, GPTConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from multiproc import free_port  # noqa: E402
 
 
 def brute_threshold(tensors, sparsity):
@@ -60,12 +64,6 @@ def test_threshold_prunes_k_weights_and_validates():
         global_magnitude_threshold([w], 1.5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _threshold_worker(rank, world, port, shards, sparsities, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -90,7 +88,7 @@ def test_threshold_two_gloo_ranks_equals_single_process():
     assert expected == [brute_threshold(shards[0] + shards[1], s) for s in sparsities]
     manager = mp.Manager()
     out = manager.dict()
-    mp.start_processes(_threshold_worker, args=(2, _free_port(), shards, sparsities, out), nprocs=2,
+    mp.start_processes(_threshold_worker, args=(2, free_port(), shards, sparsities, out), nprocs=2,
                        join=True, start_method="spawn")
     for rank in range(2):
         res, res_g = out[rank]

@@ -4,6 +4,9 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import json
+import os
+import sys
 import time
 
 import lightning as L
@@ -98,3 +101,20 @@ class LossRecorder(L.Callback):
         self.step_seconds.append(time.perf_counter() - self._t0)
         imb = trainer.callback_metrics.get("pipeline/imbalance")
         self.imbalance.append(float(imb) if imb is not None else None)
+
+
+def run_spec(run_one) -> None:
+    """Worker entry point: run every config of the spec file in argv[1] through
+    ``run_one(cfg, out_dir, index)``, write rank 0's results, and tear the process group down
+    (gloo threads left to interpreter shutdown can abort a finished process)."""
+    import torch.distributed as dist
+
+    spec = json.load(open(sys.argv[1]))
+    out_dir = os.path.dirname(os.path.abspath(spec["out"]))
+    results = [run_one(cfg, out_dir, i) for i, cfg in enumerate(spec["runs"])]
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(spec["out"], "w") as fh:
+            json.dump({"runs": results}, fh, default=str)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

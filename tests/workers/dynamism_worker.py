@@ -9,7 +9,6 @@ the full state dict path, callback states and the strategy's rebalance history.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -26,7 +25,7 @@ from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing  
 from lightning_dynmo.dynamic import EarlyExitGPT  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LossRecorder, make_loader, make_model  # noqa: E402
+from common import LossRecorder, make_loader, make_model, run_spec  # noqa: E402
 
 
 def build_model(cfg: dict):
@@ -99,14 +98,5 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     return result
 
 
-def main() -> None:
-    spec = json.load(open(sys.argv[1]))
-    out_dir = os.path.dirname(os.path.abspath(spec["out"]))
-    results = [run_one(cfg, out_dir, i) for i, cfg in enumerate(spec["runs"])]
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(spec["out"], "w") as fh:
-            json.dump({"runs": results}, fh, default=str)
-
-
 if __name__ == "__main__":
-    main()
+    run_spec(run_one)

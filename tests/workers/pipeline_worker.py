@@ -6,7 +6,6 @@ writes {"runs": [{"losses": [...], "state": path, "optim": path, "history": [...
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ import lightning_dynmo  # noqa: E402,F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import LossRecorder, make_loader, make_model  # noqa: E402
+from common import LossRecorder, make_loader, make_model, run_spec  # noqa: E402
 
 
 class ReleaseListener(L.Callback):
@@ -104,17 +103,5 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     return result
 
 
-def main() -> None:
-    spec = json.load(open(sys.argv[1]))
-    out_dir = os.path.dirname(os.path.abspath(spec["out"]))
-    results = [run_one(cfg, out_dir, i) for i, cfg in enumerate(spec["runs"])]
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(spec["out"], "w") as fh:
-            json.dump({"runs": results}, fh)
-    if torch.distributed.is_initialized():  # leave no gloo threads for interpreter shutdown
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_spec(run_one)
