@@ -2,7 +2,7 @@
 
 ``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``.
 """
-from .balancers import (
+from .plan.balancers import (
     BalanceProblem,
     BalanceResult,
     InfeasiblePartitionError,
@@ -11,10 +11,10 @@ from .balancers import (
     register_balancer,
 )
 from .callbacks import EarlyExit, GradualPruning, LayerFreezing
-from .cost_model import CostModel, LayerCosts
-from .partition import Partition
+from .plan.cost_model import CostModel, LayerCosts
+from .plan.partition import Partition
 from .protocol import PipelineProtocolError, RemoteLayer
-from .schedules import available_schedules
+from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy
 
 __all__ = [

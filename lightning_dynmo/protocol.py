@@ -8,8 +8,19 @@ A module trains with ``DynMoStrategy`` when it defines
 
 Batches are ``(inputs, targets)``. The strategy replaces the layers a rank does not own with
 :class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
+
+Two optional protocols connect the rest:
+
+* :class:`ReportsLoad`: a pipeline layer whose work changes every step (MoE routing, MoD token
+  choice, dynamic sparse attention, early exit) reports how much work its forwards did relative
+  to full capacity. The strategy reads it every step at no profiling cost and scales the layer's
+  profiled time by it (the paper's c_i = r_i t_i), so the balancer can decide every iteration.
+* :class:`PipelineControl`: what callbacks may ask of a pipeline strategy (checked with
+  ``isinstance(trainer.strategy, PipelineControl)``; no duck-typing of private fields).
 """
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -35,6 +46,38 @@ class RemoteLayer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"index={self.index}, owner={self.owner}"
+
+
+@runtime_checkable
+class ReportsLoad(Protocol):
+    """A pipeline layer whose per-step work varies (see module docstring)."""
+
+    def load_factor(self) -> float | None:
+        """Mean relative work of the forwards since the last :meth:`reset_load` (1.0 = full
+        capacity, e.g. every token through every expert slot; 0.5 = half the tokens), or
+        ``None`` when the layer ran no forward since then."""
+
+    def reset_load(self) -> None:
+        """Start a new measurement window (the strategy calls it after every step)."""
+
+
+@runtime_checkable
+class PipelineControl(Protocol):
+    """What dynamism callbacks may ask of a pipeline strategy."""
+
+    pipeline_group: object  # process group of this rank's pipeline (None: the world)
+
+    def local_layer_indices(self) -> list[int]:
+        """Global indices of the layers this rank holds."""
+
+    def request_rebalance(self, reason: str = "requested") -> None:
+        """Profile the next step and rebalance (call on every rank)."""
+
+    def request_repack(self, target: int | str = "auto") -> None:
+        """Pack the pipeline onto fewer ranks after the next profiled step (call on every rank)."""
+
+    def invalidate_pipeline(self) -> None:
+        """Forget built stages and shape metadata (after layers change structure or grad-ness)."""
 
 
 def pipeline_layers_of(module: nn.Module) -> nn.ModuleList:

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..dynamic._dist import all_reduce_over_pipeline, local_layers, pipeline_layers, reduce_device, \
     request_rebalance
-from ..dynamic.early_exit import ExitBlock
+from ..models.early_exit import ExitBlock
 
 
 class EarlyExit(Callback):

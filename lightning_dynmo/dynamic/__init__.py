@@ -6,7 +6,7 @@
 * :mod:`.early_exit`: ``EarlyExitGPT`` whose blocks compute only on still-active tokens.
 * :mod:`.freezing`: freezing a layer for real (no grad, optimizer state freed).
 """
-from .early_exit import EarlyExitGPT, ExitBlock, ExitEmbedding, ExitFinalNorm, active_mask_of
+from ..models.early_exit import EarlyExitGPT, ExitBlock, ExitEmbedding, ExitFinalNorm, active_mask_of
 from .freezing import freeze_layer, is_frozen, layer_grad_norm
 from .pruning import (
     PrunableLinear,

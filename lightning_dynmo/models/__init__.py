@@ -10,8 +10,13 @@ from lightning_dynmo.models.gpt import (
     Head,
     WarmupCosine,
 )
+from lightning_dynmo.models.early_exit import EarlyExitGPT, ExitBlock, ExitEmbedding, ExitFinalNorm
 
 __all__ = [
+    "EarlyExitGPT",
+    "ExitBlock",
+    "ExitEmbedding",
+    "ExitFinalNorm",
     "GPT",
     "GPTConfig",
     "Embedding",

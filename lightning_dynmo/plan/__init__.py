@@ -1,0 +1,28 @@
+"""Pure decisions on plain numbers: no torch.distributed, no Lightning.
+
+partition -> cost model -> balancers -> policy/decide -> migration plan / repack plan; the
+runtime (:mod:`lightning_dynmo.runtime`) carries the decisions out.
+"""
+from .balancers import (
+    BalanceProblem,
+    BalanceResult,
+    InfeasiblePartitionError,
+    available_balancers,
+    get_balancer,
+    register_balancer,
+)
+from .cost_model import CostModel, LayerCosts, imbalance
+from .measurements import merge_layer_costs
+from .migration_plan import LayerMove, MigrationPlan
+from .partition import Partition
+from .policy import Decision, RebalancePolicy, decide
+from .repack import RepackPlan, RepackRefused, plan_repack
+from .schedules import ScheduleSpec, available_schedules, get_schedule
+from .topology import Topology
+
+__all__ = [
+    "BalanceProblem", "BalanceResult", "CostModel", "Decision", "InfeasiblePartitionError", "LayerCosts",
+    "LayerMove", "MigrationPlan", "Partition", "RebalancePolicy", "RepackPlan", "RepackRefused", "ScheduleSpec",
+    "Topology", "available_balancers", "available_schedules", "decide", "get_balancer", "get_schedule",
+    "imbalance", "merge_layer_costs", "plan_repack", "register_balancer",
+]

@@ -1,0 +1,306 @@
+"""Cost model: per-layer costs -> per-stage time and memory under a pipeline schedule.
+
+Shared by the balancers, the runtime and the simulator, so that "the load of a stage" is one
+number everywhere. Segment sums are *exact*: every per-layer value is turned into an integer
+multiple of a common power of two, prefix sums are exact Python ints, and a segment sum is their
+difference divided once (correctly rounded). A stage's load therefore does not depend on how or
+in which order anyone summed it, is monotone in both boundaries, and balancers can compare loads
+with ``==``/``<`` without epsilons.
+
+Conventions (the runtime must profile accordingly):
+
+* ``forward``/``backward``: seconds per micro-batch of one layer.
+* ``activation[l]``: bytes of the tensor layer ``l`` outputs per micro-batch. Used twice: (a) it is
+  what crosses the link when ``l`` ends a stage, and (b) it is what a stage keeps alive per
+  in-flight micro-batch for backward (sum over the stage's layers).
+* Receive cost: stage ``s > 0`` pays ``2 * activation[b[s] - 1] / bandwidth`` per micro-batch, i.e.
+  the forward activation coming in plus the gradient of the same size going back over the same
+  link. It is charged to the *receiving* stage, so a slow link looks like a heavier stage.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Iterable, Sequence
+
+from .partition import Partition
+
+#: Schedules the cost model knows, mapped to how they keep activations in flight.
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+#: Model chunks per rank assumed for ``interleaved_1f1b`` (Megatron / torch default of 2).
+INTERLEAVED_CHUNKS = 2
+
+
+class _ExactPrefix:
+    """Exact prefix sums of non-negative finite numbers; ``sum(i, j)`` is correctly rounded."""
+
+    __slots__ = ("p", "den")
+
+    def __init__(self, *columns: Sequence[float | int]) -> None:
+        ratios = [[x.as_integer_ratio() for x in col] for col in columns]
+        den = max((d for col in ratios for _, d in col), default=1)
+        acc = 0
+        p = [0]
+        for row in zip(*ratios):
+            for n, d in row:
+                acc += n * (den // d)
+            p.append(acc)
+        self.p: list[int] = p
+        self.den: int = den
+
+    def sum(self, start: int, stop: int) -> float:
+        return (self.p[stop] - self.p[start]) / self.den
+
+
+def _as_floats(name: str, values: Iterable) -> tuple[float, ...]:
+    out = tuple(float(v) for v in values)
+    for i, v in enumerate(out):
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"LayerCosts.{name}[{i}] must be finite and >= 0, got {v}")
+    return out
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Profiled per-layer costs; all sequences have one entry per layer (see module docstring)."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    params: tuple[int, ...]
+    memory: tuple[float, ...]
+    activation: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "params":
+                raw = tuple(self.params)
+                vals = tuple(int(v) for v in raw)
+                for i, (r, v) in enumerate(zip(raw, vals)):
+                    if v != r or v < 0:
+                        raise ValueError(f"LayerCosts.params[{i}] must be an int >= 0, got {r!r}")
+            else:
+                vals = _as_floats(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, vals)
+        lengths = {f.name: len(getattr(self, f.name)) for f in fields(self)}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"LayerCosts sequences must have equal lengths, got {lengths}")
+        if lengths["forward"] == 0:
+            raise ValueError("LayerCosts needs at least one layer")
+
+    @classmethod
+    def uniform(
+        cls,
+        num_layers: int,
+        *,
+        forward: float = 1.0,
+        backward: float = 2.0,
+        params: int = 1,
+        memory: float = 0.0,
+        activation: float = 0.0,
+    ) -> "LayerCosts":
+        """Identical layers (default: backward = 2 x forward, no memory or transfer cost)."""
+        n = int(num_layers)
+        return cls((forward,) * n, (backward,) * n, (params,) * n, (memory,) * n, (activation,) * n)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[int],
+        *,
+        seconds_per_param: float = 1e-9,
+        backward_ratio: float = 2.0,
+        bytes_per_param: float = 16.0,
+        activation: float | Sequence[float] = 0.0,
+    ) -> "LayerCosts":
+        """Estimate from parameter counts: time proportional to params (the DeepSpeed proxy),
+        memory = 16 B/param (fp32 weight + grad + two Adam moments)."""
+        params = tuple(int(p) for p in params)
+        act = (float(activation),) * len(params) if isinstance(activation, (int, float)) else activation
+        fwd = tuple(p * seconds_per_param for p in params)
+        return cls(
+            fwd,
+            tuple(f * backward_ratio for f in fwd),
+            params,
+            tuple(p * bytes_per_param for p in params),
+            tuple(act),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.forward)
+
+    @property
+    def time(self) -> tuple[float, ...]:
+        """Forward + backward seconds per micro-batch of each layer."""
+        return tuple(f + b for f, b in zip(self.forward, self.backward))
+
+    # Exact prefix sums, built once per (immutable) instance.
+    @cached_property
+    def _time_prefix(self) -> _ExactPrefix:
+        return _ExactPrefix(self.forward, self.backward)
+
+    @cached_property
+    def _memory_prefix(self) -> _ExactPrefix:
+        return _ExactPrefix(self.memory)
+
+    @cached_property
+    def _activation_prefix(self) -> _ExactPrefix:
+        return _ExactPrefix(self.activation)
+
+    @cached_property
+    def _params_prefix(self) -> list[int]:
+        acc, p = 0, [0]
+        for x in self.params:
+            acc += x
+            p.append(acc)
+        return p
+
+    def time_sum(self, start: int, stop: int) -> float:
+        """Exact (correctly rounded) fwd+bwd seconds of layers ``start..stop-1``."""
+        return self._time_prefix.sum(start, stop)
+
+    def memory_sum(self, start: int, stop: int) -> float:
+        return self._memory_prefix.sum(start, stop)
+
+    def activation_sum(self, start: int, stop: int) -> float:
+        return self._activation_prefix.sum(start, stop)
+
+    def params_sum(self, start: int, stop: int) -> int:
+        p = self._params_prefix
+        return p[stop] - p[start]
+
+    def stage_params(self, partition: Partition) -> list[int]:
+        self._check(partition)
+        b = partition.boundaries
+        return [self.params_sum(b[s], b[s + 1]) for s in range(partition.num_stages)]
+
+    def _check(self, partition: Partition) -> None:
+        if partition.num_layers != self.num_layers:
+            raise ValueError(
+                f"partition {partition} covers {partition.num_layers} layers, costs have {self.num_layers}"
+            )
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """(max - min) / mean; 0 for an empty or all-zero load vector."""
+    if not loads:
+        return 0.0
+    mean = math.fsum(loads) / len(loads)
+    return 0.0 if mean == 0 else (max(loads) - min(loads)) / mean
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How a schedule turns per-layer costs into per-stage time and memory."""
+
+    microbatches: int
+    schedule: str = "1f1b"
+    bandwidth: float | None = None  # bytes/s between adjacent stages; None = free transfers
+    capacity: float | None = None  # bytes per stage; None = unlimited
+    virtual_stages: int = 1  # stages per rank; >1: the partition's stages are virtual stages
+
+    def __post_init__(self) -> None:
+        m = self.microbatches
+        if isinstance(m, bool) or int(m) != m or m < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {m!r}")
+        object.__setattr__(self, "microbatches", int(m))
+        sched = str(self.schedule).lower().replace("-", "_")
+        if sched not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        object.__setattr__(self, "schedule", sched)
+        v = self.virtual_stages
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+        for name in ("bandwidth", "capacity"):
+            v = getattr(self, name)
+            if v is not None:
+                v = float(v)
+                if not v > 0 or math.isnan(v):
+                    raise ValueError(f"{name} must be > 0 or None, got {v}")
+                object.__setattr__(self, name, v)
+
+    # ---- memory -------------------------------------------------------------------------
+    def inflight(self, stage: int, num_stages: int) -> int:
+        """Micro-batches whose activations ``stage`` (0-based) holds at peak.
+
+        gpipe: all m. 1f1b / zero_bubble (ZB-H1 keeps 1F1B's memory): min(m, p - stage).
+        interleaved_1f1b: the stage is one rank holding INTERLEAVED_CHUNKS=v equal chunks of its
+        layers; torch/Megatron warm up (v-1)p + 2(p-1-stage) chunk micro-batches, so at peak
+        (v-1)p + 2(p-1-stage) + 1 chunk activations = that / v stage activations, rounded up
+        (conservative), capped at m. With ``virtual_stages=v > 1`` the partition's stages are the
+        virtual stages themselves (stage s on rank s mod p of p = num_stages / v), and each holds
+        the same per-chunk share of its rank's warm-up.
+        """
+        p, m = int(num_stages), self.microbatches
+        if p < 1 or not 0 <= stage < p:
+            raise ValueError(f"stage {stage} outside 0..{p - 1}")
+        if self.schedule == "gpipe":
+            return m
+        if self.schedule == "interleaved_1f1b":
+            v = INTERLEAVED_CHUNKS
+            rank = stage
+            if self.virtual_stages > 1 and p % self.virtual_stages == 0:
+                v = self.virtual_stages
+                p = p // v
+                rank = stage % p
+            chunks = (v - 1) * p + 2 * (p - 1 - rank) + 1
+            return min(m, -(-chunks // v))
+        return min(m, p - stage)
+
+    def segment_memory(self, costs: LayerCosts, start: int, stop: int, stage: int, num_stages: int) -> float:
+        """Peak bytes if layers ``start..stop-1`` form stage ``stage`` of ``num_stages``."""
+        k = self.inflight(stage, num_stages)
+        return costs.memory_sum(start, stop) + k * costs.activation_sum(start, stop)
+
+    def stage_memory(self, costs: LayerCosts, partition: Partition) -> list[float]:
+        costs._check(partition)
+        b, S = partition.boundaries, partition.num_stages
+        return [self.segment_memory(costs, b[s], b[s + 1], s, S) for s in range(S)]
+
+    def fits(self, memory: float) -> bool:
+        return self.capacity is None or memory <= self.capacity
+
+    # ---- time ---------------------------------------------------------------------------
+    def recv_time(self, costs: LayerCosts, start: int) -> float:
+        """Per-micro-batch link time of a stage starting at layer ``start`` (fwd act + bwd grad)."""
+        if start == 0 or self.bandwidth is None:
+            return 0.0
+        return 2.0 * costs.activation[start - 1] / self.bandwidth
+
+    def segment_time(self, costs: LayerCosts, start: int, stop: int) -> float:
+        """Per-micro-batch time of a stage owning layers ``start..stop-1`` (compute + receive)."""
+        return costs.time_sum(start, stop) + self.recv_time(costs, start)
+
+    def stage_times(self, costs: LayerCosts, partition: Partition) -> list[float]:
+        costs._check(partition)
+        b = partition.boundaries
+        return [self.segment_time(costs, b[s], b[s + 1]) for s in range(partition.num_stages)]
+
+    def predicted_step_time(self, costs: LayerCosts, partition: Partition) -> float:
+        """Fill-drain bound sum_s t_s + (m - 1) max_s t_s, used for every schedule.
+
+        Exact for GPipe/1F1B with uniform per-micro-batch stage times; an upper bound for
+        interleaved / zero-bubble schedules (they shrink the bubble). Balancers only need the
+        ordering, which is dominated by the max term.
+        """
+        t = self.stage_times(costs, partition)
+        return math.fsum(t) + (self.microbatches - 1) * max(t)
+
+    def bubble_fraction(self, costs: LayerCosts, partition: Partition) -> float:
+        """Idle share of the S x step device-time: 1 - sum_s(m t_s) / (S step)."""
+        step = self.predicted_step_time(costs, partition)
+        if step == 0:
+            return 0.0
+        busy = self.microbatches * math.fsum(self.stage_times(costs, partition))
+        return 1.0 - busy / (partition.num_stages * step)
+
+    def ideal_step_time(self, costs: LayerCosts, num_stages: int) -> float:
+        """Step time of a perfect continuous split (total/S per stage, no transfers):
+        (m + S - 1) * total / S. Denominator for efficiency ratios."""
+        if num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+        per_stage = costs.time_sum(0, costs.num_layers) / num_stages
+        return (self.microbatches + num_stages - 1) * per_stage
+
+    imbalance = staticmethod(imbalance)

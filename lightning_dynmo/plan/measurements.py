@@ -1,0 +1,60 @@
+"""Merge what each rank measured into one :class:`LayerCosts` every rank agrees on (pure).
+
+Each rank reports, for the layers it holds, ``(forward s, backward s, params, memory bytes)``
+per micro-batch (NaN times for a layer it did not time). Data-parallel replicas hold the same
+layers and may measure different times (different data): a layer takes its slowest replica's
+time, because the slowest replica sets the step time. A layer nobody timed is estimated from its
+parameter count at the measured seconds per parameter (DeepSpeed's proxy), split 1:2 between
+forward and backward.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+from .cost_model import LayerCosts
+
+#: Seconds per parameter assumed when no layer has been timed at all.
+DEFAULT_SECONDS_PER_PARAM = 3e-9
+
+LayerReport = tuple[float, float, int, float]  # forward s, backward s, params, memory bytes
+
+
+def _max_measured(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return max(a, b)
+
+
+def merge_layer_costs(
+    reports: Iterable[Mapping[int, LayerReport]], num_layers: int, activation: Sequence[float] | None = None
+) -> LayerCosts:
+    """One LayerCosts from per-rank ``{layer: (forward, backward, params, memory)}`` reports."""
+    merged: dict[int, list] = {}
+    for part in reports:
+        for i, (f, b, n, mem) in part.items():
+            cur = merged.get(i)
+            if cur is None:
+                merged[i] = [float(f), float(b), int(n), float(mem)]
+            else:
+                cur[0], cur[1] = _max_measured(cur[0], float(f)), _max_measured(cur[1], float(b))
+                cur[3] = max(cur[3], float(mem))
+    missing = [i for i in range(num_layers) if i not in merged]
+    if missing:
+        raise ValueError(f"no rank reported layers {missing[:10]}; every layer needs an owner")
+    fwd = [merged[i][0] for i in range(num_layers)]
+    bwd = [merged[i][1] for i in range(num_layers)]
+    params = [merged[i][2] for i in range(num_layers)]
+    memory = [merged[i][3] for i in range(num_layers)]
+    timed = [i for i in range(num_layers) if not (math.isnan(fwd[i]) or math.isnan(bwd[i])) and params[i] > 0]
+    per_param = (
+        sum(fwd[i] + bwd[i] for i in timed) / max(1, sum(params[i] for i in timed)) if timed
+        else DEFAULT_SECONDS_PER_PARAM
+    )
+    for i in range(num_layers):
+        if math.isnan(fwd[i]) or math.isnan(bwd[i]):
+            fwd[i], bwd[i] = params[i] * per_param / 3, 2 * params[i] * per_param / 3
+    act = tuple(float(a) for a in activation) if activation is not None else (0.0,) * num_layers
+    return LayerCosts(tuple(fwd), tuple(bwd), tuple(params), tuple(memory), act)

@@ -1,0 +1,189 @@
+"""When and whether to rebalance: the policy, and ``decide`` which turns costs into a Decision.
+
+Algorithm 1 of the DynMo paper: after a trigger, profile the next step per layer, then balance
+and migrate before the step after it. Triggers:
+
+* ``never``;
+* ``every_n``: every ``interval`` steps;
+* ``on_event``: a callback called ``strategy.request_rebalance(reason)``;
+* ``auto``: the per-rank busy time (measured every step at no extra communication) shows an
+  imbalance ``(max - min) / mean`` above ``threshold``; the new partition is applied only if the
+  predicted saving over ``horizon`` steps exceeds the measured cost of migrating.
+
+Everything here works on numbers every rank agrees on, so every rank decides the same.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
+from .cost_model import CostModel, LayerCosts, imbalance
+from .partition import Partition
+from .validation import non_negative_int, positive_int
+
+MODES = ("never", "every_n", "on_event", "auto")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One rebalance or re-pack decision; also one line of ``rebalance_history.jsonl``.
+
+    ``applied`` says whether the partition changed; ``why`` says why (or why not). Fields that do
+    not apply to a decision are ``None`` and left out of the JSON record."""
+
+    step: int
+    reason: str
+    before: str
+    applied: bool
+    why: str
+    kind: str = "rebalance"  # "rebalance" or "repack"
+    balancer: str | None = None
+    after: str | None = None
+    rounds: int | None = None
+    decision_ms: float | None = None
+    predicted_step_before: float | None = None
+    predicted_step_after: float | None = None
+    imbalance_before: float | None = None
+    imbalance_after: float | None = None
+    bubble_before: float | None = None
+    bubble_after: float | None = None
+    migration_ms: float | None = None
+    migration_bytes: int | None = None
+    moved_layers: int | None = None
+    ranks_before: int | None = None
+    ranks_after: int | None = None
+    microbatches: int | None = None
+    released: tuple[int, ...] | None = None
+
+    def with_(self, **changes: Any) -> "Decision":
+        return dataclasses.replace(self, **changes)
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON record: set fields only, tuples as lists."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None:
+                out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "Decision":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in record.items() if k in names}
+        return cls(**kw)
+
+
+@dataclass
+class RebalancePolicy:
+    mode: str = "never"
+    interval: int = 50
+    threshold: float = 0.1
+    horizon: int = 100
+    cooldown: int = 10
+    ema_decay: float = 0.7
+    # state
+    last_rebalance_step: int = -(10**9)
+    ema_busy: list[float] | None = None
+    pending_reasons: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown rebalance mode {self.mode!r}; valid modes: {', '.join(MODES)}")
+        positive_int("rebalance interval", self.interval)
+        positive_int("rebalance horizon", self.horizon)
+        non_negative_int("rebalance cooldown", self.cooldown)
+        if not self.threshold >= 0:
+            raise ValueError(f"imbalance threshold must be >= 0, got {self.threshold!r}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
+
+    def request(self, reason: str) -> None:
+        self.pending_reasons.append(reason)
+
+    def observe_busy(self, busy: list[float]) -> float:
+        """Feed per-pipeline-rank busy seconds of the last step; returns the smoothed imbalance."""
+        if self.ema_busy is None or len(self.ema_busy) != len(busy):
+            self.ema_busy = list(busy)
+        else:
+            d = self.ema_decay
+            self.ema_busy = [d * a + (1 - d) * b for a, b in zip(self.ema_busy, busy)]
+        return imbalance(self.ema_busy)
+
+    def profile_reason(self, step: int) -> str | None:
+        """Why this step should be profiled per layer (None: it should not)."""
+        if self.mode == "never":
+            self.pending_reasons.clear()
+            return None
+        if self.pending_reasons:
+            reason = "event: " + "; ".join(dict.fromkeys(self.pending_reasons))
+            self.pending_reasons.clear()
+            return reason
+        if self.mode == "every_n" and step % self.interval == self.interval - 1:
+            return f"every {self.interval} steps"
+        if self.mode == "auto" and self.ema_busy and step - self.last_rebalance_step >= self.cooldown:
+            imb = imbalance(self.ema_busy)
+            if imb > self.threshold:
+                return f"auto: busy-time imbalance {imb:.2f} > {self.threshold:.2f}"
+        return None
+
+    def accept(self, predicted_now: float, predicted_new: float, migration_cost: float) -> tuple[bool, str]:
+        """Whether to apply a new partition (only ``auto`` weighs gain against cost)."""
+        gain = predicted_now - predicted_new
+        if self.mode != "auto":
+            return True, f"mode {self.mode}"
+        if gain * self.horizon > migration_cost:
+            return True, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} > cost {migration_cost * 1e3:.1f} ms"
+        return False, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} <= cost {migration_cost * 1e3:.1f} ms"
+
+    def applied(self, step: int) -> None:
+        self.last_rebalance_step = step
+        self.ema_busy = None
+
+
+def decide(
+    *,
+    step: int,
+    reason: str,
+    costs: LayerCosts,
+    model: CostModel,
+    balancer: str,
+    current: Partition,
+    policy: RebalancePolicy,
+    migration_cost: float,
+) -> tuple[Decision, Partition | None]:
+    """Balance ``costs`` and weigh the result: ``(decision, new partition or None)``.
+
+    ``migration_cost`` is the measured (or, before the first migration, estimated) seconds a
+    migration costs; only the ``auto`` policy weighs it."""
+    t0 = time.perf_counter()
+    base = Decision(step=step, reason=reason, before=str(current), applied=False, why="", balancer=balancer)
+    try:
+        result = get_balancer(balancer)(
+            BalanceProblem(costs=costs, num_stages=current.num_stages, model=model, current=current)
+        )
+    except InfeasiblePartitionError as err:
+        return base.with_(why=f"refused: {err}"), None
+    new = result.partition
+    pred_now = model.predicted_step_time(costs, current)
+    pred_new = model.predicted_step_time(costs, new)
+    decision = base.with_(
+        after=str(new),
+        rounds=result.rounds,
+        decision_ms=(time.perf_counter() - t0) * 1e3,
+        predicted_step_before=pred_now,
+        predicted_step_after=pred_new,
+        imbalance_before=imbalance(model.stage_times(costs, current)),
+        imbalance_after=imbalance(model.stage_times(costs, new)),
+        bubble_before=model.bubble_fraction(costs, current),
+        bubble_after=model.bubble_fraction(costs, new),
+    )
+    if new == current:
+        return decision.with_(why="already balanced"), None
+    accept, why = policy.accept(pred_now, pred_new, migration_cost)
+    if not accept:
+        return decision.with_(why=why), None
+    return decision.with_(applied=True, why=why, moved_layers=current.moved_layers(new)), new

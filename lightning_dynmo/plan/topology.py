@@ -1,0 +1,45 @@
+"""Rank layout: world = data-parallel replicas x pipeline ranks; a replica's ranks are adjacent.
+
+Global rank ``g`` is pipeline rank ``g % pp`` of replica ``g // pp``, so one pipeline sits on
+consecutive ranks (one node first) and data-parallel all-reduces cross nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        if self.pp < 1:
+            raise ValueError(f"pipeline_parallel must be >= 1, got {self.pp}")
+        if self.world_size % self.pp:
+            raise ValueError(
+                f"the {self.world_size} processes (devices x num_nodes) cannot be split into pipelines of "
+                f"pipeline_parallel={self.pp} ranks: the world size must be a multiple of pipeline_parallel. "
+                f"Use devices={self.pp * max(1, self.world_size // self.pp)} or change pipeline_parallel."
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.pp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank % self.pp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.pp
+
+    def pipeline_ranks(self, replica: int, active: int | None = None) -> list[int]:
+        """Global ranks of ``replica``'s pipeline (its first ``active`` ranks after re-packing)."""
+        return [replica * self.pp + s for s in range(self.pp if active is None else active)]
+
+    def replica_ranks(self, pp_rank: int) -> list[int]:
+        return [d * self.pp + pp_rank for d in range(self.dp)]
+
+    def released_ranks(self, active: int) -> list[int]:
+        """Global ranks left without layers when each pipeline keeps its first ``active`` ranks."""
+        return [d * self.pp + k for d in range(self.dp) for k in range(active, self.pp)]

@@ -1,0 +1,1 @@
+"""torch.distributed without Lightning: engine, profiler, placement, migration, gradients."""

@@ -1,0 +1,176 @@
+"""Builds this rank's pipeline stages from a partition and runs them with a torch schedule.
+
+An engine is cheap to rebuild: stages are given their input/output metadata from a table of
+per-layer output specs, so torch's pipelining never runs its shape-inference round. The table is
+discovered once per micro-batch shape (one no-grad forward of one micro-batch through the
+pipeline) and stays valid when layers move, because a layer's output shape does not depend on
+where it runs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from ..plan.partition import Partition
+from ..plan.schedules import ScheduleSpec
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, dtype and grad-ness of one activation for one micro-batch."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor, requires_grad: bool | None = None) -> "TensorSpec":
+        rg = t.requires_grad if requires_grad is None else requires_grad
+        return cls(tuple(t.shape), t.dtype, bool(rg and t.is_floating_point()))
+
+    def example(self) -> torch.Tensor:
+        # Non-first stages must get an input example that requires grad, or torch allocates recv
+        # buffers without grad and silently sends no gradient upstream.
+        return torch.empty(self.shape, dtype=self.dtype, device="meta", requires_grad=self.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
+    stage-to-rank layout, this rank's position, the pipeline group and the device."""
+
+    layers: nn.ModuleList
+    partition: Partition
+    spec: ScheduleSpec
+    pp_rank: int
+    pp_size: int
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+
+def _layer_needs_grad(layer: nn.Module) -> bool:
+    return any(p.requires_grad for p in layer.parameters())
+
+
+def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor) -> list[TensorSpec]:
+    """One no-grad forward of one micro-batch through the pipeline; returns every layer's output spec.
+
+    Each rank runs its own stages in pipeline order and passes the activation on with a blocking
+    object send; then the per-layer specs are all-gathered so every rank knows the whole table.
+    """
+    layers, partition, spec = placement.layers, placement.partition, placement.spec
+    pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    obj_device = device if device.type == "cuda" else None
+    local: dict[int, TensorSpec] = {}
+    act: torch.Tensor | None = None
+    act_rg = False
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for s in range(partition.num_stages):
+            if spec.rank_of_stage(s, pp_size) != pp_rank:
+                continue
+            if s == 0:
+                act, act_rg = microbatch_input, False
+            else:
+                prev = spec.rank_of_stage(s - 1, pp_size)
+                if prev != pp_rank:
+                    box = [None]
+                    dist.recv_object_list(box, src=ranks[prev], group=group, device=obj_device)
+                    act, act_rg = box[0]
+                    act = act.to(device)
+            for i in partition.layers_of(s):
+                act = layers[i](act)
+                if not isinstance(act, torch.Tensor):
+                    raise TypeError(
+                        f"pipeline layer {i} ({type(layers[i]).__name__}) returned {type(act).__name__}; "
+                        "every pipeline layer must return a single tensor"
+                    )
+                act_rg = act.is_floating_point() and (act_rg or _layer_needs_grad(layers[i]))
+                local[i] = TensorSpec.of(act, act_rg)
+            if s + 1 < partition.num_stages:
+                nxt = spec.rank_of_stage(s + 1, pp_size)
+                if nxt != pp_rank:
+                    dist.send_object_list([(act.cpu(), act_rg)], dst=ranks[nxt], group=group, device=obj_device)
+    gathered: list[dict[int, TensorSpec]] = [None] * len(ranks)  # type: ignore[list-item]
+    dist.all_gather_object(gathered, local, group=group)
+    table: dict[int, TensorSpec] = {}
+    for part in gathered:
+        table.update(part)
+    missing = [i for i in range(len(layers)) if i not in table]
+    if missing:
+        raise RuntimeError(f"layer spec discovery missed layers {missing}")
+    return [table[i] for i in range(len(layers))]
+
+
+class PipelineEngine:
+    """This rank's stages of one partition plus the schedule that drives them."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        input_spec: TensorSpec,
+        layer_specs: list[TensorSpec],
+    ) -> None:
+        layers, partition, spec = placement.layers, placement.partition, placement.spec
+        pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
+        self.partition = partition
+        self.spec = spec
+        self.pp_rank = pp_rank
+        self.microbatches = microbatches
+        self.local_stage_ids = spec.stages_of_rank(pp_rank, pp_size, partition.num_stages // pp_size)
+        S = partition.num_stages
+        self.stages: list[PipelineStage] = []
+        for s in self.local_stage_ids:
+            rng = partition.layers_of(s)
+            submod = nn.Sequential(*[layers[i] for i in rng])
+            in_spec = input_spec if s == 0 else layer_specs[rng.start - 1]
+            out_spec = layer_specs[rng.stop - 1]
+            self.stages.append(
+                PipelineStage(
+                    submod,
+                    stage_index=s,
+                    num_stages=S,
+                    device=device,
+                    input_args=(in_spec.example(),),
+                    output_args=(out_spec.example(),),
+                    group=group,
+                )
+            )
+        schedule_cls = get_schedule_class(spec.torch_class)
+        if spec.multi:
+            self.schedule = schedule_cls(self.stages, microbatches, loss_fn=loss_fn)
+        else:
+            self.schedule = schedule_cls(self.stages[0], microbatches, loss_fn=loss_fn)
+        self.has_first = any(st.is_first for st in self.stages)
+        self.has_last = any(st.is_last for st in self.stages)
+        self.last_step_seconds = 0.0
+
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> list[torch.Tensor] | None:
+        """Run one step over the whole batch; returns per-micro-batch losses on the last-stage rank."""
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        losses: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        if train:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            with torch.no_grad():
+                self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        self.last_step_seconds = time.perf_counter() - t0
+        return losses if self.has_last else None

@@ -1,0 +1,35 @@
+"""Process groups of a :class:`~lightning_dynmo.plan.Topology` (every rank creates every group)."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..plan.topology import Topology
+
+
+def build_groups(topo: Topology, rank: int, timeout: timedelta):
+    """Create every pipeline and data-parallel group (all ranks must call) and return this rank's
+    ``(pipeline group, data-parallel group, every replica's pipeline group)``."""
+    if topo.dp == 1:
+        pp_group = None  # the default (world) group
+        pp_groups = [None]
+    else:
+        pp_groups = [dist.new_group(topo.pipeline_ranks(d), timeout=timeout) for d in range(topo.dp)]
+        pp_group = pp_groups[topo.dp_rank(rank)]
+    dp_group = None
+    if topo.dp > 1:
+        dp_groups = [dist.new_group(topo.replica_ranks(s), timeout=timeout) for s in range(topo.pp)]
+        dp_group = dp_groups[topo.pp_rank(rank)]
+    return pp_group, dp_group, pp_groups
+
+
+def build_packed_groups(topo: Topology, active: int, timeout: timedelta) -> list:
+    """Every replica's pipeline group over its first ``active`` ranks (all world ranks call this,
+    in the same order, as ``new_group`` requires)."""
+    return [dist.new_group(topo.pipeline_ranks(d, active), timeout=timeout) for d in range(topo.dp)]
+
+
+def group_ranks(group) -> list[int]:
+    """Global ranks of ``group`` (``None``: the world)."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))

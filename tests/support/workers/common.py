@@ -1,0 +1,120 @@
+"""Model and data shared by the multi-process workers and the single-process references."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import json
+import os
+import sys
+import time
+
+import lightning as L
+
+from lightning_dynmo import Partition, register_balancer
+from lightning_dynmo.plan.balancers import BalanceResult
+from lightning_dynmo.models import GPT, GPTConfig
+
+
+def make_model(cfg: dict) -> GPT:
+    n_layer = cfg.get("n_layer", 6)
+    config = GPTConfig(
+        vocab_size=64,
+        block_size=cfg.get("block", 16),
+        n_layer=n_layer,
+        n_head=2,
+        n_embd=cfg.get("n_embd", 32),
+        dropout=0.0,
+        bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
+        mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
+    )
+    return GPT(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+
+
+class EpochPermutation(torch.utils.data.Sampler):
+    """The order DistributedSampler(shuffle=True, seed=0) gives one replica: a new permutation
+    per epoch (Lightning calls ``set_epoch``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch)).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
+    """The pipeline gets a plain loader; Lightning injects DistributedSampler(shuffle=True, seed=0)
+    (it always shuffles training data in distributed runs). ``reference=True`` gives a single
+    process the same permutation, so step k sees the union of the replicas' batches k, and
+    ``batch[r::dp]`` is exactly replica r's batch."""
+    g = torch.Generator().manual_seed(123)
+    n = cfg.get("n_samples", 512)
+    data = torch.randint(0, 64, (n, cfg.get("block", 16) + 1), generator=g)
+    ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    if reference:
+        return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
+    return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)
+
+
+def shift_one_boundary(problem):
+    """Moves boundaries at every call (a legitimate user balancer): shift the first boundary that
+    can move one layer, alternating direction, so every rebalance migrates layers."""
+    cur = problem.current or Partition.from_sizes([1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
+    b = list(cur.boundaries)
+    S = len(b) - 1
+    # rotate: move one layer from the largest stage to its right (or left) neighbour
+    sizes = list(cur.sizes)
+    big = max(range(S), key=lambda s: (sizes[s], -s))
+    if big + 1 < S:
+        b[big + 1] -= 1
+    else:
+        b[big] += 1
+    new = Partition(tuple(b))
+    t = problem.model.predicted_step_time(problem.costs, new)
+    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="shift_one_boundary", loads=())
+
+
+# the same user balancer under the names the workers use
+for _name in ("test_cycle", "test_shift"):
+    register_balancer(_name, override=True)(shift_one_boundary)
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = []
+        self.step_seconds = []
+        self.imbalance = []
+        self._t0 = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.step_seconds.append(time.perf_counter() - self._t0)
+        imb = trainer.callback_metrics.get("pipeline/imbalance")
+        self.imbalance.append(float(imb) if imb is not None else None)
+
+
+def run_spec(run_one) -> None:
+    """Worker entry point: run every config of the spec file in argv[1] through
+    ``run_one(cfg, out_dir, index)``, write rank 0's results, and tear the process group down
+    (gloo threads left to interpreter shutdown can abort a finished process)."""
+    import torch.distributed as dist
+
+    spec = json.load(open(sys.argv[1]))
+    out_dir = os.path.dirname(os.path.abspath(spec["out"]))
+    results = [run_one(cfg, out_dir, i) for i, cfg in enumerate(spec["runs"])]
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(spec["out"], "w") as fh:
+            json.dump({"runs": results}, fh, default=str)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,266 @@
+"""Balancers against brute force (all compositions) on small instances, plus registry and speed."""
+import random
+import time
+from itertools import combinations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from lightning_dynmo.plan.balancers import (
+    BalanceProblem,
+    BalanceResult,
+    InfeasiblePartitionError,
+    available_balancers,
+    get_balancer,
+    megatron_layout,
+    register_balancer,
+    unregister_balancer,
+)
+from lightning_dynmo.plan.balancers.diffusion import diffuse
+from lightning_dynmo.plan.cost_model import SCHEDULES, CostModel, LayerCosts
+from lightning_dynmo.plan.partition import Partition
+
+BUILTIN = ["diffusion_param", "diffusion_time", "param", "partition_param", "partition_time", "uniform"]
+FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def all_partitions(L, S):
+    for cuts in combinations(range(1, L), S - 1):
+        yield Partition((0, *cuts, L))
+
+
+def loads(problem, part, kind):
+    if kind == "time":
+        return problem.model.stage_times(problem.costs, part)
+    return problem.costs.stage_params(part)
+
+
+def fits(problem, part):
+    cap = problem.model.capacity
+    return cap is None or max(problem.model.stage_memory(problem.costs, part)) <= cap
+
+
+def brute(problem, kind):
+    """(optimal max load, feasible optimal partitions) by enumeration; (None, []) if infeasible."""
+    feas = [p for p in all_partitions(problem.num_layers, problem.num_stages) if fits(problem, p)]
+    if not feas:
+        return None, []
+    opt = min(max(loads(problem, p, kind)) for p in feas)
+    return opt, [p for p in feas if max(loads(problem, p, kind)) == opt]
+
+
+# Small value sets create many exact ties; arbitrary floats exercise rounding.
+value = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]), st.floats(0, 10, allow_subnormal=False))
+
+
+@st.composite
+def problems(draw, max_layers=9, max_stages=4, with_current=True):
+    L = draw(st.integers(1, max_layers))
+    S = draw(st.integers(1, min(L, max_stages)))
+    col = lambda: draw(st.lists(value, min_size=L, max_size=L))  # noqa: E731
+    costs = LayerCosts(col(), col(), draw(st.lists(st.integers(0, 6), min_size=L, max_size=L)), col(), col())
+    model = CostModel(
+        draw(st.integers(1, 8)),
+        draw(st.sampled_from(SCHEDULES)),
+        bandwidth=draw(st.one_of(st.none(), st.sampled_from([0.5, 1.0, 4.0]))),
+        capacity=draw(st.one_of(st.none(), st.floats(1.0, 150.0))),
+    )
+    current = None
+    if with_current and draw(st.booleans()):
+        cuts = draw(st.sets(st.integers(1, L - 1), min_size=S - 1, max_size=S - 1)) if L > 1 else set()
+        current = Partition((0, *sorted(cuts), L))
+    return BalanceProblem(costs, S, model, current)
+
+
+@FAST
+@given(problems())
+def test_every_balancer_valid_fits_or_provably_infeasible(problem):
+    L, S = problem.num_layers, problem.num_stages
+    feasible = any(fits(problem, p) for p in all_partitions(L, S))
+    for name in BUILTIN:
+        try:
+            r = get_balancer(name)(problem)
+        except InfeasiblePartitionError as e:
+            assert not feasible, f"{name} raised although a partition fits"
+            assert e.capacity == problem.model.capacity and e.min_peak_memory > e.capacity
+            peak = min(max(problem.model.stage_memory(problem.costs, p)) for p in all_partitions(L, S))
+            assert e.min_peak_memory == peak
+            continue
+        assert isinstance(r, BalanceResult) and r.name == name and r.rounds >= 1
+        part = r.partition
+        assert part.boundaries[0] == 0 and part.num_layers == L and part.num_stages == S
+        assert all(n >= 1 for n in part.sizes)
+        assert fits(problem, part), f"{name} overflowed memory"
+        assert r.max_load == max(r.loads)
+        assert r.predicted_step_time == problem.model.predicted_step_time(problem.costs, part)
+        assert get_balancer(name)(problem) == r  # deterministic and pure
+
+
+@FAST
+@given(problems())
+def test_partition_is_exact_and_moves_fewest_layers(problem):
+    for name, kind in (("partition_time", "time"), ("partition_param", "params")):
+        opt, optimal = brute(problem, kind)
+        if opt is None:
+            with pytest.raises(InfeasiblePartitionError):
+                get_balancer(name)(problem)
+            continue
+        r = get_balancer(name)(problem)
+        assert r.max_load == opt
+        assert max(loads(problem, r.partition, kind)) == opt
+        if problem.current is not None:
+            fewest = min(p.moved_layers(problem.current) for p in optimal)
+            assert r.partition.moved_layers(problem.current) == fewest
+            optimal = [p for p in optimal if p.moved_layers(problem.current) == fewest]
+        assert r.partition == min(optimal, key=lambda p: p.boundaries)
+
+
+@FAST
+@given(problems(with_current=False))
+def test_param_is_exact_deepspeed_objective(problem):
+    opt, optimal = brute(problem, "params")
+    if opt is None:
+        return
+    r = get_balancer("param")(problem)
+    assert r.max_load == opt and r.partition == min(optimal, key=lambda p: p.boundaries)
+
+
+@FAST
+@given(problems())
+def test_uniform_layout(problem):
+    L, S = problem.num_layers, problem.num_stages
+    mega = megatron_layout(L, S)
+    q, rem = divmod(L, S)
+    assert mega.sizes == (q + 1,) * rem + (q,) * (S - rem)
+    try:
+        r = get_balancer("uniform")(problem)
+    except InfeasiblePartitionError:
+        return
+    if fits(problem, mega):
+        assert r.partition == mega
+    else:  # fallback: most even layer counts that fit
+        best = min(max(p.sizes) for p in all_partitions(L, S) if fits(problem, p))
+        assert max(r.partition.sizes) == best
+
+
+def _no_helpful_move(problem, part, kind):
+    """Fixed point: no single boundary-layer hand-off strictly lowers a neighbour pair's max."""
+    b = part.boundaries
+    for k in range(1, problem.num_stages):
+        for nb in (b[k] - 1, b[k] + 1):
+            if not b[k - 1] < nb < b[k + 1]:
+                continue
+            moved = Partition(b[:k] + (nb,) + b[k + 1 :])
+            old, new = loads(problem, part, kind), loads(problem, moved, kind)
+            heavier_gives = (nb < b[k]) == (old[k - 1] > old[k]) and old[k - 1] != old[k]
+            if heavier_gives and max(new[k - 1 : k + 1]) < max(old[k - 1 : k + 1]) and fits(problem, moved):
+                return False
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(max_layers=30, max_stages=8))
+def test_diffusion_never_worsens_and_converges(problem):
+    for name, kind in (("diffusion_time", "time"), ("diffusion_param", "params")):
+        try:
+            r = get_balancer(name)(problem)
+        except InfeasiblePartitionError:
+            continue
+        start = problem.current or get_balancer("uniform")(problem).partition
+        if fits(problem, start):
+            assert r.max_load <= max(loads(problem, start, kind))
+        else:  # restarted from the exact partition, so it is optimal
+            exact = get_balancer("partition_" + ("time" if kind == "time" else "param"))(problem)
+            assert r.max_load == exact.max_load
+        assert _no_helpful_move(problem, r.partition, kind)
+
+
+def test_diffusion_rounds_and_monotone_trace():
+    rnd = random.Random(1)
+    L, S = 40, 8
+    costs = LayerCosts([rnd.uniform(0, 5) for _ in range(L)], [0.0] * L, [1] * L, [0.0] * L, [1.0] * L)
+    problem = BalanceProblem(costs, S, CostModel(8, bandwidth=4.0), Partition.from_sizes([33] + [1] * 7))
+    peaks = [max(diffuse(problem, "time", "t", max_rounds=n).loads) for n in range(1, 60)]
+    assert all(a >= b for a, b in zip(peaks, peaks[1:]))  # heaviest stage never grows
+    final = get_balancer("diffusion_time")(problem)
+    assert 1 < final.rounds < 60 and final.max_load == peaks[-1]
+    again = BalanceProblem(costs, S, problem.model, final.partition)
+    assert get_balancer("diffusion_time")(again).rounds == 1  # already a fixed point
+
+
+def test_problem_validation():
+    c = LayerCosts.uniform(3)
+    with pytest.raises(ValueError, match="cannot split 3 layers into 4 non-empty stages"):
+        BalanceProblem(c, 4, CostModel(2))
+    with pytest.raises(ValueError):
+        BalanceProblem(c, 0, CostModel(2))
+    with pytest.raises(ValueError, match="current"):
+        BalanceProblem(c, 2, CostModel(2), Partition((0, 1, 2, 3)))
+    with pytest.raises(ValueError, match="current"):
+        BalanceProblem(c, 2, CostModel(2), Partition((0, 1, 4)))
+
+
+def test_infeasible_message_names_capacity_and_peak():
+    c = LayerCosts.uniform(4, memory=10.0)
+    problem = BalanceProblem(c, 2, CostModel(2, capacity=15.0))
+    for name in BUILTIN:
+        with pytest.raises(InfeasiblePartitionError, match=r"capacity of 15 bytes.*peak stage memory is 20 bytes"):
+            get_balancer(name)(problem)
+
+
+def test_registry_unknown_name_lists_valid_sorted():
+    with pytest.raises(ValueError) as e:
+        get_balancer("nope")
+    assert ", ".join(sorted(available_balancers())) in str(e.value)
+    assert set(BUILTIN) <= set(available_balancers())
+
+
+def test_user_registration():
+    @register_balancer("test_all_in_first")
+    def mine(problem):
+        part = Partition.from_sizes([problem.num_layers - problem.num_stages + 1] + [1] * (problem.num_stages - 1))
+        return BalanceResult(part, 1, 0.0, 0.0, "test_all_in_first")
+
+    try:
+        assert "test_all_in_first" in available_balancers()
+        r = get_balancer("test_all_in_first")(BalanceProblem(LayerCosts.uniform(5), 2, CostModel(1)))
+        assert r.partition.sizes == (4, 1)
+        with pytest.raises(ValueError, match="already registered"):
+            register_balancer("test_all_in_first")(mine)
+        register_balancer("test_all_in_first", override=True)(mine)
+        with pytest.raises(ValueError, match="already registered"):
+            register_balancer("uniform")(mine)
+    finally:
+        unregister_balancer("test_all_in_first")
+    assert "test_all_in_first" not in available_balancers()
+
+
+def test_never_reorders_and_known_answer():
+    # one heavy layer: the exact balancer isolates it, diffusion walks towards it
+    c = LayerCosts([1.0, 1.0, 8.0, 1.0, 1.0, 1.0], [0.0] * 6, [1] * 6, [0.0] * 6, [0.0] * 6)
+    problem = BalanceProblem(c, 3, CostModel(4))
+    r = get_balancer("partition_time")(problem)
+    assert r.max_load == 8.0 and r.partition.boundaries == (0, 2, 3, 6)
+    assert get_balancer("uniform")(problem).partition.boundaries == (0, 2, 4, 6)
+    assert get_balancer("diffusion_time")(problem).max_load <= 9.0
+
+
+@pytest.mark.parametrize("capacity", [None, 2.5e8])
+def test_exact_is_fast_for_100_layers_16_stages(capacity):
+    rnd = random.Random(0)
+    L, S = 100, 16
+    costs = LayerCosts(
+        [rnd.uniform(0.5, 2) for _ in range(L)],
+        [rnd.uniform(1, 4) for _ in range(L)],
+        [rnd.randint(1, 10**6) for _ in range(L)],
+        [rnd.uniform(1e6, 1e7) for _ in range(L)],
+        [rnd.uniform(1e5, 1e6) for _ in range(L)],
+    )
+    problem = BalanceProblem(costs, S, CostModel(32, bandwidth=1e9, capacity=capacity), megatron_layout(L, S))
+    for name in ("partition_time", "partition_param"):
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            get_balancer(name)(problem)
+            best = min(best, time.perf_counter() - t0)
+        assert best < 0.05, f"{name} took {best * 1e3:.1f} ms"
