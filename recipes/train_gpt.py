@@ -162,7 +162,7 @@ class RunStats:
                     self.step_times.append(time.perf_counter() - self._t)
                     x = batch[0] if isinstance(batch, (tuple, list)) else batch
                     self.tokens_per_step.append(int(x.numel()))
-                tps = _float(trainer.callback_metrics.get("tokens_per_sec"))
+                tps = _float(trainer.callback_metrics.get("pipeline/tokens_per_sec"))
                 if tps is not None and math.isfinite(tps):
                     self.tokens_per_sec.append(tps)
 
@@ -216,8 +216,8 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
 
     # tokens/s: the strategy's per-step log (global tokens over the step's wall time) averaged
     # over the run; without it (e.g. strategy=single) the recipe's own step timing.
-    tps_values = stats.tokens_per_sec or [v for _, v in csv_metrics.get("tokens_per_sec", [])]
-    tps_source = "strategy tokens_per_sec (mean over steps)"
+    tps_values = stats.tokens_per_sec or [v for _, v in csv_metrics.get("pipeline/tokens_per_sec", [])]
+    tps_source = "strategy pipeline/tokens_per_sec (mean over steps)"
     if not tps_values and stats.step_times:
         world_dp = max(1, trainer.world_size // max(1, getattr(strategy, "pipeline_parallel", 1)))
         tps_values = [n * world_dp / t for n, t in zip(stats.tokens_per_step[1:], stats.step_times[1:]) if t > 0]

@@ -27,3 +27,10 @@ __all__ = [
     "MLP",
     "WarmupCosine",
 ]
+from lightning_dynmo.models.moe import MoEBlock, MoEConfig, MoEGPT, MoELayer
+
+__all__ += ["MoEBlock", "MoEConfig", "MoEGPT", "MoELayer"]
+
+from lightning_dynmo.models.mod import MoDBlock, MoDConfig, MoDGPT
+
+__all__ += ["MoDBlock", "MoDConfig", "MoDGPT"]

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, Embedding, FinalNorm, GPTConfig
 
 __all__ = ["EarlyExitGPT", "ExitEmbedding", "ExitBlock", "ExitFinalNorm", "active_mask_of"]
@@ -98,20 +99,7 @@ class ExitBlock(Block):
 
     def _packed(self, xp: Tensor, valid: Tensor) -> Tensor:
         """The block on packed tokens ``[B, A, C]``; ``valid [B, A]`` marks real (not padding) rows."""
-        b, a, c = xp.shape
-        attn = self.attn
-        idx = torch.arange(a, device=xp.device)
-        causal = idx[None, :] <= idx[:, None]  # [A(query), A(key)]
-        # valid queries only see valid keys (every key <= a valid query is valid); padding
-        # queries also see themselves so that no row is fully masked (no NaN)
-        mask = causal[None] & (valid[:, None, :] | torch.eye(a, dtype=torch.bool, device=xp.device)[None])
-        q, k, v = attn.qkv(self.ln_1(xp)).split(c, dim=2)
-        q, k, v = (z.view(b, a, attn.n_head, c // attn.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None], dropout_p=attn.dropout if self.training else 0.0
-        )
-        y = y.transpose(1, 2).contiguous().view(b, a, c)
-        xp = xp + attn.resid_drop(attn.proj(y))
+        xp = xp + packed_attention(self.attn, self.ln_1(xp), valid, self.training)
         return xp + self.mlp(self.ln_2(xp))
 
     def forward(self, h: Tensor) -> Tensor:
@@ -130,14 +118,8 @@ class ExitBlock(Block):
             y = x
         else:
             a = int(per_row.max())
-            # each row's active positions first (original order kept), then the rest
-            order = torch.argsort((~active).to(torch.int8), dim=1, stable=True)[:, :a]
-            valid = torch.arange(a, device=h.device)[None, :] < per_row[:, None]
-            gidx = order[..., None].expand(b, a, c)
-            xp = torch.gather(x, 1, gidx)
-            yp = self._packed(xp, valid)
-            yp = torch.where(valid[..., None], yp, xp)  # padding rows write their own value back
-            y = x.scatter(1, gidx, yp)
+            xp, packing = pack(x, active, per_row, a)
+            y = unpack(x, xp, self._packed(xp, packing.valid), packing)
             self.tokens_computed += b * a
         thr = self.exit_threshold
         if self.is_exit_point and thr is not None and thr < 1.0 and n_active:

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
+
 __all__ = [
     "GPTConfig",
     "Embedding",
@@ -40,7 +42,14 @@ __all__ = [
     "Head",
     "GPT",
     "WarmupCosine",
+    "HashSparseSelfAttention",
+    "SparseAttentionBlock",
+    "ATTENTION_KINDS",
 ]
+
+# Attention per block: "dense" (SDPA, causal) or "hash_sparse" (hash-bucketed block-sparse
+# attention, lightning_dynmo.sparse.hash_layout: a token sees earlier tokens of its bucket).
+ATTENTION_KINDS = ("dense", "hash_sparse")
 
 
 @dataclass
@@ -55,6 +64,11 @@ class GPTConfig:
     mlp_ratio: float = 4
     # Optional per-block MLP width ratio (len == n_layer) for heterogeneous layer stacks.
     mlp_ratios: tuple | None = None
+    # "dense" | "hash_sparse" for every block, or a tuple with one entry per block.
+    attention: str | tuple = "dense"
+    attention_block: int = 64  # layout block size of hash_sparse attention (kernels: 16/32/64/128)
+    nb_hash: int = 4  # hash buckets per head (density ~ 1 / nb_hash)
+    hash_redraw: bool = False  # new hash rotations every training forward (default: fixed per layer)
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -63,6 +77,17 @@ class GPTConfig:
                 raise ValueError(
                     f"mlp_ratios has {len(self.mlp_ratios)} entries but n_layer={self.n_layer}"
                 )
+        if not isinstance(self.attention, str):
+            self.attention = tuple(self.attention)  # lists from YAML/OmegaConf become tuples
+            if len(self.attention) != self.n_layer:
+                raise ValueError(f"attention has {len(self.attention)} entries but n_layer={self.n_layer}")
+        for kind in (self.attention,) if isinstance(self.attention, str) else self.attention:
+            if kind not in ATTENTION_KINDS:
+                raise ValueError(f"attention must be one of {ATTENTION_KINDS} (or a per-layer tuple), got {kind!r}")
+        if int(self.nb_hash) != self.nb_hash or self.nb_hash < 1:
+            raise ValueError(f"nb_hash must be an integer >= 1, got {self.nb_hash!r}")
+        if int(self.attention_block) != self.attention_block or self.attention_block < 1:
+            raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -72,11 +97,16 @@ class GPTConfig:
     def block_mlp_ratio(self, i: int) -> float:
         return self.mlp_ratio if self.mlp_ratios is None else self.mlp_ratios[i]
 
+    def layer_attention(self, i: int) -> str:
+        return self.attention if isinstance(self.attention, str) else self.attention[i]
+
     def to_dict(self) -> dict:
         """Plain dict (tuples -> lists) so checkpoints/hparams.yaml stay portable."""
         d = dataclasses.asdict(self)
         if d["mlp_ratios"] is not None:
             d["mlp_ratios"] = list(d["mlp_ratios"])
+        if not isinstance(d["attention"], str):
+            d["attention"] = list(d["attention"])
         return d
 
     @classmethod
@@ -171,19 +201,109 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+class HashSparseSelfAttention(CausalSelfAttention):
+    """``CausalSelfAttention`` (same parameters) whose attention is hash-bucketed block-sparse:
+    token i sees token j <= i of its own bucket (``lightning_dynmo.sparse.hash_layout``).
+
+    The rotations are a buffer (they move and checkpoint with the layer), drawn from a
+    generator seeded by the layer index, so weights drawn from the global RNG are the same as
+    in a dense model. ``hash_redraw``: rotations are redrawn at every training forward from
+    ``(layer seed, hash_step)``, ``hash_step`` being a buffer too. Attention-probability dropout
+    is not applied (the residual dropout is). ``load_factor()`` (the ReportsLoad protocol) is the
+    mean block density (active / causal block pairs) of the training forwards since
+    ``reset_load()``.
+    """
+
+    def __init__(self, config: GPTConfig, layer_index: int = 0):
+        super().__init__(config)
+        self.block = int(config.attention_block)
+        self.nb_hash = int(config.nb_hash)
+        self.redraw = bool(config.hash_redraw)
+        self._seed = 0x5EED0000 + 7919 * int(layer_index)
+        head_dim = config.n_embd // config.n_head
+        gen = torch.Generator().manual_seed(self._seed)
+        self.register_buffer("rotations", draw_rotations(config.n_head, head_dim, self.nb_hash, gen))
+        self.register_buffer("hash_step", torch.zeros((), dtype=torch.long))
+        self.last_density: float | None = None
+        self.reset_load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        rotations = self.rotations
+        if self.redraw and self.training:
+            gen = torch.Generator().manual_seed(self._seed + 1_000_003 * int(self.hash_step))
+            rotations = draw_rotations(*rotations.shape[:2], self.nb_hash, gen, rotations.device, rotations.dtype)
+            self.hash_step += 1
+        y, plan = hash_sparse_attention(q, k, v, rotations, self.nb_hash, self.block)
+        self.last_density = plan.density
+        if self.training and torch.is_grad_enabled():
+            self._density_sum += plan.density
+            self._forwards += 1
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+    def load_factor(self) -> float | None:
+        return self._density_sum / self._forwards if self._forwards else None
+
+    def reset_load(self) -> None:
+        self._density_sum, self._forwards = 0.0, 0
+
+
 class Block(nn.Module):
     """Pre-LN transformer block ``[B,T,C] -> [B,T,C]``."""
 
-    def __init__(self, config: GPTConfig, mlp_ratio: float | None = None):
+    def __init__(self, config: GPTConfig, mlp_ratio: float | None = None, attn: nn.Module | None = None):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config) if attn is None else attn
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config, config.mlp_ratio if mlp_ratio is None else mlp_ratio)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+class SparseAttentionBlock(Block):
+    """``Block`` with :class:`HashSparseSelfAttention`; built by GPT for ``"hash_sparse"`` layers.
+
+    A ``ReportsLoad`` pipeline layer: ``load_factor()`` is the block's work relative to the same
+    block with dense causal attention, in multiply-accumulates per training forward since
+    ``reset_load()``: ``(F + d A) / (F + A)`` with ``F`` the density-independent work (qkv, proj,
+    MLP), ``A`` the attention's at density 1 and ``d`` the measured block density;
+    ``attention_density()`` is ``d`` alone (mean active / causal block pairs).
+    """
+
+    def __init__(self, config: GPTConfig, mlp_ratio: float | None = None, layer_index: int = 0):
+        super().__init__(config, mlp_ratio, attn=HashSparseSelfAttention(config, layer_index))
+        self.reset_load()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.training and torch.is_grad_enabled():
+            b, t, c = x.shape
+            bs = self.attn.block
+            n = -(-t // bs)
+            hidden = self.mlp.fc.out_features
+            self._fixed_macs += b * t * (4 * c * c + 2 * c * hidden)
+            # QK^T and PV over every causal block pair at density 1, all heads.
+            self._full_attn_macs += b * n * (n + 1) // 2 * bs * bs * 2 * c
+            self._attn_macs += self.attn.last_density * b * n * (n + 1) // 2 * bs * bs * 2 * c
+        return y
+
+    def attention_density(self) -> float | None:
+        return self.attn.load_factor()
+
+    def load_factor(self) -> float | None:
+        if self._full_attn_macs == 0:
+            return None
+        return (self._fixed_macs + self._attn_macs) / (self._fixed_macs + self._full_attn_macs)
+
+    def reset_load(self) -> None:
+        self._fixed_macs = self._attn_macs = self._full_attn_macs = 0
+        self.attn.reset_load()
 
 
 class FinalNorm(nn.Module):
@@ -268,7 +388,11 @@ class GPT(L.LightningModule):
             if seed is not None:
                 torch.manual_seed(seed)
             layers: list[nn.Module] = [Embedding(cfg)]
-            layers += [Block(cfg, cfg.block_mlp_ratio(i)) for i in range(cfg.n_layer)]
+            layers += [
+                SparseAttentionBlock(cfg, cfg.block_mlp_ratio(i), layer_index=i)
+                if cfg.layer_attention(i) == "hash_sparse" else Block(cfg, cfg.block_mlp_ratio(i))
+                for i in range(cfg.n_layer)
+            ]
             layers += [FinalNorm(cfg), Head(cfg)]
             self.layers = nn.ModuleList(layers)
             self._init_weights()
@@ -317,11 +441,15 @@ class GPT(L.LightningModule):
         self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
         return loss
 
+    def on_pipeline_eval_loss(self, stage: str, loss: torch.Tensor, tokens: int) -> None:
+        """Called by DynMoStrategy, which evaluates through the pipeline instead of calling
+        ``validation_step``, with each batch's loss (identical on every rank)."""
+        if stage == "val":
+            self.val_loss_mean.update(loss.detach(), weight=tokens)
+
     def on_validation_epoch_end(self) -> None:
         if self.val_loss_mean.update_count == 0:
-            # validation_step did not run here on any rank (e.g. DynMoStrategy evaluates through
-            # the pipeline and logs val_ppl itself), so there is nothing to reduce.
-            return
+            return  # no validation batch ran on any rank: nothing to reduce
         # Called unconditionally on every rank: compute() all-reduces the metric state, so
         # branching on rank-local "did I update?" could deadlock. Ranks that never ran
         # validation_step (e.g. non-last pipeline stages) contribute zero weight.

@@ -58,3 +58,20 @@ def merge_layer_costs(
             fwd[i], bwd[i] = params[i] * per_param / 3, 2 * params[i] * per_param / 3
     act = tuple(float(a) for a in activation) if activation is not None else (0.0,) * num_layers
     return LayerCosts(tuple(fwd), tuple(bwd), tuple(params), tuple(memory), act)
+
+
+def scale_by_load(costs: LayerCosts, load_now: Sequence[float | None],
+                  load_at_profile: Sequence[float | None]) -> LayerCosts:
+    """The paper's c_i = r_i t_i: a layer profiled at load factor r_p that now runs at r costs
+    ``t * r / r_p`` (layers without a load signal keep their profiled time)."""
+    def factor(i: int) -> float:
+        now, then = load_now[i], load_at_profile[i]
+        if now is None or then is None or then <= 0:
+            return 1.0
+        return now / then
+
+    f = [factor(i) for i in range(costs.num_layers)]
+    return LayerCosts(
+        tuple(t * k for t, k in zip(costs.forward, f)), tuple(t * k for t, k in zip(costs.backward, f)),
+        costs.params, costs.memory, costs.activation,
+    )

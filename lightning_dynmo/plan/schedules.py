@@ -82,6 +82,27 @@ class ScheduleSpec:
         return out
 
 
+def choose_microbatches(spec: ScheduleSpec, batch_size: int, pp: int, virtual: int, pinned: int | None) -> int:
+    """Micro-batches for ``batch_size`` on ``pp`` ranks: ``pinned`` when the user set it, else the
+    largest divisor of the batch that is at most 4 x stages and suits the schedule (so that after
+    re-packing onto fewer ranks the micro-batches grow again)."""
+    if pinned is not None:
+        if batch_size % pinned:
+            raise ValueError(
+                f"batch size {batch_size} is not divisible by microbatches={pinned}; choose a batch size that "
+                f"is a multiple of {pinned} or set microbatches to a divisor of {batch_size}"
+            )
+        spec.check_microbatches(pinned, pp)
+        return pinned
+    valid = spec.valid_microbatches(batch_size, pp, virtual)
+    if not valid:
+        raise ValueError(
+            f"no micro-batch count divides batch size {batch_size} and suits schedule "
+            f"{spec.name!r} with {pp} pipeline ranks; use a batch size that is a multiple of {pp}"
+        )
+    return max(valid)
+
+
 _SCHEDULES: dict[str, ScheduleSpec] = {
     s.name: s
     for s in (

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ..plan.partition import Partition
 from ..plan.schedules import ScheduleSpec
+from .profiler import PipelineProfiler, TimedPipelineStage
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,7 @@ class PipelineEngine:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         input_spec: TensorSpec,
         layer_specs: list[TensorSpec],
+        profiler: PipelineProfiler,
     ) -> None:
         layers, partition, spec = placement.layers, placement.partition, placement.spec
         pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
@@ -135,14 +136,15 @@ class PipelineEngine:
         self.microbatches = microbatches
         self.local_stage_ids = spec.stages_of_rank(pp_rank, pp_size, partition.num_stages // pp_size)
         S = partition.num_stages
-        self.stages: list[PipelineStage] = []
+        self.stages: list[TimedPipelineStage] = []
         for s in self.local_stage_ids:
             rng = partition.layers_of(s)
             submod = nn.Sequential(*[layers[i] for i in rng])
             in_spec = input_spec if s == 0 else layer_specs[rng.start - 1]
             out_spec = layer_specs[rng.stop - 1]
+            profiler.register_stage(s, rng)
             self.stages.append(
-                PipelineStage(
+                TimedPipelineStage(
                     submod,
                     stage_index=s,
                     num_stages=S,
@@ -150,6 +152,7 @@ class PipelineEngine:
                     input_args=(in_spec.example(),),
                     output_args=(out_spec.example(),),
                     group=group,
+                    profiler=profiler,
                 )
             )
         schedule_cls = get_schedule_class(spec.torch_class)
@@ -174,3 +177,41 @@ class PipelineEngine:
                 self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
         self.last_step_seconds = time.perf_counter() - t0
         return losses if self.has_last else None
+
+
+class EngineCache:
+    """Engines by (train/eval, micro-batch shape, dtype, count), plus the per-layer output specs
+    by micro-batch shape. Engines hold references to layers, so they are dropped whenever layers
+    move (:meth:`clear_engines`); the specs stay valid until a layer changes structure
+    (:meth:`clear`)."""
+
+    def __init__(self, profiler: PipelineProfiler) -> None:
+        self.profiler = profiler
+        self._engines: dict[tuple, PipelineEngine] = {}
+        self._layer_specs: dict[tuple, list[TensorSpec]] = {}
+
+    def get(self, placement: Placement, inputs: torch.Tensor, microbatches: int, train: bool,
+            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PipelineEngine:
+        mb_shape = (inputs.shape[0] // microbatches, *inputs.shape[1:])
+        key = (train, mb_shape, inputs.dtype, microbatches)
+        engine = self._engines.get(key)
+        if engine is None:
+            spec_key = (mb_shape, inputs.dtype)
+            if spec_key not in self._layer_specs:
+                self._layer_specs[spec_key] = discover_layer_specs(placement, inputs[: mb_shape[0]])
+            engine = PipelineEngine(placement, microbatches, loss_fn, TensorSpec.of(inputs[: mb_shape[0]], requires_grad=False),
+                                    self._layer_specs[spec_key], self.profiler)
+            self._engines[key] = engine
+        return engine
+
+    def activation_bytes(self) -> list[float] | None:
+        """Per-layer output bytes per micro-batch of the first shape seen (None before any step)."""
+        specs = next(iter(self._layer_specs.values()), None)
+        return [float(sp.nbytes) for sp in specs] if specs else None
+
+    def clear_engines(self) -> None:
+        self._engines.clear()
+
+    def clear(self) -> None:
+        self._engines.clear()
+        self._layer_specs.clear()

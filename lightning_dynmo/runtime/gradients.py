@@ -1,63 +1,98 @@
-"""Gradient clipping by the norm of the *whole* model when its layers live on several ranks.
+"""Gradients of a pipeline step: held across Lightning's zero_grad, averaged over data-parallel
+replicas, and clipped by the norm of the *whole* model when its layers live on several ranks.
 
-Lightning clips through the precision plugin; each rank only sees its own stage's gradients.
-We compute exactly what ``torch.nn.utils.clip_grad_norm_`` computes in a single process: the
-per-tensor norms (``_foreach_norm``, bitwise the same on any rank) are placed at each parameter's
-single-process position, summed over the pipeline group (every slot has one owner, so the sum is
-exact), and the norm of that vector is taken in single-process order. Clipping therefore gives
-bitwise the same coefficient as single-process training. The plugin in use gets this one method
-instead of being replaced, so any precision a user picks keeps working.
+Clipping: Lightning clips through the precision plugin and each rank only sees its own stage's
+gradients. :func:`clip_by_global_norm` computes exactly what ``torch.nn.utils.clip_grad_norm_``
+computes in a single process: the per-tensor norms (``_foreach_norm``, bitwise the same on any
+rank) are placed at each parameter's single-process position, summed over the pipeline group
+(every slot has one owner, so the sum is exact), and the norm of that vector is taken in
+single-process order. Clipping therefore gives bitwise the same coefficient as single-process
+training.
 """
 from __future__ import annotations
 
-from typing import Callable
+import types
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+#: ``optimizer -> (this rank's [(single-process position, parameter)], total parameter count)``
+PositionsFn = Callable[[object], tuple[list[tuple[int, nn.Parameter]], int]]
 
 
-class PipelineGradClipMixin:
-    _dynmo_pipeline_group: dist.ProcessGroup | None = None
-    _dynmo_positions: Callable | None = None  # optimizer -> (list[(position, param)], total)
-    _dynmo_active: Callable[[], bool] = staticmethod(lambda: True)  # False on a released rank
+class HeldGradients:
+    """Lightning zeroes gradients between ``training_step`` and ``backward``; the pipeline has
+    already computed them inside the schedule, so they wait here until ``backward``."""
 
-    def clip_grad_by_norm(self, optimizer, clip_val) -> None:  # type: ignore[override]
-        if not self._dynmo_active():
-            return  # a released rank holds no gradients and is not in the pipeline group
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        slots, total = self._dynmo_positions(opt)
-        slots = [(i, p) for i, p in slots if p.grad is not None]
-        grads = [p.grad for _, p in slots]
-        device = grads[0].device if grads else torch.device("cpu")
-        if dist.is_initialized() and dist.get_backend(self._dynmo_pipeline_group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        norms = torch.zeros(total, dtype=torch.float32, device=device)
-        present = torch.zeros(total, dtype=torch.float32, device=device)
-        if grads:
-            local = torch._foreach_norm(grads, 2.0)
-            idx = torch.tensor([i for i, _ in slots], device=device)
-            norms[idx] = torch.stack([n.to(device, torch.float32) for n in local])
-            present[idx] = 1.0
-        if dist.is_initialized():
-            both = torch.cat([norms, present])
-            dist.all_reduce(both, group=self._dynmo_pipeline_group)
-            norms, present = both[:total], both[total:]
-        total_norm = torch.linalg.vector_norm(norms[present > 0], 2.0)
-        coef = torch.clamp(float(clip_val) / (total_norm + 1e-6), max=1.0)
-        if grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+    def __init__(self) -> None:
+        self._held: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def hold(self, params: Iterable[nn.Parameter]) -> None:
+        self._held = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in self._held:
+            p.grad = None
+
+    def restore(self) -> None:
+        for p, g in self._held:
+            p.grad = g
+        self._held = []
+
+    def clear(self) -> None:
+        self._held = []
 
 
-def add_pipeline_clipping(
-    plugin, group: dist.ProcessGroup | None, positions: Callable, active: Callable[[], bool] = lambda: True
-) -> None:
-    """Make ``plugin`` (any Lightning precision plugin) clip by the global norm over ``group``.
+def average_over_replicas(params: Iterable[nn.Parameter], group, replicas: int) -> None:
+    """Mean of each gradient over the data-parallel group, as one flat all-reduce."""
+    if replicas == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= replicas
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
 
-    ``positions(optimizer)`` returns this rank's ``(single-process position, parameter)`` pairs
-    and the optimizer's total parameter count."""
-    cls = type(plugin)
-    if not issubclass(cls, PipelineGradClipMixin):
-        plugin.__class__ = type(f"Pipeline{cls.__name__}", (PipelineGradClipMixin, cls), {})
-    plugin._dynmo_pipeline_group = group
-    plugin._dynmo_positions = positions
-    plugin._dynmo_active = active
+
+def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, group) -> None:
+    """Scale this rank's gradients of ``optimizer`` so the whole model's norm is <= ``clip_val``
+    (collective over the pipeline ``group``)."""
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    slots, total = positions(opt)
+    slots = [(i, p) for i, p in slots if p.grad is not None]
+    grads = [p.grad for _, p in slots]
+    device = grads[0].device if grads else torch.device("cpu")
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    norms = torch.zeros(total, dtype=torch.float32, device=device)
+    present = torch.zeros(total, dtype=torch.float32, device=device)
+    if grads:
+        local = torch._foreach_norm(grads, 2.0)
+        idx = torch.tensor([i for i, _ in slots], device=device)
+        norms[idx] = torch.stack([n.to(device, torch.float32) for n in local])
+        present[idx] = 1.0
+    if dist.is_initialized():
+        both = torch.cat([norms, present])
+        dist.all_reduce(both, group=group)
+        norms, present = both[:total], both[total:]
+    total_norm = torch.linalg.vector_norm(norms[present > 0], 2.0)
+    coef = torch.clamp(float(clip_val) / (total_norm + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+
+
+def install_global_norm_clipping(plugin, positions: PositionsFn, group: Callable[[], object],
+                                 active: Callable[[], bool]) -> None:
+    """Give ``plugin`` (any Lightning precision plugin) a ``clip_grad_by_norm`` that clips by the
+    global norm over the pipeline group ``group()``; a rank where ``active()`` is False (released
+    by re-packing) holds no gradients and skips it. The plugin's class is left as it is: only this
+    instance's method is replaced, so any precision a user picks keeps its behaviour."""
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        if active():
+            clip_by_global_norm(optimizer, clip_val, positions, group())
+
+    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)

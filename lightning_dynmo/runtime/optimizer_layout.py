@@ -142,3 +142,17 @@ class OptimizerLayout:
             hp["params"] = ids
             local_groups.append(hp)
         optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+    @staticmethod
+    def index_of(optimizers: list[Optimizer], optimizer) -> int:
+        """Position of ``optimizer`` (or the optimizer a Lightning wrapper holds) in ``optimizers``."""
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        return next(i for i, x in enumerate(optimizers) if getattr(x, "_optimizer", x) is opt)
+
+    def positions(self, module: nn.Module, optimizers: list[Optimizer], optimizer) -> tuple[list[tuple[int, nn.Parameter]], int]:
+        """This rank's parameters of ``optimizer`` with their single-process positions, and the
+        optimizer's total parameter count (what global-norm clipping needs)."""
+        o = self.index_of(optimizers, optimizer)
+        local = [(self.slots[n].index, p) for n, p in module.named_parameters()
+                 if n in self.slots and self.slots[n].optimizer == o]
+        return sorted(local, key=lambda t: t[0]), sum(len(g) for g in self.group_indices[o])

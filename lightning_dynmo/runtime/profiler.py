@@ -2,8 +2,8 @@
 
 Two levels, so that the cheap one can always run:
 
-* **stage level** (always on): each local ``PipelineStage``'s ``forward_one_chunk`` /
-  ``backward_one_chunk`` / ``backward_weight_one_chunk`` are timed. This gives per-rank busy and
+* **stage level** (always on): :class:`TimedPipelineStage` (a ``PipelineStage`` subclass) times
+  its ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` calls. This gives per-rank busy and
   idle time and the timeline of a step (the paper's Figure 5) for two clock reads per chunk.
 * **layer level** (only in profiling windows): forward pre/post hooks time each layer's forward;
   gradient hooks on each layer's output activation time its backward (the backward of layer k
@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,26 @@ class ChunkEvent:
     microbatch: int
     start: float
     end: float
+
+
+class TimedPipelineStage(PipelineStage):
+    """A ``PipelineStage`` that reports the start and end of every chunk to a profiler."""
+
+    def __init__(self, *args, profiler: "PipelineProfiler", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.profiler = profiler
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        with self.profiler.chunk(self.stage_index, "F", fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with self.profiler.chunk(self.stage_index, "B", bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        with self.profiler.chunk(self.stage_index, "W", bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
 
 class PipelineProfiler:
@@ -55,34 +77,24 @@ class PipelineProfiler:
         return time.perf_counter()
 
     # ------------------------------------------------------------------ stage level
-    def instrument(self, engine) -> None:
-        """Wrap the chunk methods of an engine's stages (idempotent per stage object)."""
-        for stage_id, stage in zip(engine.local_stage_ids, engine.stages):
-            if getattr(stage, "_dynmo_profiled", False):
-                continue
-            stage._dynmo_profiled = True
-            self._stage_layers[stage_id] = engine.partition.layers_of(stage_id)
-            stage.forward_one_chunk = self._wrap(stage_id, "F", stage.forward_one_chunk)
-            stage.backward_one_chunk = self._wrap(stage_id, "B", stage.backward_one_chunk)
-            if hasattr(stage, "backward_weight_one_chunk"):
-                stage.backward_weight_one_chunk = self._wrap(stage_id, "W", stage.backward_weight_one_chunk)
+    def register_stage(self, stage_id: int, layers: range) -> None:
+        """Which global layers a local stage runs (for attributing its backward to layers)."""
+        self._stage_layers[stage_id] = layers
 
-    def _wrap(self, stage_id: int, kind: str, fn):
-        def timed(chunk_id, *args, **kwargs):
+    @contextmanager
+    def chunk(self, stage_id: int, kind: str, chunk_id: int):
+        """Time one chunk of ``stage_id`` (``kind`` F, B or W); see :class:`TimedPipelineStage`."""
+        if kind == "B":
+            self._grad_ready = {}
+        t0 = self.now()
+        yield
+        t1 = self.now()
+        self.events.append(ChunkEvent(stage_id, kind, int(chunk_id), t0, t1))
+        if self.layer_profiling:
             if kind == "B":
-                self._grad_ready = {}
-            t0 = self.now()
-            out = fn(chunk_id, *args, **kwargs)
-            t1 = self.now()
-            self.events.append(ChunkEvent(stage_id, kind, int(chunk_id), t0, t1))
-            if self.layer_profiling:
-                if kind == "B":
-                    self._attribute_backward(stage_id, t0, t1)
-                elif kind == "W":
-                    self.wgt[stage_id] += t1 - t0
-            return out
-
-        return timed
+                self._attribute_backward(stage_id, t0, t1)
+            elif kind == "W":
+                self.wgt[stage_id] += t1 - t0
 
     def begin_step(self) -> None:
         self.events = []
@@ -90,6 +102,11 @@ class PipelineProfiler:
 
     def end_step(self) -> None:
         self.step_end = time.perf_counter()
+
+    def event_dicts(self, rank: int) -> list[dict]:
+        """The last step's chunks as the dicts :mod:`lightning_dynmo.plotting` draws."""
+        return [{"rank": rank, "stage": e.stage, "kind": e.kind, "mb": e.microbatch, "start": e.start, "end": e.end}
+                for e in self.events]
 
     def busy_seconds(self) -> dict[int, float]:
         busy: dict[int, float] = defaultdict(float)

@@ -4,13 +4,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import lightning as L
 import pytest
 
-from lightning_dynmo import DynMoStrategy
-from lightning_dynmo.protocol import PipelineProtocolError, pipeline_layers_of
 
 from tests.support.multiproc import ROOT, worker_env
 

@@ -2,8 +2,6 @@
 (or a different schedule), training continues on the same loss curve."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch

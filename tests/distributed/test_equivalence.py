@@ -6,8 +6,6 @@ are ordinary single-process Lightning runs of the same module and data.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import lightning as L
 import pytest

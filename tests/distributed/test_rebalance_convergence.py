@@ -3,9 +3,7 @@ Megatron-style uniform partition lopsided; the strategy measures it, moves to th
 the layers' FLOPs, and the measured imbalance between the ranks collapses."""
 from __future__ import annotations
 
-import sys
 from itertools import combinations
-from pathlib import Path
 from statistics import median
 
 import pytest

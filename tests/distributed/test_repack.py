@@ -3,8 +3,6 @@ training continuing with the same math; refusals leave training intact; a checkp
 packing resumes on a job with fewer devices."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -30,6 +28,7 @@ def runs(tmp_path_factory):
              memory_capacity=0.45 * _total_static_bytes()),
         base(pp=4, steps=6, n_samples=48, rebalance="every_n", rebalance_interval=3, balancer="partition_param",
              repack=2, save_ckpt=True),
+        base(pp=4, steps=6, balancer="partition_param", request_repack=[2, 2]),  # rebalance="never"
     ]
     return tmp, configs, run_worker(tmp / "four", 4, configs)
 
@@ -77,3 +76,13 @@ def test_checkpoint_after_packing_resumes_on_two_devices(runs):
     assert len(resumed["losses"]) == 3
     for a, b in zip(resumed["losses"], ref[6:]):
         assert abs(a - b) <= 1e-5 * abs(b), (resumed["losses"], ref[6:])
+
+
+def test_request_repack_packs_under_rebalance_never(runs):
+    _, configs, results = runs
+    res = results[4]
+    assert [h["kind"] for h in res["history"]] == ["repack"], res["history"]  # no rebalance ran
+    pack = res["history"][0]
+    assert pack["applied"] and pack["ranks_after"] == 2 and pack["step"] == 3, pack
+    assert res["released_per_rank"] == [False, False, True, True]
+    check_against_reference(res, configs[4])

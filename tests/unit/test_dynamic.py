@@ -3,8 +3,6 @@ schedule, PrunableLinear, early-exit blocks."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch

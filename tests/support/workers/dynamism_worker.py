@@ -10,7 +10,6 @@ the full state dict path, callback states and the strategy's rebalance history.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -18,7 +17,7 @@ torch.set_num_threads(1)
 
 import lightning as L
 
-import lightning_dynmo,F401  (registers "dynmo")
+import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing
 from lightning_dynmo.dynamic import EarlyExitGPT

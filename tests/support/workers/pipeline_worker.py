@@ -7,7 +7,6 @@ writes {"runs": [{"losses": [...], "state": path, "optim": path, "history": [...
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 
@@ -15,10 +14,21 @@ torch.set_num_threads(1)
 
 import lightning as L
 
-import lightning_dynmo,F401  (registers "dynmo")
+import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+
+
+class RepackRequest(L.Callback):
+    """Calls ``strategy.request_repack(target)`` at the end of a given step (on every rank)."""
+
+    def __init__(self, step: int, target):
+        self.step, self.target = step, target
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.strategy.request_repack(self.target)
 
 
 class ReleaseListener(L.Callback):
@@ -60,6 +70,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         from lightning_dynmo import LayerFreezing
 
         callbacks.append(LayerFreezing(schedule={int(k): int(v) for k, v in cfg["freeze"].items()}))
+    if cfg.get("request_repack"):
+        step, target = cfg["request_repack"]
+        callbacks.append(RepackRequest(int(step), target))
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=cfg["steps"]))
     trainer = L.Trainer(
@@ -78,8 +91,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         default_root_dir=out_dir,
     )
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
-    events = trainer.strategy._profiler.events  # the last step's chunk timeline on this rank
-    chunk_seconds = {k: sum(e.end - e.start for e in events if e.kind == k) for k in "FBW"}
+    events = trainer.strategy.last_step_events()  # the last step's chunk timeline on this rank
+    chunk_seconds = {k: sum(e["end"] - e["start"] for e in events if e["kind"] == k) for k in "FBW"}
     grads = sum(1 for p in trainer.lightning_module.parameters() if p.grad is not None)
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
              chunk_seconds, grads)

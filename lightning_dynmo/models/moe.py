@@ -1,0 +1,554 @@
+"""Mixture-of-Experts GPT: Mixtral-style blocks whose MLP is a token-choice top-k MoE layer.
+
+Same pipeline layout and protocol as :class:`~lightning_dynmo.models.GPT`; every ``moe_every``-th
+block (``(i + 1) % moe_every == 0``, torchtitan's ``interleave_moe_layer_step``) is an
+:class:`MoEBlock` whose MLP is an :class:`MoELayer`: a router, ``num_experts`` SwiGLU experts and
+an optional always-on shared expert (DeepSeek-MoE).
+
+Per-sequence statistics
+-----------------------
+The pipeline splits a batch into micro-batches along dim 0 and averages their losses and
+gradients, and training must equal full-batch training. So nothing here depends on which rows
+share a forward pass: capacity is per sequence (``ceil(capacity_factor * T * top_k / E)`` slots
+per expert and row), the load-balancing loss is the sequence-wise form of DeepSeek-V2 (per row
+``E / (T k) * sum_i count_i * mean_t p_i``, then the mean over rows), and the z-loss is a mean over
+each row's tokens, then over rows. A micro-batch's auxiliary loss is the mean over its rows, like
+its cross-entropy, so the micro-batch average is the full-batch value.
+
+Auxiliary losses without travelling through the pipeline
+--------------------------------------------------------
+Pipeline layers pass exactly one tensor, so an MoE layer cannot hand its loss to the last stage.
+As in Megatron-Core (``MoEAuxLossAutoScaler``), :func:`~lightning_dynmo.models._aux_loss.attach_aux_loss`
+ties the loss to the layer's output: forward is the identity, backward also seeds the loss with
+gradient 1, so its gradient reaches the router in the backward pass that already runs through the
+layer. ``pipeline_loss`` and the loss ``training_step`` returns stay plain cross-entropy (logged
+losses compare equal with and without the pipeline); the gradients are those of ``CE + aux``.
+
+Load signal
+-----------
+Each :class:`MoEBlock` is a :class:`~lightning_dynmo.protocol.ReportsLoad`: it counts the tokens
+each expert actually processed (after capacity dropping) in its training forwards, as device
+tensors, and converts them only when read: ``load_factor()`` for the strategy's cost model,
+``routing_stats()`` for :class:`~lightning_dynmo.callbacks.moe.MoELoadMonitor`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._aux_loss import attach_aux_loss, set_aux_loss_scale
+from .gpt import GPT, Block, GPTConfig
+
+__all__ = [
+    "GroupedExperts",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEGPT",
+    "MoELayer",
+    "Routing",
+    "RoutingCounts",
+    "RoutingStats",
+    "SwiGLU",
+    "TopKRouter",
+    "load_balancing_loss",
+    "router_z_loss",
+]
+
+_SCORE_FUNCS = ("softmax", "sigmoid")
+_DROP_POLICIES = ("probs", "position")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts settings (the dense settings stay in :class:`GPTConfig`).
+
+    Args:
+        num_experts: routed experts per MoE layer.
+        top_k: experts each token is sent to.
+        score_func: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3) router scores.
+        renormalize: rescale each token's top-k weights to sum to 1. With ``top_k=1`` and
+            softmax this makes every weight 1 and the router learns only from the aux loss.
+        shared_expert: ``True`` adds an always-on expert as wide as a routed one; an int gives
+            its hidden size; ``False`` none.
+        moe_every: block ``i`` is MoE when ``(i + 1) % moe_every == 0``; others stay dense.
+        aux_loss_coeff: weight of the sequence-wise Switch/GShard load-balancing loss (0: off).
+        z_loss_coeff: weight of the ST-MoE router z-loss (0: off).
+        capacity_factor: ``None`` is dropless; a number caps each expert at
+            ``ceil(capacity_factor * T * top_k / num_experts)`` tokens per sequence.
+        drop_policy: which over-capacity tokens are dropped: ``"probs"`` keeps the highest
+            routing weights, ``"position"`` the earliest tokens.
+        expert_ratio: expert hidden size as a multiple of ``n_embd``; ``None`` uses the block's
+            dense ``mlp_ratio``.
+        grouped_mm: ``None`` runs the experts as one ``torch._grouped_mm`` where this torch
+            build, dtype and sizes allow it and as a loop otherwise; ``True`` requires the grouped
+            GEMM; ``False`` always loops.
+    """
+
+    num_experts: int = 8
+    top_k: int = 2
+    score_func: str = "softmax"
+    renormalize: bool = True
+    shared_expert: bool | int = False
+    moe_every: int = 1
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    expert_ratio: float | None = None
+    grouped_mm: bool | None = None
+
+    def __post_init__(self) -> None:
+        if int(self.num_experts) < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= int(self.top_k) <= int(self.num_experts):
+            raise ValueError(
+                f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}: "
+                "lower top_k or raise num_experts"
+            )
+        if self.score_func not in _SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {_SCORE_FUNCS}, got {self.score_func!r}")
+        if int(self.moe_every) < 1:
+            raise ValueError(
+                f"moe_every must be >= 1 (1: every block is MoE, 2: every other block), got {self.moe_every}"
+            )
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            if float(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        if self.capacity_factor is not None and not float(self.capacity_factor) > 0:
+            raise ValueError(
+                f"capacity_factor must be > 0, got {self.capacity_factor}; use None for dropless routing"
+            )
+        if self.drop_policy not in _DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {_DROP_POLICIES}, got {self.drop_policy!r}")
+        if not isinstance(self.shared_expert, bool) and int(self.shared_expert) < 1:
+            raise ValueError(
+                f"shared_expert must be True, False or a positive hidden size, got {self.shared_expert}"
+            )
+        if self.expert_ratio is not None and not float(self.expert_ratio) > 0:
+            raise ValueError(f"expert_ratio must be > 0 (or None for the block's mlp_ratio), got {self.expert_ratio}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_any(cls, config: MoEConfig | Mapping | None) -> MoEConfig:
+        """Accept a MoEConfig, a (OmegaConf) mapping, or None (defaults)."""
+        if config is None:
+            return cls()
+        if isinstance(config, MoEConfig):
+            return dataclasses.replace(config)
+        if isinstance(config, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(config) - fields
+            if unknown:
+                raise ValueError(f"unknown MoEConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
+            return cls(**{k: config[k] for k in config})
+        raise TypeError(f"moe must be a MoEConfig, dict or None, got {type(config).__name__}")
+
+
+@dataclass
+class Routing:
+    """One forward's routing decisions for ``x [B, T, C]``.
+
+    ``weights`` / ``experts``: ``[B, T, k]`` combine weights (fp32) and expert ids per slot;
+    ``keep``: ``[B, T, k]`` slots within capacity (``None``: dropless); ``probs``: ``[B, T, E]``
+    per-token expert probabilities the load-balancing loss uses; ``logits``: ``[B, T, E]`` fp32.
+    """
+
+    weights: Tensor
+    experts: Tensor
+    keep: Tensor | None
+    probs: Tensor
+    logits: Tensor
+
+
+def load_balancing_loss(probs: Tensor, experts: Tensor, num_experts: int) -> Tensor:
+    """Sequence-wise Switch/GShard loss (DeepSeek-V2): per row ``sum_i f_i P_i`` with
+    ``f_i = E / (T k) * #(slots routed to i)`` (before capacity) and ``P_i = mean_t probs[:, i]``,
+    then the mean over rows. Equals 1 for perfectly uniform routing.
+
+    ``probs [B, T, E]``, ``experts [B, T, k]``.
+    """
+    b, t, k = experts.shape
+    routed = torch.zeros(b, t, num_experts, dtype=probs.dtype, device=probs.device)
+    routed.scatter_(2, experts, 1.0)
+    f = routed.sum(dim=1) * (num_experts / (t * k))
+    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """ST-MoE router z-loss ``logsumexp(logits)^2``: mean over each row's tokens, then rows."""
+    return torch.logsumexp(logits, dim=-1).square().mean(dim=1).mean()
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k router with per-sequence expert capacity."""
+
+    def __init__(self, dim: int, config: MoEConfig):
+        super().__init__()
+        self.num_experts = int(config.num_experts)
+        self.top_k = int(config.top_k)
+        self.score_func = config.score_func
+        self.renormalize = bool(config.renormalize)
+        self.capacity_factor = None if config.capacity_factor is None else float(config.capacity_factor)
+        self.drop_policy = config.drop_policy
+        self.gate = nn.Linear(dim, self.num_experts, bias=False)
+
+    def capacity(self, tokens_per_row: int) -> int:
+        """Slots per expert and sequence (``None`` capacity factor: every slot fits)."""
+        if self.capacity_factor is None:
+            return tokens_per_row
+        cap = math.ceil(self.capacity_factor * tokens_per_row * self.top_k / self.num_experts)
+        return min(cap, tokens_per_row)  # an expert gets each token at most once
+
+    def forward(self, x: Tensor) -> Routing:
+        logits = self.gate(x).float()  # routing decisions in fp32 whatever the activation dtype
+        if self.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            probs = scores
+        else:
+            scores = logits.sigmoid()
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        keep = None if self.capacity_factor is None else self._within_capacity(weights, experts)
+        return Routing(weights=weights, experts=experts, keep=keep, probs=probs, logits=logits)
+
+    @torch.no_grad()
+    def _within_capacity(self, weights: Tensor, experts: Tensor) -> Tensor:
+        """``[B, T, k]`` mask of the slots each expert accepts, per sequence."""
+        b, t, _ = experts.shape
+        cap = self.capacity(t)
+        if self.drop_policy == "position":
+            routed = torch.zeros(b, t, self.num_experts, dtype=torch.int32, device=experts.device)
+            routed.scatter_(2, experts, 1)
+            accepted = routed.cumsum(dim=1) <= cap  # the first `cap` tokens of the row that chose e
+        else:
+            priority = torch.full((b, t, self.num_experts), -math.inf, dtype=weights.dtype, device=weights.device)
+            priority.scatter_(2, experts, weights)
+            best = priority.topk(cap, dim=1).indices  # the `cap` highest weights per (row, expert)
+            accepted = torch.zeros(b, t, self.num_experts, dtype=torch.bool, device=experts.device)
+            accepted.scatter_(1, best, True)
+        return accepted.gather(2, experts)
+
+
+@functools.cache
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch build has a ``torch._grouped_mm`` kernel for ``device_type`` and ``dtype``
+    (probed once with a tiny aligned problem)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.zeros(4, 8, device=device_type, dtype=dtype)
+        b = torch.zeros(2, 8, 8, device=device_type, dtype=dtype)
+        torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: the Mixtral/LLaMA expert MLP; used as the shared expert."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts stored as stacked weights (torchtitan's layout, transposed so
+    that ``x @ w`` needs no transpose): ``w1, w3 [E, C, H]``, ``w2 [E, H, C]``.
+
+    ``forward(x, counts)`` takes tokens sorted by expert (``counts[e]`` rows for expert ``e``) and
+    runs all experts as one grouped GEMM per weight (``torch._grouped_mm``) when this torch build
+    has it for the device and dtype and every row stride is a multiple of 16 bytes; otherwise it
+    loops over experts. Both compute the same function.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, grouped_mm: bool | None = None):
+        super().__init__()
+        self.dim, self.hidden, self.num_experts = dim, hidden, num_experts
+        self.grouped_mm = grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def uses_grouped_mm(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Which path ``forward`` takes for activations of ``dtype`` on ``device``."""
+        if self.grouped_mm is False:
+            return False
+        size = torch.empty((), dtype=dtype).element_size()
+        aligned = self.dim * size % 16 == 0 and self.hidden * size % 16 == 0
+        runs = _grouped_mm_runs(device.type, dtype)
+        if self.grouped_mm and not (runs and aligned):
+            raise RuntimeError(
+                f"grouped_mm=True, but torch._grouped_mm cannot run {dtype} on {device.type} with "
+                f"n_embd={self.dim} and expert hidden={self.hidden} "
+                f"({'strides must be multiples of 16 bytes' if runs else 'no kernel in this torch build'}); "
+                "set grouped_mm=None to fall back to the expert loop automatically"
+            )
+        return runs and aligned
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        device_type = x.device.type
+        # under autocast, compute in the autocast dtype like nn.Linear would
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        if self.uses_grouped_mm(dtype, x.device):
+            x = x.to(dtype)
+            w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+            offsets = counts.cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+            return torch._grouped_mm(h, w2, offs=offsets)
+        outputs = []
+        for e, xe in enumerate(x.split(counts.tolist())):
+            outputs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
+        return torch.cat(outputs)
+
+
+def _records_routing(module: nn.Module) -> bool:
+    """Training forwards count towards the load signal; no-grad passes (validation, the
+    strategy's shape discovery) do not."""
+    return module.training and torch.is_grad_enabled()
+
+
+@dataclass
+class RoutingCounts:
+    """What an MoE layer's recorded forwards did since a reset. Tensors stay on the device, so
+    training needs no host sync for them; readers convert."""
+
+    forwards: int = 0
+    tokens: int = 0  # sum of B * T
+    causal_pairs: int = 0  # (query, key) pairs under the causal mask: sum of B * T (T + 1) / 2
+    expert_tokens: Tensor | None = None  # [E] slots each expert processed (after capacity)
+    balance_loss_sum: Tensor | None = None  # unscaled load-balancing loss, summed over forwards
+
+    def add(self, b: int, t: int, expert_tokens: Tensor, balance_loss: Tensor) -> None:
+        self.forwards += 1
+        self.tokens += b * t
+        self.causal_pairs += b * t * (t + 1) // 2
+        if self.expert_tokens is None:
+            self.expert_tokens, self.balance_loss_sum = expert_tokens.clone(), balance_loss.detach().clone()
+        else:
+            self.expert_tokens += expert_tokens
+            self.balance_loss_sum += balance_loss.detach()
+
+
+class MoELayer(nn.Module):
+    """Router + routed experts (+ shared expert): ``[B, T, C] -> [B, T, C]``.
+
+    Each token's output is ``sum_{kept slots} weight * expert(x) (+ shared(x))``; a dropped slot
+    contributes nothing (the token still passes through the block's residual). While recording
+    (training with grad) the layer attaches ``aux_loss_coeff * load_balancing_loss +
+    z_loss_coeff * router_z_loss`` to its output with ``attach_aux_loss`` and adds to two
+    :class:`RoutingCounts` windows, one per reader so neither resets the other's: ``load_window``
+    (the strategy's per-step load signal) and ``stats_window`` (monitoring callbacks).
+
+    ``aux_loss_coeff`` and ``z_loss_coeff`` are plain attributes, so a callback may schedule them.
+    """
+
+    def __init__(self, dim: int, expert_hidden: int, config: MoEConfig):
+        super().__init__()
+        self.num_experts = int(config.num_experts)
+        self.top_k = int(config.top_k)
+        self.aux_loss_coeff = float(config.aux_loss_coeff)
+        self.z_loss_coeff = float(config.z_loss_coeff)
+        self.router = TopKRouter(dim, config)
+        self.experts = GroupedExperts(dim, expert_hidden, self.num_experts, config.grouped_mm)
+        shared = config.shared_expert
+        shared_hidden = expert_hidden if shared is True else int(shared)
+        self.shared_expert = SwiGLU(dim, shared_hidden) if shared else None
+        self.load_window = RoutingCounts()
+        self.stats_window = RoutingCounts()
+
+    @torch.no_grad()
+    def init_weights(self, std: float, residual_std: float) -> None:
+        """GPT-2 init: ``std`` for input projections and the router, ``residual_std`` for the
+        projections back into the residual stream."""
+        nn.init.normal_(self.router.gate.weight, 0.0, std)
+        nn.init.normal_(self.experts.w1, 0.0, std)
+        nn.init.normal_(self.experts.w3, 0.0, std)
+        nn.init.normal_(self.experts.w2, 0.0, residual_std)
+        if self.shared_expert is not None:
+            nn.init.normal_(self.shared_expert.w1.weight, 0.0, std)
+            nn.init.normal_(self.shared_expert.w3.weight, 0.0, std)
+            nn.init.normal_(self.shared_expert.w2.weight, 0.0, residual_std)
+
+    @property
+    def macs_per_slot(self) -> int:
+        """Multiply-accumulates of one token through one routed expert."""
+        return 3 * self.experts.dim * self.experts.hidden
+
+    @property
+    def fixed_macs_per_token(self) -> int:
+        """Routing-independent MACs per token: the router and the shared expert."""
+        shared = 0 if self.shared_expert is None else 3 * self.experts.dim * self.shared_expert.w1.out_features
+        return self.experts.dim * self.num_experts + shared
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        k = self.top_k
+        routing = self.router(x)
+        slots = torch.arange(b * t * k, device=x.device)
+        if routing.keep is not None:
+            # Host sync: the number of kept slots sizes the expert GEMMs (dropping saves work).
+            slots = slots[routing.keep.reshape(-1)]
+        slot_expert = routing.experts.reshape(-1)[slots]
+        order = torch.argsort(slot_expert, stable=True)  # group slots by expert, token order kept
+        slots = slots[order]
+        counts = torch.bincount(slot_expert, minlength=self.num_experts)
+        tokens = slots // k
+        flat = x.reshape(b * t, c)
+        y = self.experts(flat[tokens], counts)
+        y = y * routing.weights.reshape(-1)[slots, None].to(y.dtype)
+        out = torch.zeros(b * t, c, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        out = out.view(b, t, c)
+
+        if not _records_routing(self):
+            return out
+        wants_balance_grad = self.aux_loss_coeff > 0
+        with torch.set_grad_enabled(wants_balance_grad):
+            balance = load_balancing_loss(routing.probs, routing.experts, self.num_experts)
+        for window in (self.load_window, self.stats_window):
+            window.add(b, t, counts, balance)
+        aux_loss = balance * self.aux_loss_coeff if wants_balance_grad else None
+        if self.z_loss_coeff > 0:
+            z = router_z_loss(routing.logits) * self.z_loss_coeff
+            aux_loss = z if aux_loss is None else aux_loss + z
+        return out if aux_loss is None else attach_aux_loss(out, aux_loss, 1.0)
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """A window of an :class:`MoEBlock`'s routing, for logging: ``relative_work`` (as
+    ``load_factor``), tokens each expert processed ``[E]`` (CPU int64), the share of routed
+    slots dropped for capacity, and the mean unscaled load-balancing loss (1.0 = uniform)."""
+
+    relative_work: float
+    expert_counts: Tensor
+    dropped_fraction: float
+    balance_loss: float
+
+
+class MoEBlock(Block):
+    """Pre-LN block whose MLP is an :class:`MoELayer`; a :class:`~lightning_dynmo.protocol.ReportsLoad`.
+
+    ``load_factor()`` is the block's work relative to dropless routing, in multiply-accumulates::
+
+        (F + kept * S) / (F + tokens * top_k * S)
+
+    ``F``: routing-independent work of the recorded forwards, ``tokens * (4 C^2 + C E + 3 C H_shared)
+    + 2 C * causal_pairs`` (attention projections, router, shared expert, causal attention scores
+    and values); ``S = 3 C H``: one token through one routed expert; ``kept``: expert slots
+    processed after capacity dropping. Dropless routing always gives 1.0: on one rank expert work
+    does not depend on how tokens spread over experts (``routing_stats()`` shows that spread,
+    which matters once experts are sharded over ranks).
+
+    ``load_factor``/``reset_load`` read and restart the strategy's window; ``routing_stats``/
+    ``reset_routing_stats`` a separate one for monitoring, so the two readers never reset each
+    other's counts.
+    """
+
+    def __init__(self, config: GPTConfig, moe: MoEConfig, expert_hidden: int):
+        super().__init__(config)
+        self.mlp = MoELayer(config.n_embd, expert_hidden, moe)
+
+    def _relative_work(self, window: RoutingCounts, kept: int) -> float:
+        moe, c = self.mlp, self.mlp.experts.dim
+        fixed = window.tokens * (4 * c * c + moe.fixed_macs_per_token) + 2 * c * window.causal_pairs
+        full = fixed + window.tokens * moe.top_k * moe.macs_per_slot
+        return (fixed + kept * moe.macs_per_slot) / full
+
+    def load_factor(self) -> float | None:
+        window = self.mlp.load_window
+        if window.forwards == 0:
+            return None
+        return self._relative_work(window, int(window.expert_tokens.sum()))
+
+    def reset_load(self) -> None:
+        self.mlp.load_window = RoutingCounts()
+
+    def routing_stats(self) -> RoutingStats | None:
+        """The monitoring window since :meth:`reset_routing_stats` (``None``: no forward)."""
+        window = self.mlp.stats_window
+        if window.forwards == 0:
+            return None
+        counts = window.expert_tokens.cpu()
+        kept = int(counts.sum())
+        return RoutingStats(
+            relative_work=self._relative_work(window, kept),
+            expert_counts=counts,
+            dropped_fraction=1.0 - kept / (window.tokens * self.mlp.top_k),
+            balance_loss=float(window.balance_loss_sum) / window.forwards,
+        )
+
+    def reset_routing_stats(self) -> None:
+        self.mlp.stats_window = RoutingCounts()
+
+    def expert_counts(self) -> Tensor:
+        """Tokens each expert processed (after capacity) in the monitoring window, ``[E]`` int64."""
+        stats = self.routing_stats()
+        return torch.zeros(self.mlp.num_experts, dtype=torch.int64) if stats is None else stats.expert_counts
+
+
+class MoEGPT(GPT):
+    """GPT whose every ``moe.moe_every``-th block is an :class:`MoEBlock` (see the module docstring).
+
+    Args:
+        config: the dense model, as for :class:`~lightning_dynmo.models.GPT`.
+        moe: a :class:`MoEConfig` or a mapping of its fields (``None``: defaults).
+        other args: as :class:`~lightning_dynmo.models.GPT`; ``seed`` also fixes the MoE weights.
+    """
+
+    def __init__(self, config=None, moe: MoEConfig | Mapping | None = None, **kwargs):
+        # save_hyperparameters (in GPT.__init__) reads these locals: keep them plain dicts
+        config = GPTConfig.from_any(config).to_dict()
+        moe_config = MoEConfig.from_any(moe)
+        moe = moe_config.to_dict()  # noqa: F841
+        super().__init__(config, **kwargs)
+        cfg = self.config
+        self.moe_config = moe_config
+        blocks = [i for i in range(cfg.n_layer) if (i + 1) % moe_config.moe_every == 0]
+        if not blocks:
+            raise ValueError(
+                f"moe_every={moe_config.moe_every} leaves no MoE block among n_layer={cfg.n_layer} blocks; "
+                f"use moe_every <= {cfg.n_layer}"
+            )
+        seed = self.hparams.seed
+        std, residual_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)  # as GPT._init_weights
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            for i in blocks:
+                ratio = cfg.block_mlp_ratio(i) if moe_config.expert_ratio is None else moe_config.expert_ratio
+                block = MoEBlock(cfg, moe_config, expert_hidden=max(1, round(ratio * cfg.n_embd)))
+                dense = self.layers[1 + i]
+                for name in ("ln_1", "attn", "ln_2"):
+                    getattr(block, name).load_state_dict(getattr(dense, name).state_dict())
+                block.mlp.init_weights(std, residual_std)
+                self.layers[1 + i] = block
+
+    def moe_blocks(self) -> list[tuple[int, MoEBlock]]:
+        """``(global layer index, block)`` of the MoE blocks this rank holds."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, MoEBlock)]
+
+    def on_train_start(self) -> None:
+        # Lightning divides the training loss by accumulate_grad_batches before backward; the
+        # auxiliary losses enter in backward, so scale them the same way (the pipeline strategy
+        # scales gradients instead and rejects accumulate_grad_batches > 1)
+        set_aux_loss_scale(1.0 / self.trainer.accumulate_grad_batches)

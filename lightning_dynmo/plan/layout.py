@@ -1,0 +1,57 @@
+"""Where this rank sits in the pipeline: topology, schedule layout, partition, active ranks.
+
+A value every part of the strategy reads (placement, rebalancing, checkpoints) instead of each
+re-deriving ranks and stages. Re-packing shrinks ``active_pp``; ranks beyond it are released.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .partition import Partition
+from .schedules import ScheduleSpec
+from .topology import Topology
+
+
+@dataclass
+class PipelineLayout:
+    topology: Topology
+    spec: ScheduleSpec
+    virtual: int
+    global_rank: int
+    partition: Partition | None = None
+    packed_pp: int | None = None  # pipeline ranks after re-packing (None: not packed)
+
+    @property
+    def pp_size(self) -> int:
+        """Ranks in each pipeline now (fewer than ``topology.pp`` after re-packing)."""
+        return self.packed_pp or self.topology.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.topology.pp_rank(self.global_rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.topology.dp_rank(self.global_rank)
+
+    @property
+    def released(self) -> bool:
+        """True on a rank that re-packing took out of the pipeline (it holds no layers)."""
+        return self.pp_rank >= self.pp_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_size * self.virtual
+
+    def rank_of_stage(self, stage: int, pp: int | None = None) -> int:
+        return self.spec.rank_of_stage(stage, pp or self.pp_size)
+
+    def local_layer_indices(self) -> list[int]:
+        """Global indices of the layers this rank owns, in pipeline order."""
+        assert self.partition is not None
+        return [i for s in range(self.partition.num_stages) if self.rank_of_stage(s) == self.pp_rank
+                for i in self.partition.layers_of(s)]
+
+    def owners(self) -> list[int]:
+        """Pipeline rank owning each layer."""
+        return [self.rank_of_stage(s) for s in self.partition.owner_map()]

@@ -1,0 +1,273 @@
+"""Wires plan/ and runtime/ for Algorithm 1: profile after a trigger, decide, migrate, re-pack.
+
+Per step: ``before_step`` acts on the profile of the previous step (if one was taken) and starts
+profiling when the policy or a re-pack request asks; ``after_step`` takes in the step's shared
+statistics. Every rank runs the same code on the same agreed numbers, so decisions agree.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..plan.balancers import BalanceProblem, get_balancer
+from ..plan.cost_model import CostModel, LayerCosts
+from ..plan.measurements import merge_layer_costs, scale_by_load
+from ..plan.migration_plan import MigrationPlan
+from ..plan.partition import Partition
+from ..plan.policy import Decision, RebalancePolicy, decide
+from ..plan.repack import RepackRefused, check_repack_target, plan_repack
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from ..runtime.groups import build_packed_groups
+from ..runtime.migration import MigrationStats, execute_migration
+from ..runtime.profiler import layer_memory_bytes
+from ..runtime.step_stats import StepStats
+from .recorder import DecisionRecorder
+
+if TYPE_CHECKING:
+    from .strategy import DynMoStrategy
+
+log = logging.getLogger(__name__)
+
+
+class Rebalancer:
+    def __init__(self, strategy: "DynMoStrategy", policy: RebalancePolicy, balancer: str, repack: int | str,
+                 repack_tolerance: float, plot: bool) -> None:
+        self.strategy = strategy
+        self.policy = policy
+        self.balancer = balancer
+        self.repack = repack
+        self.repack_tolerance = repack_tolerance
+        self.recorder = DecisionRecorder(plot)
+        self.known_costs: dict[int, tuple[float, float]] = {}  # layer -> (fwd, bwd) s per micro-batch
+        self.load_at_profile: dict[int, float | None] = {}
+        self.layer_load: list[float | None] = []
+        self.migration_cost: float | None = None  # measured seconds of the last migration
+        self.rank_busy: list[float] = []
+        self.rank_wall: list[float] = []
+        self._profiling_reason: str | None = None
+        self._decide_next = False
+        self._repack_requested: int | str | None = None
+
+    # ------------------------------------------------------------------ requests
+    def request_rebalance(self, reason: str) -> None:
+        self.policy.request(str(reason))
+
+    def request_repack(self, target: int | str) -> None:
+        """Re-packing has its own path: it works under every rebalance mode, ``never`` included."""
+        self._repack_requested = check_repack_target(target)
+
+    @property
+    def profiling(self) -> bool:
+        return self._profiling_reason is not None
+
+    # ------------------------------------------------------------------ per step
+    def before_step(self, step: int) -> None:
+        s = self.strategy
+        if self._decide_next:
+            self._decide_next = False
+            s.profiler.stop_layer_profiling()
+            self._act_on_profile(step, self._profiling_reason or "peer request")
+        reason = self.policy.profile_reason(step)
+        if self._repack_requested is not None:
+            reason = "; ".join(r for r in (reason, f"repack to {self._repack_requested}") if r)
+        self._profiling_reason = reason
+        if reason:
+            s.profiler.start_layer_profiling(s.layers, s.local_layer_indices())
+
+    def after_step(self, stats: StepStats) -> None:
+        if self._profiling_reason:
+            for i, ft in self.strategy.profiler.layer_times().items():
+                self.known_costs[i] = ft
+        self._decide_next = stats.profiled
+        self.rank_busy, self.rank_wall = stats.rank_busy, stats.rank_wall
+        if stats.profiled:
+            self.load_at_profile = dict(enumerate(stats.layer_load))
+        self.layer_load = stats.layer_load
+        self.policy.observe_busy(stats.rank_busy)
+
+    # ------------------------------------------------------------------ costs
+    def cost_model(self) -> CostModel:
+        s = self.strategy
+        m = s.last_microbatches or s.options.microbatches or 4 * s.layout.num_stages
+        return CostModel(microbatches=m, schedule=s.layout.spec.cost_schedule, capacity=s.options.memory_capacity,
+                         virtual_stages=s.layout.virtual)
+
+    def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
+        """Per-layer costs identical on every rank (collective over the world), scaled by the
+        layers' current load factors; plus every rank's chunk timeline of the last step."""
+        s = self.strategy
+        local = {}
+        for i in s.local_layer_indices():
+            layer = s.layers[i]
+            f, b = self.known_costs.get(i, (math.nan, math.nan))
+            params = sum(p.numel() for p in layer.parameters())
+            local[i] = (f, b, params, layer_memory_bytes(layer, s.optimizers))
+        events = s.last_step_events()
+        parts: list = [None] * s.layout.topology.world_size
+        dist.all_gather_object(parts, (local, events))
+        costs = merge_layer_costs([p for p, _ in parts], len(s.layers), s.engines.activation_bytes())
+        if self.layer_load:
+            L = len(s.layers)
+            costs = scale_by_load(costs, self.layer_load, [self.load_at_profile.get(i) for i in range(L)])
+        return costs, [e for _, ev in parts for e in ev]
+
+    def initial_partition(self, layers) -> Partition:
+        """The user's ``partition``, or the balancer's on what is known before any step (parameter counts)."""
+        s = self.strategy
+        given = s.options.partition
+        if given is not None:
+            if given.num_layers != len(layers) or given.num_stages != s.layout.num_stages:
+                raise ValueError(
+                    f"partition {given.boundaries} does not split {len(layers)} layers into {s.layout.num_stages} stages"
+                )
+            return given
+        params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+        problem = BalanceProblem(costs=LayerCosts.from_params(params), num_stages=s.layout.num_stages,
+                                 model=self.cost_model(), current=None)
+        return get_balancer(self.balancer)(problem).partition
+
+    # ------------------------------------------------------------------ decisions
+    def _act_on_profile(self, step: int, reason: str) -> None:
+        """Algorithm 1: balance on the profiled costs, migrate, then (optionally) re-pack."""
+        costs, events = self.gather_layer_costs()
+        if self.policy.mode != "never" and not reason.startswith("repack"):
+            self._rebalance(step, reason, costs, events)
+        target = self._repack_requested if self._repack_requested is not None else self.repack
+        self._repack_requested = None
+        if target != "off" and self.strategy.layout.pp_size > 1:
+            self._repack(step, target, costs)
+
+    def _rebalance(self, step: int, reason: str, costs: LayerCosts, events: list[dict]) -> None:
+        s = self.strategy
+        model, before = self.cost_model(), s.partition
+        cost = self.migration_cost
+        if cost is None:
+            cost = max(self.rank_wall) if self.rank_wall else 0.0  # first time: assume one step
+        decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
+                               current=before, policy=self.policy, migration_cost=cost)
+        if new is not None:
+            seconds, moved_bytes = self.migrate(new)
+            self.migration_cost = seconds + (decision.decision_ms or 0.0) / 1e3
+            self.policy.applied(step)
+            decision = decision.with_(migration_ms=seconds * 1e3, migration_bytes=moved_bytes)
+        self._record(decision, costs, model, events, before, new)
+
+    def _repack(self, step: int, target: int | str, costs: LayerCosts) -> None:
+        s = self.strategy
+        before, ranks_before = s.partition, s.layout.pp_size
+        base = Decision(step=step, reason=f"repack {target}", kind="repack", before=str(before), applied=False,
+                        why="", ranks_before=ranks_before)
+        if s.last_batch_size is None:
+            self._record(base.with_(why="refused: no step has run yet"))
+            return
+        try:
+            plan = plan_repack(
+                costs, before, self.cost_model(), ranks_before, target, self.balancer,
+                lambda r: s.choose_microbatches(s.last_batch_size, pp=r), s.layout.virtual, self.repack_tolerance,
+            )
+        except RepackRefused as err:
+            self._record(base.with_(why=f"refused: {err}"))
+            return
+        seconds, _ = self.migrate(plan.partition, ranks=plan.ranks)
+        self.policy.applied(step)
+        self._record(base.with_(
+            applied=True, after=str(plan.partition), ranks_after=plan.ranks, microbatches=plan.microbatches,
+            released=tuple(s.layout.released_ranks), predicted_step_after=plan.predicted_step, migration_ms=seconds * 1e3,
+            why=f"packed {ranks_before} -> {plan.ranks}",
+        ))
+
+    def _record(self, decision: Decision, costs=None, model=None, events=(), before=None, after=None) -> None:
+        s = self.strategy
+        out_dir = s.output_dir()  # collective (Trainer.log_dir broadcasts): every rank calls it
+        self.recorder.record(s.lightning_module, decision, s.partition, out_dir, s.is_global_zero, costs, model,
+                             events, before, after)
+
+    # ------------------------------------------------------------------ migration
+    def execute(self, plan: MigrationPlan) -> MigrationStats:
+        """Carry out ``plan`` on this rank (collective over the pipeline group)."""
+        s = self.strategy
+        s.profiler.stop_layer_profiling()  # hooks must not travel with the layers
+        s.engines.clear_engines()  # release stage references to layers that may leave
+        stats = execute_migration(plan, s.lightning_module, s.layers, s.layers_attr, s.optimizers,
+                                  s.optimizer_layout, s.layout.pp_rank, s.pipeline_group, s.root_device)
+        s.last_migration = stats
+        log.debug("rank %d migrated: %s", s.global_rank, plan.describe())
+        return stats
+
+    def shrink_pipeline(self, ranks: int, partition: Partition) -> None:
+        """After the layers moved: rebuild every replica's pipeline group on its first ``ranks``
+        ranks and release the others. Collective over the world."""
+        s = self.strategy
+        s.engines.clear_engines()
+        groups = build_packed_groups(s.layout.topology, ranks, s.options.timeout)
+        s.layout.packed_pp = ranks
+        s.layout.partition = partition
+        s.replica_pipeline_groups = groups
+        s.pipeline_group = groups[s.layout.dp_rank] if not s.layout.released else None
+        s.layout.released_ranks = s.layout.topology.released_ranks(ranks)
+        if s.layout.released:
+            s.engines.clear()
+            if s.root_device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._notify_released(s.layout.released_ranks)
+
+    def _notify_released(self, released: list[int]) -> None:
+        """Tell the launcher/scheduler: ``on_workers_released(ranks)`` on the LightningModule and
+        on every callback that defines it, plus a log line and a metric."""
+        s = self.strategy
+        module = s.lightning_module
+        for obj in [module, *module.trainer.callbacks]:
+            hook = getattr(obj, "on_workers_released", None)
+            if callable(hook):
+                hook(released)
+        module.log("pipeline/ranks", float(s.layout.pp_size), on_step=True, on_epoch=False, batch_size=1)
+        rank_zero_info(f"dynmo: packed onto {s.layout.pp_size} pipeline ranks per replica; released ranks {released}")
+
+    def rebalance_to(self, new: Partition) -> MigrationStats:
+        """Same stage count, new boundaries (see ``DynMoStrategy.rebalance_to``)."""
+        s = self.strategy
+        if new.num_layers != s.partition.num_layers or new.num_stages != s.partition.num_stages:
+            raise ValueError(
+                f"partition {new} must split {s.partition.num_layers} layers into {s.partition.num_stages} stages"
+            )
+        if s.layout.released:  # not in the pipeline group: nothing to send or receive
+            s.layout.partition = new
+            return MigrationStats()
+        stats = self.execute(MigrationPlan.build(s.partition, new, s.layout.rank_of_stage))
+        s.layout.partition = new
+        return stats
+
+    def check_repack(self, ranks: int, partition: Partition) -> None:
+        s = self.strategy
+        if not 1 <= ranks < s.layout.pp_size:
+            raise ValueError(f"can only pack {s.layout.pp_size} pipeline ranks onto 1..{s.layout.pp_size - 1}, got {ranks}")
+        if partition.num_stages != ranks * s.layout.virtual or partition.num_layers != len(s.layers):
+            raise ValueError(f"partition {partition} does not split {len(s.layers)} layers into "
+                             f"{ranks * s.layout.virtual} stages")
+
+    def migrate(self, new: Partition, ranks: int | None = None) -> tuple[float, int]:
+        """Move layers so that ``new`` (on ``ranks`` pipeline ranks, default: as now) becomes the
+        partition; returns the slowest rank's seconds and the bytes moved (agreed everywhere)."""
+        s = self.strategy
+        spec = s.layout.spec
+        t0 = time.perf_counter()
+        sent = 0
+        if ranks is None:
+            sent = self.rebalance_to(new).bytes_sent
+        else:
+            self.check_repack(ranks, new)
+            if not s.layout.released:
+                plan = MigrationPlan.build(s.partition, new, s.layout.rank_of_stage, lambda st: spec.rank_of_stage(st, ranks))
+                sent = self.execute(plan).bytes_sent
+            self.shrink_pipeline(ranks, new)
+        agreed = torch.tensor([time.perf_counter() - t0, float(sent)], dtype=torch.float64, device=s.root_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        moved = torch.tensor([float(sent)], dtype=torch.float64, device=s.root_device)
+        dist.all_reduce(moved)
+        return float(agreed[0]), int(moved.item())

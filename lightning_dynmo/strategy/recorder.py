@@ -1,0 +1,69 @@
+"""Where decisions go: Lightning metrics, ``rebalance_history.jsonl`` and timeline plots."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from ..plan.cost_model import CostModel, LayerCosts, imbalance
+from ..plan.partition import Partition
+from ..plan.policy import Decision
+
+#: Decision fields logged as ``rebalance/<field>`` metrics.
+METRIC_FIELDS = ("decision_ms", "migration_ms", "migration_bytes", "imbalance_before", "imbalance_after",
+                 "bubble_before", "bubble_after", "predicted_step_before", "predicted_step_after")
+
+
+class DecisionRecorder:
+    def __init__(self, plot: bool) -> None:
+        self.plot = plot
+        self.decisions: list[Decision] = []
+
+    def record(self, module, decision: Decision, partition: Partition, out_dir: str | None, is_global_zero: bool,
+               costs: LayerCosts | None = None, model: CostModel | None = None, events: Sequence[dict] = (),
+               before: Partition | None = None, after: Partition | None = None) -> None:
+        """Log ``decision`` (call on every rank; files are written by global rank 0 only)."""
+        self.decisions.append(decision)
+        for key in METRIC_FIELDS:
+            value = getattr(decision, key)
+            if value is not None:
+                module.log(f"rebalance/{key}", float(value), on_step=True, on_epoch=False, batch_size=1)
+        for s, b in enumerate(partition.boundaries[1:-1], start=1):
+            module.log(f"partition/b{s}", float(b), on_step=True, on_epoch=False, batch_size=1)
+        if not is_global_zero:
+            return
+        rank_zero_info(
+            f"dynmo {decision.kind} @ step {decision.step} ({decision.reason}): {decision.before} -> "
+            f"{decision.after or decision.before} applied={decision.applied} ({decision.why})"
+        )
+        if out_dir is None:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "rebalance_history.jsonl"), "a") as fh:
+            fh.write(json.dumps(decision.to_record()) + "\n")
+        if self.plot and events and costs is not None and model is not None and before is not None:
+            from ..plotting import save_rebalance_figure
+
+            save_rebalance_figure(
+                os.path.join(out_dir, f"rebalance_step{decision.step:06d}.png"),
+                events,
+                before=(str(before), model.stage_times(costs, before)),
+                after=(str(after), model.stage_times(costs, after)) if after is not None else None,
+                title=f"step {decision.step}: {decision.reason}",
+            )
+
+
+def log_step(module, stats, inputs, now: float, last_step_end: float | None, replicas: int, pp_size: int) -> None:
+    """The loss for the progress bar plus ``pipeline/*`` metrics; model metrics are the model's."""
+    bs = inputs.shape[0]
+    module.log("train_loss", stats.loss, prog_bar=True, on_step=True, batch_size=bs)
+    if last_step_end is not None and now > last_step_end:
+        module.log("pipeline/tokens_per_sec", inputs.numel() * replicas / (now - last_step_end), prog_bar=True,
+                   on_step=True, batch_size=bs)
+    wall = max(stats.rank_wall) if stats.rank_wall else 0.0
+    if wall > 0 and pp_size > 1:
+        idle = 1.0 - sum(stats.rank_busy) / (len(stats.rank_busy) * wall)
+        module.log("pipeline/idle_fraction", max(0.0, idle), on_step=True, batch_size=bs)
+        module.log("pipeline/imbalance", imbalance(stats.rank_busy), on_step=True, batch_size=bs)

@@ -1,0 +1,76 @@
+"""Trains Mixture-of-Depths GPTs under DynMoStrategy (torchrun) or single-process Lightning.
+
+Usage: torchrun --nproc-per-node N tests/support/workers/mod_worker.py SPEC.json
+       python tests/support/workers/mod_worker.py SPEC.json       (single process, no strategy)
+SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch, mod (MoDConfig fields),
+callback (MixtureOfDepths kwargs or absent), and for a pipeline pp, schedule, microbatches,
+balancer, rebalance, rebalance_interval. Rank 0 writes {"runs": [...]} with the losses, the
+strategy's rebalance history, the callback state and the path of the final full state dict.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L
+
+import lightning_dynmo  # noqa: F401  (registers "dynmo")
+from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.callbacks.mod import MixtureOfDepths
+from lightning_dynmo.models.mod import MoDGPT
+
+from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+
+
+def build_model(cfg: dict) -> MoDGPT:
+    """The shared test GPT (heterogeneous MLP widths) with MoD blocks."""
+    return MoDGPT(make_model(cfg).config, mod=cfg["mod"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
+                  seed=cfg.get("seed", 0))
+
+
+def build_callbacks(cfg: dict) -> list[L.Callback]:
+    return [MixtureOfDepths(**cfg["callback"])] if cfg.get("callback") is not None else []
+
+
+def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pipeline = "pp" in cfg
+    kw: dict = dict(devices=1)
+    if pipeline:
+        strategy = DynMoStrategy(
+            pipeline_parallel=cfg["pp"],
+            schedule=cfg.get("schedule", "1f1b"),
+            microbatches=cfg.get("microbatches", 4),
+            balancer=cfg.get("balancer", "uniform"),
+            rebalance=cfg.get("rebalance", "never"),
+            rebalance_interval=cfg.get("rebalance_interval", 1),
+            plot=False,
+            timeout=120,
+        )
+        kw = dict(strategy=strategy, devices=world)
+    rec = LossRecorder()
+    cbs = build_callbacks(cfg)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        gradient_clip_val=cfg.get("clip"), callbacks=[rec, *cbs], default_root_dir=out_dir, **kw,
+    )
+    model = build_model(cfg)
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"], reference=not pipeline))
+    state = trainer.strategy.lightning_module_state_dict() if pipeline else model.state_dict()
+    result = {
+        "losses": rec.losses,
+        "history": trainer.strategy.rebalance_history if pipeline else [],
+        "callback": cbs[0].state_dict() if cbs else None,
+    }
+    if trainer.global_rank == 0:
+        result["state"] = os.path.join(out_dir, f"mod_state{idx}.pt")
+        torch.save(state, result["state"])
+    return result
+
+
+if __name__ == "__main__":
+    run_spec(run_one)

@@ -1,0 +1,365 @@
+"""Mixture of Depths: routing rules, exactness (plain GPT at full capacity, micro-batching), the
+predictor's auxiliary gradient, the load signal, cost following the token count, the callback."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import lightning as L
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dynmo.callbacks.mod import MixtureOfDepths
+from lightning_dynmo.models import GPT, Block, GPTConfig
+from lightning_dynmo.models._aux_loss import aux_loss_scale, set_aux_loss_scale
+from lightning_dynmo.models.mod import ROUTING_MODES, MoDBlock, MoDConfig, MoDGPT
+from lightning_dynmo.protocol import ReportsLoad
+
+CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, bias=False)
+
+
+def routers(model: MoDGPT, std: float) -> None:
+    """Spread the router logits so that threshold/predictor counts differ between rows."""
+    with torch.no_grad():
+        for _, b in model.mod_blocks():
+            b.router.weight.normal_(0.0, std, generator=torch.Generator().manual_seed(7))
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------------------------- routing
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(capacity=st.floats(0.01, 1.0), t=st.integers(1, 32), b=st.integers(1, 4), seed=st.integers(0, 1000))
+def test_expert_choice_takes_exactly_k_per_row(capacity, t, b, seed):
+    torch.manual_seed(seed)
+    block = MoDBlock(CFG, MoDConfig(capacity=capacity, every=1)).train()
+    x = torch.randn(b, t, CFG.n_embd, requires_grad=True)
+    y = block(x)
+    k = min(t, max(1, round(capacity * t)))
+    moved = (y != x).any(-1)
+    assert block.tokens_routed == b * k and block.tokens_computed == b * k
+    top = block.router(x).squeeze(-1).topk(k, dim=1).indices
+    assert not moved.scatter(1, top, False).any()  # tokens outside the top-k ride the residual bitwise
+
+
+@pytest.mark.parametrize("routing", ["predictor", "threshold"])
+def test_causal_routing_counts_vary_and_follow_the_rule(routing):
+    torch.manual_seed(0)
+    model = MoDGPT(CFG, mod=MoDConfig(routing=routing, every=1, threshold=0.1), seed=0)
+    routers(model, 2.0)
+    block = model.layers[1]
+    x = torch.randn(6, 32, CFG.n_embd)
+    with torch.no_grad():
+        if routing == "threshold":
+            rule = block.router(x).squeeze(-1) > 0.1
+        else:
+            rule = block.predictor(x).squeeze(-1) > 0
+    block.train()
+    y = block(x.requires_grad_())
+    moved = (y != x).any(-1)
+    assert not (moved & ~rule).any()  # only picked tokens change
+    assert block.tokens_routed == int(rule.sum())
+    assert block.tokens_computed == 6 * int(rule.sum(1).max())  # padding of shorter rows is computed
+    assert len(set(rule.sum(1).tolist())) > 1  # counts vary per row
+
+
+def test_predictor_counts_vary_per_block_and_step():
+    model = MoDGPT(CFG, mod=MoDConfig(routing="predictor", every=1), seed=0).train()
+    x = torch.randint(0, 64, (4, 32))
+    counts = []
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(2):
+        opt.zero_grad()
+        model.pipeline_loss(model(x), x).backward()
+        counts.append([b.tokens_routed for _, b in model.mod_blocks()])
+        for _, b in model.mod_blocks():
+            b.reset_counters()
+        opt.step()
+    assert len(set(counts[0])) > 1 and counts[0] != counts[1]
+
+
+# ---------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("routing", ["expert_choice", "threshold"])
+def test_full_capacity_with_unit_gate_is_the_plain_gpt(routing):
+    """With ``gate="sigmoid"`` a zero router gives the gate 2 * sigmoid(0) = 1 exactly, and every
+    token is taken (top-k at capacity 1; every logit 0 > -1): the MoD model is then bitwise the
+    GPT, forward and backward. (A trained router scales the update, so it is no longer a GPT.)"""
+    gpt = GPT(CFG, seed=3)
+    mod = MoDGPT(CFG, mod=MoDConfig(capacity=1.0, every=1, routing=routing, threshold=-1.0), seed=3)
+    assert {n: p for n, p in gpt.named_parameters()}.keys() < {n for n, _ in mod.named_parameters()}
+    for _, b in mod.mod_blocks():
+        torch.nn.init.zeros_(b.router.weight)
+    x = torch.randint(0, 64, (3, 32))
+    out_g, out_m = gpt(x), mod(x)
+    assert torch.equal(out_g, out_m)
+    gpt.pipeline_loss(out_g, x).backward()
+    mod.pipeline_loss(out_m, x).backward()
+    gm = grads(mod)
+    for n, g in grads(gpt).items():
+        assert torch.equal(g, gm[n]), n
+
+
+def test_raw_gate_scales_the_whole_residual_update():
+    """``gate="raw"`` (the paper): ``y = x + r * f(x)``, f the plain block's update."""
+    torch.manual_seed(0)
+    block = MoDBlock(CFG, MoDConfig(capacity=1.0, every=1, gate="raw")).train()
+    x = torch.randn(2, 32, CFG.n_embd, requires_grad=True)
+    r = block.router(x)
+    torch.testing.assert_close(block(x) - x, r * (Block.forward(block, x) - x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("routing", ROUTING_MODES)
+def test_micro_batches_equal_the_whole_batch(routing):
+    """What the pipeline does (gradients of 4 micro-batches of 2 rows summed, then / 4) equals one
+    batch of 8 rows: routing and the predictor's loss are per row."""
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.25, every=2, routing=routing, predictor_loss_coeff=1.0), seed=1)
+    routers(model, 0.5)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 64, (8, 32), generator=g), torch.randint(0, 64, (8, 32), generator=g)
+
+    whole = model.pipeline_loss(model(x), y)
+    whole.backward()
+    ref = grads(model)
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for xm, ym in zip(x.chunk(4), y.chunk(4)):
+        loss = model.pipeline_loss(model(xm), ym)
+        loss.backward()
+        losses.append(loss)
+    micro = {n: g / 4 for n, g in grads(model).items()}
+    routed = [n for n in ref if n.endswith("router.weight")]
+    assert len(routed) == 2 and all(ref[n].abs().sum() > 0 for n in routed)  # the gate trains the router
+
+    torch.testing.assert_close(torch.stack(losses).mean(), whole, rtol=1e-6, atol=1e-6)
+    assert micro.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(micro[n], ref[n], rtol=1e-6, atol=1e-6, msg=n)
+    if routing != "expert_choice":
+        rows = [b.tokens_routed for _, b in model.mod_blocks()]
+        assert all(0 < r < 2 * 8 * 32 for r in rows)  # some but not all tokens: padding exercised
+
+
+def test_predictor_loss_reaches_the_predictor_only_through_backward():
+    def predictor_grads(coeff: float):
+        model = MoDGPT(CFG, mod=MoDConfig(routing="predictor", predictor_loss_coeff=coeff), seed=0)
+        x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+        model.pipeline_loss(model(x), x).backward()  # plain cross-entropy: no aux term in the loss
+        g = grads(model)
+        return {n: v for n, v in g.items() if ".predictor." in n}, {n: v for n, v in g.items() if ".predictor." not in n}
+
+    p1, rest1 = predictor_grads(0.1)
+    p2, rest2 = predictor_grads(0.2)
+    assert p1 and all(v.abs().sum() > 0 for v in p1.values())
+    for n in p1:
+        torch.testing.assert_close(p2[n], 2 * p1[n])  # linear in the coefficient
+    for n in rest1:  # the predictor sees a stop-gradient input: nothing else feels its loss
+        assert torch.equal(rest1[n], rest2[n]), n
+    try:
+        set_aux_loss_scale(0.5)  # e.g. accumulate_grad_batches=2 divides the main loss by 2
+        p_half, _ = predictor_grads(0.2)
+    finally:
+        set_aux_loss_scale(1.0)
+    for n in p1:
+        torch.testing.assert_close(p_half[n], p1[n])
+
+
+# ---------------------------------------------------------------------------------- load signal
+def test_load_factor_follows_token_counts():
+    block = MoDBlock(CFG, MoDConfig(capacity=0.5, every=1)).train()
+    assert isinstance(block, ReportsLoad)
+    assert block.load_factor() is None
+    x = torch.randn(2, 16, CFG.n_embd, requires_grad=True)
+    block(x)
+    assert block.load_factor() == 0.5
+    block.capacity = 0.25
+    block(x)
+    assert block.load_factor() == pytest.approx((8 + 4) / 32)
+    with torch.no_grad():
+        block(x)  # the pipeline's shape probe
+    block.eval()
+    block(x)  # validation
+    assert block.load_factor() == pytest.approx((8 + 4) / 32)
+    block.train()
+    block.reset_load()
+    block.capacity = 1.0
+    block(x)
+    assert block.load_factor() == 1.0
+    assert block.tokens_seen == 3 * 32  # the callback's counters are a separate window
+
+
+def test_block_time_follows_token_count():
+    """Half the tokens: clearly less forward + backward time (median of interleaved runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = GPTConfig(n_embd=128, n_head=4, block_size=512, n_layer=1)
+        torch.manual_seed(0)
+        block = MoDBlock(cfg, MoDConfig(capacity=1.0, every=1)).train()
+        x = torch.randn(2, 512, 128)
+
+        def run(capacity: float) -> float:
+            block.capacity = capacity
+            xi = x.clone().requires_grad_()
+            t0 = time.perf_counter()
+            block(xi).sum().backward()
+            return time.perf_counter() - t0
+
+        for _ in range(2):
+            run(1.0), run(0.5)
+        times = {1.0: [], 0.5: []}
+        for _ in range(7):
+            for c in times:
+                times[c].append(run(c))
+    finally:
+        torch.set_num_threads(threads)
+    ratio = statistics.median(times[0.5]) / statistics.median(times[1.0])
+    assert ratio < 0.8, f"half the tokens took {ratio:.2f}x the full block's time"
+
+
+# ---------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(capacity=0.0), r"capacity .* must be in \(0, 1\]"),
+    (dict(capacity=1.5), r"capacity .* must be in \(0, 1\]"),
+    (dict(every=0), r"every must be an integer >= 1"),
+    (dict(every=1.5), r"every must be an integer >= 1"),
+    (dict(routing="top_p"), r"unknown MoD routing 'top_p'; use one of expert_choice, predictor, threshold"),
+    (dict(gate="tanh"), r"use one of sigmoid, raw"),
+    (dict(threshold=math.nan), r"threshold must be a finite"),
+    (dict(predictor_hidden=0), r"predictor_hidden must be >= 1"),
+    (dict(predictor_loss_coeff=-1.0), r"predictor_loss_coeff must be finite and >= 0"),
+])
+def test_bad_config_names_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MoDConfig(**kwargs)
+
+
+def test_bad_model_and_callback_arguments():
+    with pytest.raises(ValueError, match=r"unknown MoDConfig keys \['capactiy'\]"):
+        MoDGPT(CFG, mod={"capactiy": 0.5})
+    with pytest.raises(ValueError, match="use every <= 4"):
+        MoDGPT(CFG, mod=MoDConfig(every=5))
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
+        MoDGPT(CFG, seed=0).set_capacity(2.0)
+    with pytest.raises(TypeError, match=r"MoDBlock layers .*models\.MoDGPT; got GPT"):
+        MixtureOfDepths().setup(None, GPT(CFG), "fit")
+    with pytest.raises(ValueError, match="pass capacity as well"):
+        MixtureOfDepths(final_capacity=0.5)
+    with pytest.raises(ValueError, match="anneal_steps must be >= 1"):
+        MixtureOfDepths(capacity=1.0, final_capacity=0.5)
+    with pytest.raises(ValueError, match="use one of linear, cosine"):
+        MixtureOfDepths(capacity=1.0, final_capacity=0.5, anneal_steps=3, anneal="step")
+
+
+def test_hparams_are_portable_and_reload():
+    model = MoDGPT(CFG, mod=MoDConfig(routing="threshold", threshold=0.3), seed=0)
+    assert model.hparams.mod == MoDConfig(routing="threshold", threshold=0.3).to_dict()
+    again = MoDGPT(**model.hparams)
+    again.load_state_dict(model.state_dict())
+    assert again.mod_config == model.mod_config
+
+
+# ---------------------------------------------------------------------------------- callback
+def test_capacity_schedules():
+    lin = MixtureOfDepths(capacity=1.0, final_capacity=0.2, anneal_steps=4)
+    assert [lin.capacity_at(s) for s in (0, 2, 4, 9)] == pytest.approx([1.0, 0.6, 0.2, 0.2])
+    cos = MixtureOfDepths(capacity=1.0, final_capacity=0.2, anneal_steps=4, anneal="cosine")
+    assert [cos.capacity_at(s) for s in (0, 2, 4)] == pytest.approx([1.0, 0.6, 0.2])
+    assert cos.capacity_at(1) > lin.capacity_at(1)
+    assert MixtureOfDepths().capacity_at(3) is None and MixtureOfDepths(capacity=0.3).capacity_at(3) == 0.3
+
+
+class _Pipeline:
+    """Just the :class:`PipelineControl` surface (no process group: one process holds all layers)."""
+
+    pipeline_group = None
+
+    def __init__(self):
+        self.reasons = []
+
+    def local_layer_indices(self):
+        return []
+
+    def request_rebalance(self, reason="requested"):
+        self.reasons.append(reason)
+
+    def request_repack(self, target="auto"):
+        pass
+
+    def invalidate_pipeline(self):
+        pass
+
+
+class _Trainer:
+    def __init__(self, strategy):
+        self.strategy, self.global_step = strategy, 0
+
+
+def test_callback_requests_a_rebalance_when_the_load_profile_shifts(monkeypatch):
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.25, every=2, routing="predictor"), seed=0).train()
+    logged = {}
+    monkeypatch.setattr(model, "log", lambda name, value, **kw: logged.__setitem__(name, value))
+    strategy = _Pipeline()
+    cb = MixtureOfDepths(capacity=0.25, final_capacity=0.5, anneal_steps=4, drift=0.2)
+    trainer = _Trainer(strategy)
+    x = torch.randint(0, 64, (2, 32))
+
+    def step(s):
+        trainer.global_step = s
+        cb.on_train_batch_start(trainer, model, None, s)
+        model.pipeline_loss(model(x), x).backward()
+        trainer.global_step = s + 1
+        cb.on_train_batch_end(trainer, model, None, None, s)
+
+    step(0)
+    assert logged["mod/capacity"] == 0.25 and {"mod/capacity_L2", "mod/capacity_L4", "mod/load_L2"} <= logged.keys()
+    assert 0 <= logged["mod/predictor_accuracy"] <= 1
+    counted = [b.tokens_seen for _, b in model.mod_blocks()]
+    assert counted == [0, 0]  # measuring resets the counters
+    n_first = len(strategy.reasons)
+    baseline = list(cb.baseline or [1.0] * 7)
+    step(1)
+    loads = cb.last_loads
+    expect = any(abs(loads[i] - baseline[i]) > 0.2 for i in (2, 4))
+    assert len(strategy.reasons) == n_first + expect
+    assert all(r.startswith("mod: load of layer") for r in strategy.reasons)
+    assert [r["reason"] for r in cb.requests] == strategy.reasons
+
+
+def test_callback_without_a_pipeline_only_logs(monkeypatch):
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.25, every=1), seed=0).train()
+    monkeypatch.setattr(model, "log", lambda *a, **k: None)
+    cb = MixtureOfDepths()
+    trainer = _Trainer(object())
+    model.pipeline_loss(model(torch.randint(0, 64, (2, 32))), torch.randint(0, 64, (2, 32))).backward()
+    trainer.global_step = 1
+    cb.on_train_batch_end(trainer, model, None, None, 0)
+    assert cb.last_fractions[1:5] == [0.25] * 4 and cb.requests == []
+
+
+def test_lightning_training_reduces_loss_and_anneals_capacity():
+    torch.manual_seed(0)
+    period = torch.randint(0, 64, (8,))
+    data = period.repeat(66)[: 16 * 33].view(16, 33)  # a learnable periodic sequence
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4, shuffle=True)
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.5, every=2, routing="predictor"), lr=3e-3, warmup_steps=2, seed=0)
+    cb = MixtureOfDepths(capacity=1.0, final_capacity=0.5, anneal_steps=10)
+    losses = []
+
+    class Rec(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=24, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[cb, Rec()])
+    trainer.fit(model, loader)
+    assert sum(losses[-4:]) / 4 < 0.8 * sum(losses[:4]) / 4
+    assert all(b.capacity == 0.5 for _, b in model.mod_blocks())
+    assert trainer.callback_metrics["mod/capacity_L2"] == pytest.approx(cb.last_fractions[2])
+    assert "mod/predictor_accuracy" in trainer.callback_metrics
+    assert aux_loss_scale() == 1.0

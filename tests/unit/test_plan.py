@@ -1,0 +1,215 @@
+"""The pure decisions of plan/: values, policy, decide, measurements, layout, schedule table."""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dynmo.plan import (
+    CostModel,
+    Decision,
+    LayerCosts,
+    MigrationPlan,
+    Partition,
+    RebalancePolicy,
+    Topology,
+    available_schedules,
+    decide,
+    get_schedule,
+    merge_layer_costs,
+)
+from lightning_dynmo.plan.layout import PipelineLayout
+from lightning_dynmo.plan.measurements import scale_by_load
+from lightning_dynmo.plan.schedules import choose_microbatches
+from lightning_dynmo.plan.validation import positive_int
+
+PLAN = Path(__file__).resolve().parents[2] / "lightning_dynmo" / "plan"
+
+
+def test_plan_imports_neither_torch_distributed_nor_lightning():
+    for path in PLAN.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                assert not name.startswith(("torch", "lightning")), f"{path.name} imports {name}"
+
+
+def test_importing_the_package_leaves_warning_filters_alone():
+    # torch, Lightning and their dependencies install filters of their own when imported
+    code = ("import torch, torch.distributed.pipelining, lightning.pytorch, torchmetrics, warnings; "
+            "before = list(warnings.filters); import lightning_dynmo; "
+            "assert warnings.filters == before, [f for f in warnings.filters if f not in before]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------- Decision
+def test_decision_is_the_jsonl_record():
+    d = Decision(step=3, reason="event: x", before="[0, 2, 4)", applied=True, why="mode on_event",
+                 after="[0, 1, 4)", released=(2, 3), migration_bytes=10)
+    rec = d.to_record()
+    assert "rounds" not in rec and rec["released"] == [2, 3]
+    assert Decision.from_record(json.loads(json.dumps(rec))) == d
+
+
+# ---------------------------------------------------------------- decide
+def lopsided() -> LayerCosts:
+    return LayerCosts((1.0, 1.0, 1.0, 5.0), (2.0, 2.0, 2.0, 10.0), (1, 1, 1, 1), (1.0,) * 4, (1.0,) * 4)
+
+
+def test_decide_moves_to_the_balanced_partition_and_says_why():
+    model = CostModel(microbatches=4)
+    decision, new = decide(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time",
+                           current=Partition((0, 2, 4)), policy=RebalancePolicy("on_event"), migration_cost=1.0)
+    assert new == Partition((0, 3, 4)) and decision.applied and decision.moved_layers == 1
+    assert decision.predicted_step_after < decision.predicted_step_before
+    assert decision.after == str(new) and decision.why == "mode on_event"
+
+
+def test_decide_already_balanced_and_auto_refusal():
+    model = CostModel(microbatches=4)
+    common = dict(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time")
+    d, new = decide(current=Partition((0, 3, 4)), policy=RebalancePolicy("on_event"), migration_cost=0.0, **common)
+    assert new is None and not d.applied and d.why == "already balanced"
+    # auto: gain (27 - 21 s per step) x horizon 2 = 12 s <= a migration of 100 s
+    d, new = decide(current=Partition((0, 2, 4)), policy=RebalancePolicy("auto", horizon=2), migration_cost=100.0,
+                    **common)
+    assert new is None and not d.applied and "<= cost" in d.why
+
+
+def test_decide_refuses_an_infeasible_capacity():
+    model = CostModel(microbatches=4, capacity=0.5)
+    d, new = decide(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time",
+                    current=Partition((0, 2, 4)), policy=RebalancePolicy("on_event"), migration_cost=0.0)
+    assert new is None and d.why.startswith("refused:") and "capacity" in d.why
+
+
+# ---------------------------------------------------------------- policy
+def test_policy_modes():
+    assert RebalancePolicy("never").profile_reason(0) is None
+    p = RebalancePolicy("every_n", interval=3)
+    assert [p.profile_reason(s) is not None for s in range(6)] == [False, False, True, False, False, True]
+    p = RebalancePolicy("on_event")
+    p.request("a"), p.request("a"), p.request("b")
+    assert p.profile_reason(0) == "event: a; b" and p.profile_reason(1) is None
+
+
+def test_auto_policy_threshold_and_cooldown():
+    p = RebalancePolicy("auto", threshold=0.1, cooldown=5)
+    p.observe_busy([1.0, 1.0])
+    assert p.profile_reason(10) is None  # balanced
+    p.observe_busy([1.0, 3.0]), p.observe_busy([1.0, 3.0])
+    assert p.profile_reason(10).startswith("auto:")
+    p.applied(10)
+    p.observe_busy([1.0, 3.0])
+    assert p.profile_reason(12) is None  # in cooldown
+    assert p.profile_reason(15) is not None
+
+
+@pytest.mark.parametrize("kw", [{"mode": "sometimes"}, {"interval": 0}, {"horizon": True}, {"cooldown": -1},
+                                {"threshold": -0.1}, {"ema_decay": 1.0}])
+def test_policy_rejects_nonsense(kw):
+    with pytest.raises(ValueError):
+        RebalancePolicy(**kw)
+
+
+# ---------------------------------------------------------------- measurements
+def test_merge_takes_the_slowest_replica_and_estimates_untimed_layers():
+    nan = math.nan
+    replica0 = {0: (1.0, 2.0, 10, 100.0), 1: (nan, nan, 20, 50.0)}
+    replica1 = {0: (1.5, 1.0, 10, 90.0), 1: (nan, nan, 20, 60.0)}
+    costs = merge_layer_costs([replica0, replica1], 2, activation=[4.0, 8.0])
+    assert costs.forward[0] == 1.5 and costs.backward[0] == 2.0 and costs.memory == (100.0, 60.0)
+    per_param = (1.5 + 2.0) / 10  # measured seconds per parameter
+    assert costs.forward[1] == pytest.approx(20 * per_param / 3) and costs.backward[1] == pytest.approx(40 * per_param / 3)
+    assert costs.activation == (4.0, 8.0)
+
+
+def test_merge_names_layers_nobody_reported():
+    with pytest.raises(ValueError, match=r"no rank reported layers \[1\]"):
+        merge_layer_costs([{0: (1.0, 1.0, 1, 1.0)}], 2)
+
+
+def test_scale_by_load_is_c_equals_r_t():
+    costs = LayerCosts((1.0, 2.0), (2.0, 4.0), (1, 1), (0.0, 0.0), (0.0, 0.0))
+    scaled = scale_by_load(costs, [0.5, None], [1.0, 0.5])
+    assert scaled.forward == (0.5, 2.0) and scaled.backward == (1.0, 4.0)
+
+
+# ---------------------------------------------------------------- migration plan, topology, layout
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=2, max_size=5), st.lists(st.integers(1, 4), min_size=2, max_size=5))
+def test_migration_plan_moves_exactly_the_layers_whose_owner_changes(a, b):
+    n = max(sum(a), sum(b))
+    a[-1] += n - sum(a)
+    b[-1] += n - sum(b)
+    old, new = Partition.from_sizes(a), Partition.from_sizes(b)
+    plan = MigrationPlan.build(old, new, lambda s: s % 3, lambda s: s % 2)
+    moved = {m.layer for m in plan.moves}
+    for i in range(n):
+        assert (i in moved) == (old.stage_of(i) % 3 != new.stage_of(i) % 2)
+    for m in plan.moves:
+        assert (m.src, m.dst) == (old.stage_of(m.layer) % 3, new.stage_of(m.layer) % 2)
+        assert m.adjacent == (abs(m.dst_stage - m.src_stage) <= 1)
+
+
+def test_topology_layout_and_released_ranks():
+    topo = Topology(world_size=8, pp=4)
+    assert topo.dp == 2 and topo.pipeline_ranks(1) == [4, 5, 6, 7] and topo.replica_ranks(1) == [1, 5]
+    assert topo.pipeline_ranks(1, active=2) == [4, 5] and topo.released_ranks(2) == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="multiple of pipeline_parallel"):
+        Topology(6, 4)
+    layout = PipelineLayout(topo, get_schedule("interleaved_1f1b"), 2, global_rank=5,
+                            partition=Partition.from_sizes([1] * 8))
+    assert (layout.pp_rank, layout.dp_rank, layout.num_stages) == (1, 1, 8)
+    assert layout.local_layer_indices() == [1, 5]
+    layout.packed_pp = 1
+    assert layout.released and layout.num_stages == 2
+
+
+def test_zbv_layout_is_a_v():
+    layout = PipelineLayout(Topology(2, 2), get_schedule("zbv"), 2, global_rank=0,
+                            partition=Partition.from_sizes([1, 1, 1, 1]))
+    assert [layout.rank_of_stage(s) for s in range(4)] == [0, 1, 1, 0]
+    assert layout.local_layer_indices() == [0, 3]
+
+
+# ---------------------------------------------------------------- schedule table
+@pytest.mark.parametrize("name", available_schedules())
+def test_every_schedule_names_a_torch_class_and_a_cost_rule(name):
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    spec = get_schedule(name)
+    cls = get_schedule_class(spec.torch_class)
+    assert issubclass(cls, PipelineScheduleMulti) == spec.multi
+    CostModel(microbatches=4, schedule=spec.cost_schedule)  # a rule the cost model knows
+
+
+def test_interleaved_cost_rule_counts_virtual_stages():
+    # p=2 ranks x v=2 chunks = 4 virtual stages; chunk warm-up on rank r: (v-1)p + 2(p-1-r) + 1
+    model = CostModel(microbatches=16, schedule="interleaved_1f1b", virtual_stages=2)
+    assert [model.inflight(s, 4) for s in range(4)] == [3, 2, 3, 2]  # ceil(5/2), ceil(3/2) per chunk
+
+
+def test_choose_microbatches():
+    spec = get_schedule("1f1b")
+    assert choose_microbatches(spec, 12, pp=2, virtual=1, pinned=None) == 6  # largest divisor <= 4 x 2
+    assert choose_microbatches(spec, 12, pp=2, virtual=1, pinned=4) == 4
+    with pytest.raises(ValueError, match="not divisible by microbatches=5"):
+        choose_microbatches(spec, 12, pp=2, virtual=1, pinned=5)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        choose_microbatches(get_schedule("interleaved_1f1b"), 2, pp=3, virtual=2, pinned=None)
+
+
+def test_positive_int():
+    assert positive_int("x", 3) == 3 and positive_int("x", "auto", allow=("auto",)) == "auto"
+    for bad in (0, -1, True, 1.5, "3", None):
+        with pytest.raises(ValueError, match="x must be a positive integer"):
+            positive_int("x", bad)
