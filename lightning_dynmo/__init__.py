@@ -10,10 +10,11 @@ from .plan.balancers import (
     get_balancer,
     register_balancer,
 )
-from .callbacks import EarlyExit, GradualPruning, LayerFreezing
+from .callbacks import EarlyExit, GradualPruning, LayerFreezing, MixtureOfDepths, MoELoadMonitor
 from .plan.cost_model import CostModel, LayerCosts
 from .plan.partition import Partition
-from .protocol import PipelineProtocolError, RemoteLayer
+from .plan.policy import Decision
+from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad
 from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy
 
@@ -21,15 +22,20 @@ __all__ = [
     "BalanceProblem",
     "BalanceResult",
     "CostModel",
+    "Decision",
     "DynMoStrategy",
     "EarlyExit",
     "GradualPruning",
     "InfeasiblePartitionError",
     "LayerCosts",
     "LayerFreezing",
+    "MixtureOfDepths",
+    "MoELoadMonitor",
     "Partition",
+    "PipelineControl",
     "PipelineProtocolError",
     "RemoteLayer",
+    "ReportsLoad",
     "available_balancers",
     "available_schedules",
     "get_balancer",

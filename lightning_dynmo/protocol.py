@@ -70,8 +70,10 @@ class PipelineControl(Protocol):
     def local_layer_indices(self) -> list[int]:
         """Global indices of the layers this rank holds."""
 
-    def request_rebalance(self, reason: str = "requested") -> None:
-        """Profile the next step and rebalance (call on every rank)."""
+    def request_rebalance(self, reason: str = "requested", reprofile: bool = True) -> None:
+        """Rebalance soon (call on every rank): after profiling the next step, or, with
+        ``reprofile=False`` (the layers' work changed but not what they compute), at the next
+        step from the last profile scaled by the layers' load factors."""
 
     def request_repack(self, target: int | str = "auto") -> None:
         """Pack the pipeline onto fewer ranks after the next profiled step (call on every rank)."""

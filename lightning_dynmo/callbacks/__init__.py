@@ -6,6 +6,8 @@ quantities are reduced over ``strategy.pipeline_group`` only under a pipeline st
 """
 from .early_exit import EarlyExit
 from .freezing import LayerFreezing
+from .mod import MixtureOfDepths
+from .moe import MoELoadMonitor
 from .pruning import GradualPruning
 
-__all__ = ["LayerFreezing", "EarlyExit", "GradualPruning"]
+__all__ = ["EarlyExit", "GradualPruning", "LayerFreezing", "MixtureOfDepths", "MoELoadMonitor"]

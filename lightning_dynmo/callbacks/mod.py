@@ -136,7 +136,7 @@ class MixtureOfDepths(Callback):
         worst = max(blocks, key=lambda i: abs(load[i] - base[i]))
         if abs(load[worst] - base[worst]) > self.drift:
             reason = f"mod: load of layer {worst} moved {base[worst]:.2f} -> {load[worst]:.2f}"
-            trainer.strategy.request_rebalance(reason)
+            trainer.strategy.request_rebalance(reason, reprofile=False)  # routing changed, not structure
             self.baseline = [1.0 if math.isnan(f) else f for f in load]
             self.requests.append({"step": int(trainer.global_step), "reason": reason})
 

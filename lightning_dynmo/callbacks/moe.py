@@ -115,7 +115,7 @@ class MoELoadMonitor(Callback):
             return
         before, after = self.baseline.get(worst, 1.0), stats[worst]["load"]
         reason = f"moe: relative work of layer {worst} moved {before:.2f} -> {after:.2f}"
-        trainer.strategy.request_rebalance(reason)
+        trainer.strategy.request_rebalance(reason, reprofile=False)  # routing changed, not structure
         self.baseline = {i: s["load"] for i, s in stats.items()}
         self.requests.append({"step": int(trainer.global_step), "reason": reason})
 

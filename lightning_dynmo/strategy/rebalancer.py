@@ -27,12 +27,15 @@ from ..runtime.groups import build_packed_groups
 from ..runtime.migration import MigrationStats, execute_migration
 from ..runtime.profiler import layer_memory_bytes
 from ..runtime.step_stats import StepStats
-from .recorder import DecisionRecorder
+from .recorder import DecisionRecorder, write_cost_trace
 
 if TYPE_CHECKING:
     from .strategy import DynMoStrategy
 
 log = logging.getLogger(__name__)
+
+#: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
+REPROFILE_STEPS = 200
 
 
 class Rebalancer:
@@ -48,15 +51,21 @@ class Rebalancer:
         self.load_at_profile: dict[int, float | None] = {}
         self.layer_load: list[float | None] = []
         self.migration_cost: float | None = None  # measured seconds of the last migration
+        self.profiled_costs: LayerCosts | None = None  # merged costs of the last profiled step
+        self.profile_step = -(10**9)
         self.rank_busy: list[float] = []
         self.rank_wall: list[float] = []
         self._profiling_reason: str | None = None
         self._decide_next = False
         self._repack_requested: int | str | None = None
+        self._counter_requests: list[str] = []  # request_rebalance(..., reprofile=False)
 
     # ------------------------------------------------------------------ requests
-    def request_rebalance(self, reason: str) -> None:
-        self.policy.request(str(reason))
+    def request_rebalance(self, reason: str, reprofile: bool = True) -> None:
+        if reprofile:
+            self.policy.request(str(reason))
+        else:
+            self._counter_requests.append(str(reason))
 
     def request_repack(self, target: int | str) -> None:
         """Re-packing has its own path: it works under every rebalance mode, ``never`` included."""
@@ -69,11 +78,27 @@ class Rebalancer:
     # ------------------------------------------------------------------ per step
     def before_step(self, step: int) -> None:
         s = self.strategy
+        acted = False
         if self._decide_next:
             self._decide_next = False
             s.profiler.stop_layer_profiling()
             self._act_on_profile(step, self._profiling_reason or "peer request")
-        reason = self.policy.profile_reason(step)
+            acted = True
+        if self._counter_requests and self.policy.mode == "never":
+            self.policy.request(self._counter_requests[-1])  # the policy drops (and reports) it
+            self._counter_requests.clear()
+        reasons = []
+        if self._counter_requests:
+            reasons.append("counters: " + "; ".join(dict.fromkeys(self._counter_requests)))
+            self._counter_requests.clear()
+        policy_reason = self.policy.profile_reason(step)
+        if policy_reason:
+            reasons.append(policy_reason)
+        reason = "; ".join(reasons) or None
+        if reason and self._can_decide_from_counters(step, reason):
+            if not acted:  # (a decision was just taken on a fresh profile: nothing to add)
+                self._rebalance(step, f"{reason} (load counters)", self.counter_costs(), [])
+            reason = None
         if self._repack_requested is not None:
             reason = "; ".join(r for r in (reason, f"repack to {self._repack_requested}") if r)
         self._profiling_reason = reason
@@ -91,6 +116,24 @@ class Rebalancer:
         self.layer_load = stats.layer_load
         self.policy.observe_busy(stats.rank_busy)
 
+    # ------------------------------------------------------------------ per-iteration decisions
+    def _can_decide_from_counters(self, step: int, reason: str) -> bool:
+        """Layers that report their load (MoE, MoD, sparse attention, early exit) let the policy
+        decide without a profiled step: the last profile scaled by the step's load factors
+        (c_i = r_i t_i). A dynamism *event* (e.g. freezing changes what a layer computes) and a
+        profile older than ``REPROFILE_STEPS`` still take a fresh profile."""
+        return (
+            self.profiled_costs is not None
+            and any(x is not None for x in self.layer_load)
+            and "event:" not in reason
+            and step - self.profile_step < REPROFILE_STEPS
+        )
+
+    def counter_costs(self) -> LayerCosts:
+        """The last profiled costs scaled to the last step's load factors (same on every rank)."""
+        L = len(self.strategy.layers)
+        return scale_by_load(self.profiled_costs, self.layer_load, [self.load_at_profile.get(i) for i in range(L)])
+
     # ------------------------------------------------------------------ costs
     def cost_model(self) -> CostModel:
         s = self.strategy
@@ -99,8 +142,8 @@ class Rebalancer:
                          virtual_stages=s.layout.virtual)
 
     def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
-        """Per-layer costs identical on every rank (collective over the world), scaled by the
-        layers' current load factors; plus every rank's chunk timeline of the last step."""
+        """Per-layer costs identical on every rank (collective over the world) as last profiled;
+        plus every rank's chunk timeline of the last step."""
         s = self.strategy
         local = {}
         for i in s.local_layer_indices():
@@ -112,9 +155,6 @@ class Rebalancer:
         parts: list = [None] * s.layout.topology.world_size
         dist.all_gather_object(parts, (local, events))
         costs = merge_layer_costs([p for p, _ in parts], len(s.layers), s.engines.activation_bytes())
-        if self.layer_load:
-            L = len(s.layers)
-            costs = scale_by_load(costs, self.layer_load, [self.load_at_profile.get(i) for i in range(L)])
         return costs, [e for _, ev in parts for e in ev]
 
     def initial_partition(self, layers) -> Partition:
@@ -136,6 +176,8 @@ class Rebalancer:
     def _act_on_profile(self, step: int, reason: str) -> None:
         """Algorithm 1: balance on the profiled costs, migrate, then (optionally) re-pack."""
         costs, events = self.gather_layer_costs()
+        self.profiled_costs, self.profile_step = costs, step
+        self._trace(step, costs)
         if self.policy.mode != "never" and not reason.startswith("repack"):
             self._rebalance(step, reason, costs, events)
         target = self._repack_requested if self._repack_requested is not None else self.repack
@@ -181,6 +223,16 @@ class Rebalancer:
             released=tuple(s.layout.released_ranks), predicted_step_after=plan.predicted_step, migration_ms=seconds * 1e3,
             why=f"packed {ranks_before} -> {plan.ranks}",
         ))
+
+    def _trace(self, step: int, costs: LayerCosts) -> None:
+        s = self.strategy
+        write_cost_trace(s.output_dir(), s.is_global_zero, {
+            "step": step, "partition": list(s.partition.boundaries), "schedule": s.layout.spec.name,
+            "pp": s.layout.pp_size, "virtual": s.layout.virtual, "dp": s.layout.topology.dp,
+            "microbatches": s.last_microbatches, "forward": list(costs.forward), "backward": list(costs.backward),
+            "params": list(costs.params), "memory": list(costs.memory), "activation": list(costs.activation),
+            "layer_load": self.layer_load, "rank_busy": self.rank_busy, "rank_wall": self.rank_wall,
+        })
 
     def _record(self, decision: Decision, costs=None, model=None, events=(), before=None, after=None) -> None:
         s = self.strategy

@@ -55,6 +55,16 @@ class DecisionRecorder:
             )
 
 
+def write_cost_trace(out_dir: str | None, is_global_zero: bool, row: dict) -> None:
+    """Append one profiled step's per-layer costs to ``cost_trace.jsonl`` (rank 0): what the
+    simulator replays (:mod:`lightning_dynmo.sim`) to predict this run's step time at any scale."""
+    if not is_global_zero or out_dir is None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "cost_trace.jsonl"), "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
 def log_step(module, stats, inputs, now: float, last_step_end: float | None, replicas: int, pp_size: int) -> None:
     """The loss for the progress bar plus ``pipeline/*`` metrics; model metrics are the model's."""
     bs = inputs.shape[0]

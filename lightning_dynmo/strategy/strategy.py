@@ -426,11 +426,14 @@ class DynMoStrategy(ParallelStrategy):
         raise NotImplementedError("DynMoStrategy does not implement predict yet; use a single-device strategy")
 
     # ------------------------------------------------------------------ rebalancing (public API)
-    def request_rebalance(self, reason: str = "requested") -> None:
+    def request_rebalance(self, reason: str = "requested", reprofile: bool = True) -> None:
         """Ask for a rebalance (Algorithm 1): the next step is profiled per layer, then balanced.
-        Callbacks call this on every rank (callbacks run everywhere); a request seen by any rank
-        is enough, because the decision to act is agreed in the step's collective."""
-        self.rebalancer.request_rebalance(reason)
+        With ``reprofile=False`` (routing changed, not what layers compute) the next step decides
+        from the last profile scaled by the layers' load factors, without profiling, when layers
+        report their load (see :class:`~lightning_dynmo.protocol.ReportsLoad`). Callbacks call
+        this on every rank (callbacks run everywhere); the decision to act is agreed in the
+        step's collective."""
+        self.rebalancer.request_rebalance(reason, reprofile)
 
     def request_repack(self, target: int | str = "auto") -> None:
         """Ask to pack the pipeline onto ``target`` ranks (or ``"auto"``): the next step is

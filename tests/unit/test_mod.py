@@ -284,7 +284,7 @@ class _Pipeline:
     def local_layer_indices(self):
         return []
 
-    def request_rebalance(self, reason="requested"):
+    def request_rebalance(self, reason="requested", reprofile=True):
         self.reasons.append(reason)
 
     def request_repack(self, target="auto"):

@@ -331,7 +331,7 @@ class PipelineLikeStrategy(SingleDeviceStrategy):
     def local_layer_indices(self) -> list[int]:
         return list(range(len(self.lightning_module.pipeline_layers())))
 
-    def request_rebalance(self, reason: str = "requested") -> None:
+    def request_rebalance(self, reason: str = "requested", reprofile: bool = True) -> None:
         self.requests.append(reason)
 
     def request_repack(self, target="auto") -> None:

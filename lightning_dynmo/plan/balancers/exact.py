@@ -1,9 +1,14 @@
 """Exact min-max contiguous partition under a per-stage memory capacity.
 
+Solves any *run* of consecutive stages ``a..c-1`` over a fixed layer range ``x..y-1`` (the whole
+pipeline is the run ``0..S-1`` over ``0..L-1``; diffusion re-splits shorter runs). Stage indices
+stay global, so each stage keeps its own memory rule (in-flight micro-batches) and input link.
+
 Pass 1 (DP over stages x end layer) finds OPT, the smallest achievable heaviest-stage load.
-Pass 2 (backward DP restricted to stages with load <= OPT that fit memory) minimises the layers
-moved from a reference partition, and the forward reconstruction takes the smallest next boundary
-that keeps the optimum, i.e. the lexicographically smallest boundaries among the ties.
+Pass 2 (backward DP restricted to stages with load <= OPT that fit memory, starting where a
+forward sweep of such stages can reach) minimises the layers moved from a reference partition,
+and the forward reconstruction takes the smallest next boundary that keeps the optimum, i.e. the
+lexicographically smallest boundaries among the ties.
 
 Exact with floats because every compared value is an actual stage load computed by the same
 expression as the cost model (``Objective``), never a sum of rounded pieces or an epsilon.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from typing import NamedTuple
 
 from ..partition import Partition
 from .base import BalanceProblem, BalanceResult, InfeasiblePartitionError, Objective, make_result, objective
@@ -22,10 +28,19 @@ from .registry import register_balancer
 INF = math.inf
 
 
+class Run(NamedTuple):
+    """Stages ``first..stop-1`` covering layers ``start..end-1``."""
+
+    first: int
+    stop: int
+    start: int
+    end: int
+
+
 def memory_limits(problem: BalanceProblem) -> list[list[int]] | None:
     """``lo[s][j]``: smallest start ``i < j`` such that layers ``i..j-1`` fit as stage ``s``
-    (``j`` if none). None when capacity is unlimited. Memory only depends on ``s`` through the
-    schedule's in-flight count, so stages sharing it share a table."""
+    (``j`` if none); non-decreasing in ``j``. None when capacity is unlimited. Memory only
+    depends on ``s`` through the schedule's in-flight count, so stages sharing it share a table."""
     model, costs, S, L = problem.model, problem.costs, problem.num_stages, problem.num_layers
     cap = model.capacity
     if cap is None:
@@ -68,25 +83,27 @@ def min_peak_memory(problem: BalanceProblem) -> float:
     return prev[L]
 
 
-def _bottleneck(problem: BalanceProblem, obj: Objective, lo: list[list[int]] | None) -> float:
-    L, S = problem.num_layers, problem.num_stages
+def bottleneck(obj: Objective, lo: list[list[int]] | None, run: Run) -> float:
+    """OPT of ``run``: its smallest achievable heaviest-stage load (INF if nothing fits)."""
+    a, c, x, y = run
     p, den, recv = obj.p, obj.den, obj.recv
-    prev = [INF] * (L + 1)
-    for j in range(1, L - S + 2):
-        if lo is None or lo[0][j] == 0:
-            prev[j] = (p[j] - p[0]) / den + recv[0]
-    for s in range(1, S):
-        cur = [INF] * (L + 1)
+    prev = [INF] * (y + 1)
+    for j in range(x + 1, y - (c - 1 - a) + 1):
+        if lo is None or lo[a][j] <= x:
+            prev[j] = (p[j] - p[x]) / den + recv[x]
+    for s in range(a + 1, c):
+        first = x + s - a  # earliest start of stage s (one layer per earlier stage)
+        cur = [INF] * (y + 1)
         los = None if lo is None else lo[s]
-        # floor[i] = min(prev[s..i]): once it reaches ``best``, no earlier start can help.
-        floor, acc = [INF] * (L + 1), INF
-        for i in range(s, L + 1):
+        # floor[i] = min(prev[first..i]): once it reaches ``best``, no earlier start can help.
+        floor, acc = [INF] * (y + 1), INF
+        for i in range(first, y + 1):
             acc = min(acc, prev[i])
             floor[i] = acc
-        for j in range(L if s == S - 1 else s + 1, L - (S - 1 - s) + 1):
+        for j in range(y if s == c - 1 else first + 1, y - (c - 1 - s) + 1):
             best = INF
             pj = p[j]
-            imin = s if los is None else max(s, los[j])
+            imin = first if los is None else max(first, los[j])
             for i in range(j - 1, imin - 1, -1):
                 seg = (pj - p[i]) / den
                 if seg >= best or floor[i] >= best:  # earlier starts cannot do better
@@ -101,7 +118,7 @@ def _bottleneck(problem: BalanceProblem, obj: Objective, lo: list[list[int]] | N
                     best = v
             cur[j] = best
         prev = cur
-    return prev[L]
+    return prev[y]
 
 
 def _moved(ref: tuple[int, ...] | None, s: int, i: int, j: int) -> int:
@@ -110,36 +127,52 @@ def _moved(ref: tuple[int, ...] | None, s: int, i: int, j: int) -> int:
     return (j - i) - max(0, min(j, ref[s + 1]) - max(i, ref[s]))
 
 
-def solve(problem: BalanceProblem, obj: Objective, reference: Partition | None) -> Partition:
-    """Optimal partition for ``obj``; ties -> fewest layers moved from ``reference``, then
-    lexicographically smallest boundaries. Raises InfeasiblePartitionError."""
-    L, S = problem.num_layers, problem.num_stages
-    lo = memory_limits(problem)
-    opt = _bottleneck(problem, obj, lo)
-    if opt == INF:
-        raise InfeasiblePartitionError(problem.model.capacity, min_peak_memory(problem), L, S)
+def solve_run(
+    obj: Objective, lo: list[list[int]] | None, run: Run, opt: float, ref: tuple[int, ...] | None
+) -> list[int]:
+    """Boundaries ``b[a..c]`` of ``run`` whose heaviest stage is ``opt`` (from :func:`bottleneck`):
+    fewest layers moved from the reference boundaries ``ref`` (global indices), then
+    lexicographically smallest."""
+    a, c, x, y = run
     p, den, recv = obj.p, obj.den, obj.recv
-    ref = None if reference is None else reference.boundaries
 
     def last_end(s: int, i: int) -> int:
         """Largest end j of stage s starting at i with load <= opt that fits memory (< i+1 if
         none); both conditions are monotone in j, so bisect."""
-        hi = L - (S - 1 - s)
+        hi = y - (c - 1 - s)
         if lo is not None:
             hi = min(hi, bisect_right(lo[s], i) - 1)
         pi, r = p[i], recv[i]
         return i + bisect_right(range(i + 1, hi + 1), opt, key=lambda j: (p[j] - pi) / den + r)
 
-    # G[s][i]: fewest moved layers for stages s..S-1 covering i..L-1 within the optimum.
+    # Forward pass: the starts of each stage reachable from x through stages within the
+    # optimum (an optimal split only uses those), with each start's last admissible end.
+    ends: list[dict[int, int]] = []
+    starts = [x]
+    for s in range(a, c):
+        ends.append({i: last_end(s, i) for i in starts})
+        if s == c - 1:
+            break
+        mark = [0] * (y + 2)
+        for i, jhi in ends[-1].items():
+            if jhi > i:
+                mark[i + 1] += 1
+                mark[jhi + 1] -= 1
+        starts, acc = [], 0
+        for j in range(x + 1, y + 1):
+            acc += mark[j]
+            if acc:
+                starts.append(j)
+
+    # G[s - a][i]: fewest moved layers for stages s..c-1 covering i..y-1 within the optimum.
     # moved(s, i, j) is piecewise (slope 1, 0, 1 in j) around the reference stage [r0, r1),
     # so each piece is a C-level min() over a slice of G[s+1] or G[s+1][j] + j.
-    G: list[list[float]] = [[INF] * (L + 1) for _ in range(S + 1)]
-    G[S][L] = 0
-    for s in range(S - 1, -1, -1):
-        g, gn = G[s], G[s + 1]
+    G: list[list[float]] = [[INF] * (y + 1) for _ in range(c - a + 1)]
+    G[c - a][y] = 0
+    for s in range(c - 1, a - 1, -1):
+        g, gn = G[s - a], G[s - a + 1]
         h = [v + j for j, v in enumerate(gn)]
-        for i in (range(0, 1) if s == 0 else range(s, L - (S - s) + 1)):
-            jhi = last_end(s, i)
+        for i, jhi in ends[s - a].items():
             if jhi <= i:
                 continue
             if ref is None:
@@ -157,17 +190,30 @@ def solve(problem: BalanceProblem, obj: Objective, reference: Partition | None) 
             if jhi >= c_lo:
                 best = min(best, min(h[c_lo : jhi + 1]) - i - max(0, r1 - m0))
             g[i] = best
-    assert G[0][0] != INF, "tie-break pass lost the optimum"
-    bounds, i = [0], 0
-    for s in range(S):
-        for j in range(i + 1, last_end(s, i) + 1):
-            if G[s + 1][j] + _moved(ref, s, i, j) == G[s][i]:
+    assert G[0][x] != INF, "tie-break pass lost the optimum"
+    bounds, i = [x], x
+    for s in range(a, c):
+        for j in range(i + 1, ends[s - a][i] + 1):
+            if G[s - a + 1][j] + _moved(ref, s, i, j) == G[s - a][i]:
                 break
         else:  # pragma: no cover - G is consistent by construction
             raise AssertionError("tie-break reconstruction failed")
         bounds.append(j)
         i = j
-    return Partition(tuple(bounds))
+    return bounds
+
+
+def solve(problem: BalanceProblem, obj: Objective, reference: Partition | None) -> Partition:
+    """Optimal partition for ``obj``; ties -> fewest layers moved from ``reference``, then
+    lexicographically smallest boundaries. Raises InfeasiblePartitionError."""
+    L, S = problem.num_layers, problem.num_stages
+    lo = memory_limits(problem)
+    run = Run(0, S, 0, L)
+    opt = bottleneck(obj, lo, run)
+    if opt == INF:
+        raise InfeasiblePartitionError(problem.model.capacity, min_peak_memory(problem), L, S)
+    ref = None if reference is None else reference.boundaries
+    return Partition(tuple(solve_run(obj, lo, run, opt, ref)))
 
 
 def balance_exact(problem: BalanceProblem, kind: str, name: str, reference: Partition | None) -> BalanceResult:

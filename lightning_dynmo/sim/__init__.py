@@ -1,0 +1,11 @@
+"""Pipeline simulator: torch's own schedule order replayed with per-stage times from the same
+cost model and balancers as training, to answer "what would this do on 32 stages?".
+
+``actions`` (torch's per-rank order) -> ``replay`` (timing of that order) -> ``simulate`` (one
+step from per-layer costs and a partition) -> ``scenarios`` (the six dynamism cases over time,
+static vs dynamic balancing).
+"""
+from .actions import Op, schedule_ops
+from .simulate import DataParallel, Link, SimResult, matching_cost_model, simulate
+
+__all__ = ["DataParallel", "Link", "Op", "SimResult", "matching_cost_model", "schedule_ops", "simulate"]

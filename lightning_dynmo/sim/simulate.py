@@ -1,0 +1,144 @@
+"""One training step of a pipeline, simulated: per-layer costs + partition + torch's schedule.
+
+Stage times come from the same :class:`LayerCosts` the balancers use (forward and backward
+seconds per micro-batch, summed exactly over the stage's layers); a zero-bubble schedule splits
+a stage's backward into input-gradient ``I = (1 - w) B`` and weight-gradient ``W = w B``. Each
+boundary crossing costs ``latency + activation bytes / bandwidth`` (the boundary layer's output
+forward, its gradient backward). With data parallelism each rank then all-reduces its stages'
+gradients (ring: ``2 (d-1)/d`` of the bytes over the bandwidth, ``2 (d-1)`` latencies), either
+after its last action (``overlap=False``, as our runtime does) or per stage as soon as the
+stage's last gradient is done, on one communication channel per rank beside the compute
+(``overlap=True``: the most that reducing stage by stage can hide). Sends never block their
+sender and links carry any number of messages at once (no contention).
+
+:func:`matching_cost_model` gives the :class:`CostModel` that describes the same pipeline to a
+balancer, so a simulated rebalance uses the balancers exactly as training does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..plan.cost_model import CostModel, LayerCosts
+from ..plan.partition import Partition
+from ..plan.schedules import get_schedule
+from .actions import schedule_ops
+from .replay import replay
+
+
+@dataclass(frozen=True)
+class Link:
+    """Point-to-point link between adjacent pipeline ranks."""
+
+    latency: float = 0.0  # seconds per message
+    bandwidth: float | None = None  # bytes/s; None: bytes cost nothing
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + (0.0 if self.bandwidth is None else nbytes / self.bandwidth)
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Gradient all-reduce over ``replicas`` copies of the pipeline (ring algorithm)."""
+
+    replicas: int
+    bandwidth: float  # bytes/s each rank sends and receives
+    bytes_per_param: float = 4.0  # gradient dtype (fp32: 4, bf16: 2)
+    latency: float = 0.0  # seconds per ring step
+    overlap: bool = False  # per stage as soon as its gradients are final, beside the compute
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or not self.bandwidth > 0:
+            raise ValueError(f"need replicas >= 1 and bandwidth > 0, got {self.replicas}, {self.bandwidth}")
+
+    def allreduce_time(self, params: int) -> float:
+        d = self.replicas
+        if d == 1:
+            return 0.0
+        return 2 * (d - 1) / d * params * self.bytes_per_param / self.bandwidth + 2 * (d - 1) * self.latency
+
+
+@dataclass(frozen=True)
+class SimResult:
+    step_time: float  # seconds from the first action to the last rank's end (all-reduce included)
+    bubble_fraction: float  # idle share of ranks x step_time, counting only compute as busy
+    busy: tuple[float, ...]  # compute seconds per pipeline rank
+    allreduce: tuple[float, ...]  # data-parallel all-reduce seconds per pipeline rank
+    events: tuple[dict, ...]  # compute chunks in lightning_dynmo.plotting's timeline format
+
+
+def matching_cost_model(
+    schedule: str, microbatches: int, link: Link = Link(), virtual: int | None = None, capacity: float | None = None
+) -> CostModel:
+    """The cost model a balancer should see for this simulated pipeline (same in-flight rule;
+    the link's bandwidth as the cost model's receive cost)."""
+    spec = get_schedule(schedule)
+    return CostModel(
+        microbatches, spec.cost_schedule, bandwidth=link.bandwidth, capacity=capacity,
+        virtual_stages=spec.virtual_stages(virtual),
+    )
+
+
+def simulate(
+    costs: LayerCosts,
+    partition: Partition,
+    schedule: str,
+    microbatches: int,
+    *,
+    virtual: int | None = None,
+    link: Link = Link(),
+    dp: DataParallel | None = None,
+    w_fraction: float = 0.5,
+) -> SimResult:
+    """Simulate one step. ``partition`` has one stage per (virtual) pipeline stage: ``pp x
+    virtual`` stages for a multi-stage schedule, placed on ranks as torch places them."""
+    spec = get_schedule(schedule)
+    v = spec.virtual_stages(virtual)
+    S = partition.num_stages
+    if S % v:
+        raise ValueError(f"schedule {spec.name!r} with {v} stages per rank needs a multiple of {v} stages, got {S}")
+    if partition.num_layers != costs.num_layers:
+        raise ValueError(f"partition {partition} covers {partition.num_layers} layers, costs have {costs.num_layers}")
+    if not 0.0 <= w_fraction <= 1.0:
+        raise ValueError(f"w_fraction must be in [0, 1], got {w_fraction}")
+    pp = S // v
+    ops = schedule_ops(spec.name, pp, v, microbatches)
+    b = partition.boundaries
+    forward = [math.fsum(costs.forward[b[s] : b[s + 1]]) for s in range(S)]
+    backward = [math.fsum(costs.backward[b[s] : b[s + 1]]) for s in range(S)]
+    durations = {
+        "F": forward,
+        "B": backward,
+        "I": [(1.0 - w_fraction) * x for x in backward],
+        "W": [w_fraction * x for x in backward],
+    }
+    crossing = [link.time(costs.activation[b[s + 1] - 1]) for s in range(S - 1)]
+    spans = replay(ops, durations, crossing)
+
+    busy = [0.0] * pp
+    compute_end = [0.0] * pp
+    grads_done = [0.0] * S  # end of each stage's last gradient action
+    for sp in spans:
+        busy[sp.rank] += sp.end - sp.start
+        compute_end[sp.rank] = max(compute_end[sp.rank], sp.end)
+        if sp.op.kind != "F":
+            grads_done[sp.op.stage] = max(grads_done[sp.op.stage], sp.end)
+    allreduce = [0.0] * pp
+    end = list(compute_end)
+    if dp is not None:
+        stages_of = [sorted({op.stage for op in rank_ops}) for rank_ops in ops]
+        for r, stages in enumerate(stages_of):
+            channel = 0.0
+            for s in sorted(stages, key=lambda s: grads_done[s]):
+                t = dp.allreduce_time(costs.params_sum(b[s], b[s + 1]))
+                channel = max(channel, grads_done[s] if dp.overlap else compute_end[r]) + t
+                allreduce[r] += t
+            end[r] = max(end[r], channel)
+    step = max(end)
+    events = tuple(
+        {"rank": sp.rank, "stage": sp.op.stage, "kind": "B" if sp.op.kind == "I" else sp.op.kind,
+         "mb": sp.op.mb, "start": sp.start, "end": sp.end}
+        for sp in spans
+    )
+    bubble = 1.0 - math.fsum(busy) / (pp * step) if step > 0 else 0.0
+    return SimResult(step, bubble, tuple(busy), tuple(allreduce), events)

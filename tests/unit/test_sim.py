@@ -1,0 +1,217 @@
+"""The simulator against closed forms: fill-drain step times, interleaving and zero-bubble gains,
+the heaviest stage's pace, transfer and all-reduce costs; every table schedule replays.
+
+Dyadic costs (1, 2, 0.5, ...) keep every sum exact, so closed forms are compared with ``==``."""
+import pytest
+
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer, megatron_layout
+from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
+from lightning_dynmo.plan.partition import Partition
+from lightning_dynmo.plan.schedules import available_schedules, get_schedule
+from lightning_dynmo.sim import DataParallel, Link, matching_cost_model, schedule_ops, simulate
+from lightning_dynmo.sim.scenarios import CASES, BlockShape, compare, early_exit, freezing, moe, pruning
+
+F, B = 1.0, 2.0
+
+
+def uniform(layers, **kw):
+    return LayerCosts.uniform(layers, forward=F, backward=B, **kw)
+
+
+def stages_for(schedule, pp):
+    spec = get_schedule(schedule)
+    return pp * spec.virtual_stages(None)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 2), (4, 8), (5, 16)])
+def test_uniform_fill_drain(schedule, pp, m):
+    costs, part = uniform(2 * pp), megatron_layout(2 * pp, pp)
+    r = simulate(costs, part, schedule, m)
+    assert r.step_time == (m + pp - 1) * 2 * (F + B)
+    assert r.step_time == CostModel(m, schedule).predicted_step_time(costs, part)
+    assert r.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+    assert r.busy == (m * 2 * (F + B),) * pp
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_heaviest_stage_sets_the_pace(schedule):
+    # stage 2 is 3x heavier (same forward/backward ratio)
+    costs = LayerCosts([1, 1, 1, 1, 3, 3, 1, 1], [2, 2, 2, 2, 6, 6, 2, 2], [1] * 8, [0] * 8, [0] * 8)
+    part = megatron_layout(8, 4)
+    heavy = 3 * 2 * (F + B)
+    steps = [simulate(costs, part, schedule, m).step_time for m in (8, 9, 10)]
+    assert steps[1] - steps[0] == steps[2] - steps[1] == heavy  # one more micro-batch costs the heaviest stage
+    bound = CostModel(8, schedule).predicted_step_time(costs, part)  # sum t + (m-1) max t
+    assert steps[0] == bound if schedule == "gpipe" else steps[0] <= bound
+    busy = simulate(costs, part, schedule, 8).busy
+    assert max(busy) == busy[2]
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble():
+    pp, m = 4, 8
+    flat = simulate(uniform(16), megatron_layout(16, pp), "1f1b", m)
+    inter = simulate(uniform(16), megatron_layout(16, 2 * pp), "interleaved_1f1b", m)
+    zb = simulate(uniform(16), megatron_layout(16, 2 * pp), "zero_bubble", m)
+    work = m * 4 * (F + B)  # per rank
+    assert flat.step_time == work + (pp - 1) * 4 * (F + B)  # bubble (p-1) full stages
+    assert inter.step_time == work + (pp - 1) * 2 * (F + B)  # bubble (p-1) / v stages
+    assert zb.bubble_fraction < inter.bubble_fraction < flat.bubble_fraction
+
+
+def test_transfer_time_adds():
+    pp, m, d = 4, 8, 0.5
+    costs = uniform(8, activation=3.0)
+    part = megatron_layout(8, pp)
+    base = (m + pp - 1) * 2 * (F + B)
+    # GPipe: every crossing is on the critical path once forward and once backward
+    assert simulate(costs, part, "gpipe", m, link=Link(latency=d)).step_time == base + 2 * (pp - 1) * d
+    assert simulate(costs, part, "gpipe", m, link=Link(bandwidth=6.0)).step_time == base + 2 * (pp - 1) * 0.5
+    # 1F1B: the steady state waits for the round trip as well, so more is exposed
+    steps = [simulate(costs, part, "1f1b", m, link=Link(latency=x)).step_time for x in (0.0, 0.25, 0.5)]
+    assert steps[0] == base and steps[0] < steps[1] < steps[2]
+    assert steps[2] >= base + 2 * (pp - 1) * d
+
+
+def test_same_rank_crossings_are_free():
+    # ZBV puts stages p-1 and p on one rank: a link cost only applies between ranks
+    pp, m = 2, 4
+    costs = uniform(8, activation=1.0)
+    part = megatron_layout(8, 2 * pp)
+    slow = simulate(costs, part, "zbv", m, link=Link(latency=0.25))
+    fast = simulate(costs, part, "zbv", m)
+    assert fast.step_time < slow.step_time
+
+
+def test_data_parallel_allreduce():
+    pp, m = 4, 8
+    costs = uniform(16, params=1000)
+    dp = DataParallel(replicas=4, bandwidth=1000.0, bytes_per_param=2.0, latency=0.25)
+    ring = 2 * 3 / 4 * 4000 * 2.0 / 1000.0 + 2 * 3 * 0.25  # 4 layers of 1000 params per rank
+    assert dp.allreduce_time(4000) == ring
+    part = megatron_layout(16, pp)
+    plain = simulate(costs, part, "1f1b", m)
+    after = simulate(costs, part, "1f1b", m, dp=dp)
+    assert after.step_time == plain.step_time + ring  # rank 0 finishes last, then all-reduces
+    assert after.allreduce == (ring,) * pp
+    # interleaved: overlapping each stage's all-reduce with the rank's remaining work helps
+    part = megatron_layout(16, 2 * pp)
+    blocking = simulate(costs, part, "interleaved_1f1b", m, dp=dp)
+    overlapped = simulate(costs, part, "interleaved_1f1b", m, dp=DataParallel(4, 1000.0, 2.0, 0.25, overlap=True))
+    assert overlapped.step_time < blocking.step_time
+    assert simulate(costs, part, "interleaved_1f1b", m, dp=DataParallel(1, 1.0)).step_time == \
+        simulate(costs, part, "interleaved_1f1b", m).step_time
+
+
+def test_zero_bubble_weight_fraction():
+    pp, m = 4, 8
+    part = megatron_layout(16, 2 * pp)
+    fractions = [simulate(uniform(16), part, "zero_bubble", m, w_fraction=w).bubble_fraction for w in (0.0, 0.5)]
+    assert fractions[1] < fractions[0]  # deferred weight gradients fill the bubble
+    with pytest.raises(ValueError, match="w_fraction"):
+        simulate(uniform(16), part, "zero_bubble", m, w_fraction=1.5)
+
+
+@pytest.mark.parametrize("schedule", available_schedules())
+def test_every_schedule_replays_torch_order(schedule):
+    pp, m = 4, 8
+    S = stages_for(schedule, pp)
+    costs = LayerCosts([1.0, 0.5] * S, [2.0, 1.0] * S, [1] * 2 * S, [0.0] * 2 * S, [1.0] * 2 * S)
+    part = megatron_layout(2 * S, S)
+    r = simulate(costs, part, schedule, m, link=Link(latency=0.125, bandwidth=8.0))
+    ops = schedule_ops(schedule, pp, S // pp, m)
+    assert sum(len(o) for o in ops) == len(r.events)
+    per_stage = {}
+    for e in r.events:
+        per_stage.setdefault((e["stage"], e["kind"]), []).append(e)
+    for s in range(S):
+        fwd = {e["mb"]: e for e in per_stage[(s, "F")]}
+        bwd = {e["mb"]: e for e in per_stage[(s, "B")]}
+        assert sorted(fwd) == sorted(bwd) == list(range(m))
+        for i in range(m):
+            assert fwd[i]["end"] <= bwd[i]["start"]
+            if s > 0:
+                assert fwd[i]["start"] >= per_stage_end(per_stage, s - 1, "F", i)
+    assert r.busy == (m * 4.5 * (S // pp),) * pp
+    assert 0.0 <= r.bubble_fraction < 1.0
+    assert r.step_time >= max(r.busy)
+
+
+def per_stage_end(per_stage, s, kind, mb):
+    return next(e["end"] for e in per_stage[(s, kind)] if e["mb"] == mb)
+
+
+def test_torch_orders_are_complete():
+    for schedule in available_schedules():
+        pp, m = 4, 8
+        S = stages_for(schedule, pp)
+        ops = schedule_ops(schedule, pp, S // pp, m)
+        kinds = {(o.stage, o.kind, o.mb) for rank_ops in ops for o in rank_ops}
+        grad = ("I", "W") if any(k == "W" for _, k, _ in kinds) else ("B",)
+        assert kinds == {(s, k, i) for s in range(S) for k in ("F", *grad) for i in range(m)}
+
+
+def test_input_validation():
+    costs = uniform(8)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        simulate(costs, megatron_layout(8, 3), "interleaved_1f1b", 6, virtual=2)
+    with pytest.raises(ValueError, match="at least as many micro-batches"):
+        simulate(costs, megatron_layout(8, 4), "1f1b", 2)
+    with pytest.raises(ValueError, match="covers 4 layers"):
+        simulate(costs, Partition((0, 2, 4)), "gpipe", 2)
+
+
+def test_balancer_and_simulator_share_the_cost_model():
+    """A rebalance chosen on matching_cost_model speeds up the simulated step."""
+    costs = LayerCosts([1.0] * 12, [0.0] * 8 + [2.0] * 4, [1] * 12, [0.0] * 12, [1.0] * 12)  # frozen prefix
+    link = Link(latency=0.0, bandwidth=16.0)
+    model = matching_cost_model("1f1b", 16, link)
+    assert model.bandwidth == 16.0 and model.schedule == "1f1b"
+    static = get_balancer("uniform")(BalanceProblem(costs, 4, model)).partition
+    dynamic = get_balancer("partition_time")(BalanceProblem(costs, 4, model)).partition
+    before = simulate(costs, static, "1f1b", 16, link=link).step_time
+    after = simulate(costs, dynamic, "1f1b", 16, link=link).step_time
+    assert after < before
+
+
+def test_events_draw_with_the_real_timeline_code(tmp_path):
+    pytest.importorskip("matplotlib")
+    from lightning_dynmo.plotting import save_rebalance_figure
+
+    r = simulate(uniform(8), megatron_layout(8, 4), "1f1b", 4)
+    path = save_rebalance_figure(str(tmp_path / "sim.png"), r.events, ("uniform", [6.0] * 4))
+    assert (tmp_path / "sim.png").stat().st_size > 0 and path.endswith("sim.png")
+
+
+# ---- synthetic dynamism scenarios -------------------------------------------------------------
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("layers", [24, 32, 48])
+def test_scenarios_are_valid_and_seeded(case, layers):
+    trajectory = CASES[case](layers)
+    assert len(trajectory) >= 3 and all(c.num_layers == layers for c in trajectory)
+    assert CASES[case](layers) == trajectory
+    dense = BlockShape().costs([1.0] * layers).time_sum(0, layers)
+    most = 1.5 * dense if case == "moe" else dense  # top-2 routing doubles the MLP half of a block
+    assert all(0 < c.time_sum(0, layers) <= most for c in trajectory)
+
+
+def test_scenario_shapes():
+    frozen = freezing(24, steps=4, final_frozen=0.5)
+    assert [sum(b == 0.0 for b in c.backward) for c in frozen] == [0, 4, 8, 12]
+    assert all(c.backward[:k] == (0.0,) * k for c, k in zip(frozen, (0, 4, 8, 12)))
+    exits = early_exit(32, steps=3)[-1].time
+    assert exits[0] == exits[7] > exits[8] == exits[15] > exits[16] > exits[24]
+    pruned = [c.time_sum(0, 24) for c in pruning(24)]
+    assert pruned[0] == BlockShape().costs([1.0] * 24).time_sum(0, 24)
+    assert pruned == sorted(pruned, reverse=True) and pruned[-1] < 0.8 * pruned[0]
+    routed = moe(8, steps=2)[0]
+    assert routed.params[1] > routed.params[0] and routed.time[0] == routed.time[2]
+
+
+def test_dynamic_balancing_beats_static_on_freezing():
+    c = compare(freezing(24), stages=4)
+    assert c.rebalances == 12
+    assert c.speedup["uniform"] > 1.1 and c.speedup["param"] > 1.1
+    assert c.bubble_fraction["dynamic"] < c.bubble_fraction["uniform"]
+    assert set(c.step_time) == {"uniform", "param", "dynamic"}
+    assert compare(freezing(24), stages=4, rebalance_every=5).rebalances == 3
