@@ -1,14 +1,15 @@
 """Static vs dynamic pipeline balancing for one dynamic-model case, side by side.
 
-    python benchmarks/dynamism.py --case freezing|early_exit|pruning [--quick]
+    python benchmarks/dynamism.py --case freezing|early_exit|pruning|mod|moe [--quick]
 
 Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each) and trains the
 same model, data and dynamism callback three times in one job:
 
 * ``uniform``  static: equal layer counts (Megatron), ``rebalance="never"``;
 * ``param``    static: equal parameter counts (DeepSpeed), ``rebalance="never"``;
-* ``dynmo``    ``balancer="partition_time", rebalance="on_event"``: the callback's
-  ``request_rebalance`` makes the strategy profile the next step per layer and re-partition.
+* ``dynmo``    the case's dynamic options (``benchmarks/dynamism_cases/<case>.py``), e.g.
+  ``balancer="partition_time", rebalance="on_event"``: the callback's ``request_rebalance``
+  makes the strategy profile the next step per layer and re-partition.
 
 The dynamism event happens early (freezing / threshold drop / pruning schedule); throughput
 (tokens/s from step wall-clock on rank 0) and the pipeline idle fraction (the strategy's
@@ -28,7 +29,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("freezing", "early_exit", "pruning")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
+from dynamism_cases import CASES, load  # noqa: E402
 
 
 def _args(argv=None):
@@ -39,21 +41,20 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def _plan(case: str, quick: bool) -> dict:
-    steps, window, rounds = (26, (12, 26), 2) if quick else (60, (24, 60), 3)
-    plan = dict(steps=steps, window=window, rounds=rounds, event=4, batch=16, microbatches=4,
-                model=dict(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128, dropout=0.0))
-    if case == "freezing":
-        plan["callback"] = dict(schedule={4: 4})  # embedding + 3 blocks frozen from step 4
-    elif case == "early_exit":
-        plan["callback"] = dict(schedule={4: 0.93}, check_interval=2)
-    else:
-        plan["callback"] = dict(final_sparsity=0.9, start_step=2, n_steps=3, frequency=2, sparse_kernels="auto",
-                                kernel_tokens=plan["batch"] // plan["microbatches"] * 64)
-    return plan
-
-
 # ------------------------------------------------------------------------------ worker side
+def _decision_stats(history: list[dict], step_ms: float) -> dict:
+    """Decisions taken, how many came from load counters (no profiling), and the overhead of a
+    decision that moved nothing as a share of the step (the signal itself rides on the step's
+    one all-reduce)."""
+    idle = [h["decision_ms"] for h in history if not h["applied"] and h.get("decision_ms") is not None]
+    return {
+        "decisions": len(history),
+        "decisions_from_counters": sum(1 for h in history if "(load counters)" in h.get("reason", "")),
+        "migrations": sum(1 for h in history if h["applied"]),
+        "rebalance_overhead": round(sum(idle) / len(idle) / step_ms, 5) if idle and step_ms else None,
+    }
+
+
 def _worker(args) -> None:
     import torch
 
@@ -63,11 +64,10 @@ def _worker(args) -> None:
 
     sys.path.insert(0, ROOT)
     from lightning_dynmo import DynMoStrategy
-    from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing
-    from lightning_dynmo.dynamic import EarlyExitGPT
-    from lightning_dynmo.models import GPT, GPTConfig
+    from lightning_dynmo.models import GPTConfig
 
-    plan = _plan(args.case, args.quick)
+    case = load(args.case)
+    plan = case.plan(args.quick)
     cfg = GPTConfig(**plan["model"])
     g = torch.Generator().manual_seed(0)
     n = plan["batch"] * plan["steps"]
@@ -88,24 +88,22 @@ def _worker(args) -> None:
             self.rank_idle.append([1.0 - b / w for b in busy] if w > 0 else [])
             self.partition.append(str(s.partition))
 
-    configs = [("uniform", "uniform", "never"), ("param", "param", "never"), ("dynmo", "partition_time", "on_event")]
-    out: dict[str, list] = {name: [] for name, _, _ in configs}
+    configs = [("uniform", dict(balancer="uniform", rebalance="never")),
+               ("param", dict(balancer="param", rebalance="never")),
+               ("dynmo", case.dynmo_strategy(plan))]
+    out: dict[str, list] = {name: [] for name, _ in configs}
     # rounds interleave the configurations (u p d u p d ...) so that load drift on a shared
     # machine hits all of them alike; the summary takes each configuration's median round
-    for name, balancer, rebalance in [c for _ in range(plan["rounds"]) for c in configs]:
+    for name, options in [c for _ in range(plan["rounds"]) for c in configs]:
         torch.manual_seed(0)
-        if args.case == "early_exit":
-            model = EarlyExitGPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
-            cb = EarlyExit(**plan["callback"])
-        else:
-            model = GPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
-            cb = LayerFreezing(**plan["callback"]) if args.case == "freezing" else GradualPruning(**plan["callback"])
+        model, callbacks = case.build(cfg, plan)
         meter = Meter()
-        strategy = DynMoStrategy(pipeline_parallel=2, microbatches=plan["microbatches"], balancer=balancer,
-                                 rebalance=rebalance, plot=False, rebalance_cooldown=1, timeout=300)
+        options = dict(dict(rebalance_cooldown=1), **options)
+        strategy = DynMoStrategy(pipeline_parallel=2, microbatches=plan["microbatches"], plot=False, timeout=300,
+                                 **options)
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=plan["steps"],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False, limit_val_batches=0, callbacks=[cb, meter],
+                            enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, meter],
                             default_root_dir=tempfile.mkdtemp())
         err = None
         try:
@@ -113,7 +111,7 @@ def _worker(args) -> None:
         except Exception as e:  # report, do not hide: a failing configuration is a result too
             err = f"{type(e).__name__}: {e}"[:500]
         a, b = plan["window"]
-        rec = {"balancer": balancer, "rebalance": rebalance, "error": err}
+        rec = {"balancer": options["balancer"], "rebalance": options["rebalance"], "error": err}
         if err is None and len(meter.t) >= b:
             secs = meter.t[b - 1] - meter.t[a - 1]
             tokens = plan["batch"] * cfg.block_size * (b - a)
@@ -128,15 +126,10 @@ def _worker(args) -> None:
                 partition_final=meter.partition[-1],
                 rebalances=[{k: h.get(k) for k in ("step", "reason", "before", "after", "applied", "why")}
                             for h in strategy.rebalance_history],
+                **_decision_stats(strategy.rebalance_history, 1e3 * secs / (b - a)),
             )
-            if args.case == "pruning":
-                rec["sparsity"] = cb.sparsity
-                rec["sparse_kernel_layers"] = sum(
-                    1 for m in model.modules() if getattr(m, "sparse_kernel", False))  # local to rank 0
-            if args.case == "freezing":
-                rec["frozen_layers"] = cb.n_frozen
-            if args.case == "early_exit":
-                rec["active_fraction_per_layer"] = cb.last_fractions
+            if hasattr(case, "extra"):
+                rec["extra"] = case.extra(model, callbacks, strategy)  # rank 0's view
         out[name].append(rec)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as fh:
@@ -182,12 +175,12 @@ def _summarise(case: str, quick: bool, rounds: dict) -> dict:
         "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
     }
     if dyn:
+        for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead"):
+            res[key] = dyn.get(key)
         res["dynmo_rebalances"] = [f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
                                    for h in dyn.get("rebalances", [])]
-    for key in ("sparsity", "sparse_kernel_layers", "frozen_layers", "active_fraction_per_layer"):
-        if dyn and key in dyn:
-            val = dyn[key]
-            res[key] = [None if x != x else round(x, 3) for x in val] if isinstance(val, list) else val
+    for key, val in (dyn or {}).get("extra", {}).items():
+        res[key] = [None if x != x else round(x, 3) for x in val] if isinstance(val, list) else val
     return res
 
 

@@ -1,0 +1,23 @@
+"""One module per dynamism case of ``benchmarks/dynamism.py``.
+
+A case module defines:
+
+* ``plan(quick) -> dict``: steps, measurement window, rounds, event step, batch, micro-batches,
+  the GPT config (``model``) and anything the case needs;
+* ``build(cfg, plan) -> (model, callbacks)``: a fresh model and the dynamism callbacks;
+* ``dynmo_strategy(plan) -> dict``: the DynMoStrategy options of the dynamic run (the static
+  runs use ``uniform`` / ``param`` with ``rebalance="never"``);
+* optionally ``extra(model, callbacks, strategy) -> dict``: case-specific figures for the JSON
+  record (rank 0's view).
+"""
+from __future__ import annotations
+
+import importlib
+
+CASES = ("freezing", "early_exit", "pruning", "mod", "moe")
+
+
+def load(case: str):
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}; valid: {', '.join(CASES)}")
+    return importlib.import_module(f"{__name__}.{case}")
