@@ -34,17 +34,17 @@ tensors, and converts them only when read: ``load_factor()`` for the strategy's 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._aux_loss import attach_aux_loss, set_aux_loss_scale
 from .gpt import GPT, Block, GPTConfig
+from .moe_experts import GroupedExperts, SwiGLU
+from .moe_router import Routing, TopKRouter, load_balancing_loss, router_z_loss
 
 __all__ = [
     "GroupedExperts",
@@ -151,171 +151,6 @@ class MoEConfig:
                 raise ValueError(f"unknown MoEConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
             return cls(**{k: config[k] for k in config})
         raise TypeError(f"moe must be a MoEConfig, dict or None, got {type(config).__name__}")
-
-
-@dataclass
-class Routing:
-    """One forward's routing decisions for ``x [B, T, C]``.
-
-    ``weights`` / ``experts``: ``[B, T, k]`` combine weights (fp32) and expert ids per slot;
-    ``keep``: ``[B, T, k]`` slots within capacity (``None``: dropless); ``probs``: ``[B, T, E]``
-    per-token expert probabilities the load-balancing loss uses; ``logits``: ``[B, T, E]`` fp32.
-    """
-
-    weights: Tensor
-    experts: Tensor
-    keep: Tensor | None
-    probs: Tensor
-    logits: Tensor
-
-
-def load_balancing_loss(probs: Tensor, experts: Tensor, num_experts: int) -> Tensor:
-    """Sequence-wise Switch/GShard loss (DeepSeek-V2): per row ``sum_i f_i P_i`` with
-    ``f_i = E / (T k) * #(slots routed to i)`` (before capacity) and ``P_i = mean_t probs[:, i]``,
-    then the mean over rows. Equals 1 for perfectly uniform routing.
-
-    ``probs [B, T, E]``, ``experts [B, T, k]``.
-    """
-    b, t, k = experts.shape
-    routed = torch.zeros(b, t, num_experts, dtype=probs.dtype, device=probs.device)
-    routed.scatter_(2, experts, 1.0)
-    f = routed.sum(dim=1) * (num_experts / (t * k))
-    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
-
-
-def router_z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE router z-loss ``logsumexp(logits)^2``: mean over each row's tokens, then rows."""
-    return torch.logsumexp(logits, dim=-1).square().mean(dim=1).mean()
-
-
-class TopKRouter(nn.Module):
-    """Token-choice top-k router with per-sequence expert capacity."""
-
-    def __init__(self, dim: int, config: MoEConfig):
-        super().__init__()
-        self.num_experts = int(config.num_experts)
-        self.top_k = int(config.top_k)
-        self.score_func = config.score_func
-        self.renormalize = bool(config.renormalize)
-        self.capacity_factor = None if config.capacity_factor is None else float(config.capacity_factor)
-        self.drop_policy = config.drop_policy
-        self.gate = nn.Linear(dim, self.num_experts, bias=False)
-
-    def capacity(self, tokens_per_row: int) -> int:
-        """Slots per expert and sequence (``None`` capacity factor: every slot fits)."""
-        if self.capacity_factor is None:
-            return tokens_per_row
-        cap = math.ceil(self.capacity_factor * tokens_per_row * self.top_k / self.num_experts)
-        return min(cap, tokens_per_row)  # an expert gets each token at most once
-
-    def forward(self, x: Tensor) -> Routing:
-        logits = self.gate(x).float()  # routing decisions in fp32 whatever the activation dtype
-        if self.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
-            probs = scores
-        else:
-            scores = logits.sigmoid()
-            probs = scores / scores.sum(dim=-1, keepdim=True)
-        weights, experts = scores.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        keep = None if self.capacity_factor is None else self._within_capacity(weights, experts)
-        return Routing(weights=weights, experts=experts, keep=keep, probs=probs, logits=logits)
-
-    @torch.no_grad()
-    def _within_capacity(self, weights: Tensor, experts: Tensor) -> Tensor:
-        """``[B, T, k]`` mask of the slots each expert accepts, per sequence."""
-        b, t, _ = experts.shape
-        cap = self.capacity(t)
-        if self.drop_policy == "position":
-            routed = torch.zeros(b, t, self.num_experts, dtype=torch.int32, device=experts.device)
-            routed.scatter_(2, experts, 1)
-            accepted = routed.cumsum(dim=1) <= cap  # the first `cap` tokens of the row that chose e
-        else:
-            priority = torch.full((b, t, self.num_experts), -math.inf, dtype=weights.dtype, device=weights.device)
-            priority.scatter_(2, experts, weights)
-            best = priority.topk(cap, dim=1).indices  # the `cap` highest weights per (row, expert)
-            accepted = torch.zeros(b, t, self.num_experts, dtype=torch.bool, device=experts.device)
-            accepted.scatter_(1, best, True)
-        return accepted.gather(2, experts)
-
-
-@functools.cache
-def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether this torch build has a ``torch._grouped_mm`` kernel for ``device_type`` and ``dtype``
-    (probed once with a tiny aligned problem)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        a = torch.zeros(4, 8, device=device_type, dtype=dtype)
-        b = torch.zeros(2, 8, 8, device=device_type, dtype=dtype)
-        torch._grouped_mm(a, b, offs=torch.tensor([1, 4], dtype=torch.int32, device=device_type))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return True
-
-
-class SwiGLU(nn.Module):
-    """``w2(silu(w1 x) * w3 x)``: the Mixtral/LLaMA expert MLP; used as the shared expert."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts stored as stacked weights (torchtitan's layout, transposed so
-    that ``x @ w`` needs no transpose): ``w1, w3 [E, C, H]``, ``w2 [E, H, C]``.
-
-    ``forward(x, counts)`` takes tokens sorted by expert (``counts[e]`` rows for expert ``e``) and
-    runs all experts as one grouped GEMM per weight (``torch._grouped_mm``) when this torch build
-    has it for the device and dtype and every row stride is a multiple of 16 bytes; otherwise it
-    loops over experts. Both compute the same function.
-    """
-
-    def __init__(self, dim: int, hidden: int, num_experts: int, grouped_mm: bool | None = None):
-        super().__init__()
-        self.dim, self.hidden, self.num_experts = dim, hidden, num_experts
-        self.grouped_mm = grouped_mm
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-
-    def uses_grouped_mm(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Which path ``forward`` takes for activations of ``dtype`` on ``device``."""
-        if self.grouped_mm is False:
-            return False
-        size = torch.empty((), dtype=dtype).element_size()
-        aligned = self.dim * size % 16 == 0 and self.hidden * size % 16 == 0
-        runs = _grouped_mm_runs(device.type, dtype)
-        if self.grouped_mm and not (runs and aligned):
-            raise RuntimeError(
-                f"grouped_mm=True, but torch._grouped_mm cannot run {dtype} on {device.type} with "
-                f"n_embd={self.dim} and expert hidden={self.hidden} "
-                f"({'strides must be multiples of 16 bytes' if runs else 'no kernel in this torch build'}); "
-                "set grouped_mm=None to fall back to the expert loop automatically"
-            )
-        return runs and aligned
-
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        device_type = x.device.type
-        # under autocast, compute in the autocast dtype like nn.Linear would
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        if self.uses_grouped_mm(dtype, x.device):
-            x = x.to(dtype)
-            w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
-            offsets = counts.cumsum(0).to(torch.int32)
-            h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-            return torch._grouped_mm(h, w2, offs=offsets)
-        outputs = []
-        for e, xe in enumerate(x.split(counts.tolist())):
-            outputs.append((F.silu(xe @ self.w1[e]) * (xe @ self.w3[e])) @ self.w2[e])
-        return torch.cat(outputs)
 
 
 def _records_routing(module: nn.Module) -> bool:
