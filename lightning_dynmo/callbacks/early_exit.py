@@ -101,7 +101,7 @@ class EarlyExit(Callback):
         if deltas and max(deltas) > self.drift:
             worst = max(blocks, key=lambda i: abs(fr[i] - base[i]))
             reason = (f"early exit: active fraction of layer {worst} moved {base[worst]:.2f} -> {fr[worst]:.2f}")
-            request_rebalance(trainer, reason)
+            request_rebalance(trainer, reason, reprofile=False)  # fewer tokens, same computation
             self.baseline = [1.0 if math.isnan(f) else f for f in fr]
             self.requests.append({"step": int(trainer.global_step), "reason": reason})
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..protocol import RemoteLayer
+from ..protocol import PipelineControl, RemoteLayer
 
 
 def pipeline_layers(pl_module: nn.Module) -> nn.ModuleList | None:
@@ -58,9 +58,14 @@ def all_reduce_over_pipeline(trainer, vec: torch.Tensor, op=None) -> torch.Tenso
     return vec
 
 
-def request_rebalance(trainer, reason: str) -> bool:
-    """Ask the strategy to rebalance if it can; plain Lightning strategies just ignore it."""
-    fn = getattr(trainer.strategy, "request_rebalance", None)
+def request_rebalance(trainer, reason: str, reprofile: bool = True) -> bool:
+    """Ask the strategy to rebalance if it can; plain Lightning strategies just ignore it.
+    ``reprofile=False``: the layers' work changed, not what they compute (see PipelineControl)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, PipelineControl):
+        strategy.request_rebalance(reason, reprofile=reprofile)
+        return True
+    fn = getattr(strategy, "request_rebalance", None)
     if callable(fn):
         fn(reason)
         return True

@@ -78,6 +78,10 @@ class ExitBlock(Block):
         tokens_seen / tokens_active / tokens_computed: counters since the last ``reset_counters``
         (tokens entering, active tokens entering, token rows actually computed incl. padding).
         tokens_exited: tokens that exited at this block.
+
+    It reports its load to the strategy (:class:`~lightning_dynmo.protocol.ReportsLoad`): token
+    rows computed (padding included) per token entering, over the training forwards since
+    :meth:`reset_load` (a window of its own, apart from the callback's counters).
     """
 
     def __init__(self, config: GPTConfig, mlp_ratio: float | None = None, is_exit_point: bool = False):
@@ -86,12 +90,20 @@ class ExitBlock(Block):
         self.is_exit_point = bool(is_exit_point)
         self.exit_threshold: float | None = None
         self.reset_counters()
+        self.reset_load()
 
     def reset_counters(self) -> None:
         self.tokens_seen = 0
         self.tokens_active = 0
         self.tokens_computed = 0
         self.tokens_exited = 0
+
+    def reset_load(self) -> None:
+        self._load_seen = 0
+        self._load_computed = 0
+
+    def load_factor(self) -> float | None:
+        return self._load_computed / self._load_seen if self._load_seen else None
 
     @property
     def active_fraction(self) -> float:
@@ -121,6 +133,9 @@ class ExitBlock(Block):
             xp, packing = pack(x, active, per_row, a)
             y = unpack(x, xp, self._packed(xp, packing.valid), packing)
             self.tokens_computed += b * a
+        if self.training and torch.is_grad_enabled():  # not evaluation, not the shape probe
+            self._load_seen += b * t
+            self._load_computed += b * t if n_active == b * t else (b * int(per_row.max()) if n_active else 0)
         thr = self.exit_threshold
         if self.is_exit_point and thr is not None and thr < 1.0 and n_active:
             with torch.no_grad():
