@@ -16,8 +16,11 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 EXT_NAME = "lightning_dynmo.sparse._C"
 CPU_SOURCES = ["ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kernels_avx2.cpp",
-               "cpu_kernels_avx512.cpp"]
-CUDA_SOURCES = ["cuda/sparse_cuda.cu"]
+               "cpu_kernels_avx512.cpp",
+               # block-sparse causal attention (issue 12)
+               "attention_cpu.cpp", "attention_kernels_default.cpp", "attention_kernels_avx2.cpp",
+               "attention_kernels_avx512.cpp"]
+CUDA_SOURCES = ["cuda/sparse_cuda.cu", "cuda/attention_cuda.cu"]
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr"]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-check the CUDA sources with nvcc so they cannot rot on CPU-only CI.
 #
-#   cpp/check_cuda_compile.sh             # torch-free kernels (csrc/cuda/sparse_kernels.cuh), ~seconds
+#   cpp/check_cuda_compile.sh             # torch-free kernels (csrc/cuda/sparse_kernels.cuh,
+#                                         # attention_kernels.cuh), ~1 min
 #   cpp/check_cuda_compile.sh --binding   # also the torch binding against the installed torch's
 #                                         # headers (works with a CPU torch via a one-line shim), ~40 s
 # Exits 0 with a SKIP message when nvcc is absent.  CUDA_ARCHS overrides the target list.
@@ -18,6 +19,8 @@ out="$(mktemp -d)"; trap 'rm -rf "$out"' EXIT
 
 "$NVCC" -c -std=c++17 -O3 -Werror all-warnings "${gencode[@]}" \
   "$here/csrc/cuda/compile_check.cu" -o "$out/kernels.o"
+"$NVCC" -c -std=c++17 -O3 -Werror all-warnings "${gencode[@]}" \
+  "$here/csrc/cuda/attention_compile_check.cu" -o "$out/attention_kernels.o"
 echo "OK: CUDA kernels compile (${archs})"
 
 if [[ "${1:-}" == "--binding" ]]; then
@@ -28,5 +31,9 @@ if [[ "${1:-}" == "--binding" ]]; then
     -I"$torch_inc/torch/csrc/api/include" -I"$out/shim" -I"$py_inc" -I"$here/csrc" \
     -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -diag-suppress 20012,20014,3012 \
     "$here/csrc/cuda/sparse_cuda.cu" -o "$out/binding.o"
+  "$NVCC" -c -std=c++20 -O3 --expt-relaxed-constexpr "${gencode[@]}" -I"$torch_inc" \
+    -I"$torch_inc/torch/csrc/api/include" -I"$out/shim" -I"$py_inc" -I"$here/csrc" \
+    -DTORCH_API_INCLUDE_EXTENSION_H -DTORCH_EXTENSION_NAME=_C -diag-suppress 20012,20014,3012 \
+    "$here/csrc/cuda/attention_cuda.cu" -o "$out/attention_binding.o"
   echo "OK: CUDA torch binding compiles"
 fi

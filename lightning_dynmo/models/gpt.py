@@ -31,6 +31,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
+from lightning_dynmo.runtime.materialize import layer_seed
 
 __all__ = [
     "GPTConfig",
@@ -221,11 +222,21 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.redraw = bool(config.hash_redraw)
         self._seed = 0x5EED0000 + 7919 * int(layer_index)
         head_dim = config.n_embd // config.n_head
-        gen = torch.Generator().manual_seed(self._seed)
-        self.register_buffer("rotations", draw_rotations(config.n_head, head_dim, self.nb_hash, gen))
+        with torch.device("cpu"):  # drawn on the CPU whatever the ambient device
+            rotations = draw_rotations(config.n_head, head_dim, self.nb_hash, torch.Generator().manual_seed(self._seed))
+        # the ambient device: meta under a meta-device context (then reset_buffers() fills it)
+        self.register_buffer("rotations", rotations.to(torch.empty(0).device))
         self.register_buffer("hash_step", torch.zeros((), dtype=torch.long))
         self.last_density: float | None = None
         self.reset_load()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Rotations from the layer's seed and ``hash_step`` 0, in place (meta-device init)."""
+        with torch.device("cpu"):
+            rotations = draw_rotations(*self.rotations.shape[:2], self.nb_hash, torch.Generator().manual_seed(self._seed))
+        self.rotations.copy_(rotations)
+        self.hash_step.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -383,10 +394,12 @@ class GPT(L.LightningModule):
         self.save_hyperparameters()
         self.config = cfg
 
-        # fork_rng: seeding the init must not reset the caller's global RNG stream
-        with torch.random.fork_rng(devices=[], enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
+        # Each layer is initialised from its own generator seeded by (seed, layer index), so a rank
+        # that builds only its own layers gets the single-process values (init_pipeline_layer).
+        # seed=None: the base seed is drawn from the global RNG (seed_everything fixes it).
+        self._init_seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, (), device="cpu"))
+        # fork_rng: layer constructors (e.g. nn.Linear's default init) must not move the caller's RNG
+        with torch.random.fork_rng(devices=[]):
             layers: list[nn.Module] = [Embedding(cfg)]
             layers += [
                 SparseAttentionBlock(cfg, cfg.block_mlp_ratio(i), layer_index=i)
@@ -395,24 +408,49 @@ class GPT(L.LightningModule):
             ]
             layers += [FinalNorm(cfg), Head(cfg)]
             self.layers = nn.ModuleList(layers)
-            self._init_weights()
+        self._init_weights()
 
-        self.val_loss_mean = MeanMetric()
+        with torch.device("cpu"):  # a real tensor even when the layers are built on the meta device
+            self.val_loss_mean = MeanMetric()
 
     # ------------------------------------------------------------------ init
-    @torch.no_grad()
     def _init_weights(self) -> None:
+        """Initialise every layer (:meth:`init_pipeline_layer`). Layers built on the meta device
+        (``trainer.init_module(empty_init=True)`` under DynMoStrategy) are left to the strategy,
+        which initialises only those the rank owns, with the same values."""
+        for i, layer in enumerate(self.layers):
+            if not any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
+                self.init_pipeline_layer(i, layer)
+
+    @torch.no_grad()
+    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
+        """Initialise pipeline layer ``index`` in place from a generator seeded by ``(seed, index)``
+        alone (GPT-2 / nanoGPT scheme): Linear and Embedding weights N(0, 0.02), the residual
+        projections (``attn.proj``, ``mlp.proj``) N(0, 0.02 / sqrt(2 n_layer)), biases 0,
+        LayerNorm (1, 0), hash-attention buffers from their own seed. Values are drawn in fp32 on
+        the CPU and copied, so they do not depend on the layer's dtype or device: a single-process
+        model, a model converted to bf16 and a rank materialising only this layer all agree."""
+        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index))
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for m in self.layers.modules():
+        residual = {id(m.proj) for m in layer.modules() if isinstance(m, (CausalSelfAttention, MLP))}
+
+        def normal_(t: torch.Tensor, std: float) -> None:
+            t.copy_(torch.empty(t.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen))
+
+        for m in layer.modules():
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0.0, 0.02)
+                normal_(m.weight, resid_std if id(m) in residual else 0.02)
                 if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+                    m.bias.zero_()
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, 0.02)
-        for m in self.layers.modules():  # GPT-2 scaled residual projections
-            if isinstance(m, (CausalSelfAttention, MLP)):
-                nn.init.normal_(m.proj.weight, 0.0, resid_std)
+                normal_(m.weight, 0.02)
+            elif isinstance(m, nn.LayerNorm):
+                if m.weight is not None:
+                    m.weight.fill_(1.0)
+                if m.bias is not None:
+                    m.bias.zero_()
+            elif isinstance(m, HashSparseSelfAttention):
+                m.reset_buffers()
 
     # ------------------------------------------------------------------ protocol
     def pipeline_layers(self) -> nn.ModuleList:

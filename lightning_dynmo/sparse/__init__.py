@@ -1,8 +1,16 @@
-"""Sparse linear layers that make pruning pay: CSR SpMM/SDDMM kernels (cpp/) behind an
-autograd module, and a measured dense-vs-sparse dispatch so pruning never slows a layer."""
+"""Sparse kernels that make dynamic sparsity pay: CSR SpMM/SDDMM behind sparse linear layers
+(with a measured dense-vs-sparse dispatch so pruning never slows a layer), and block-sparse
+causal attention with hash-based dynamic layouts."""
 from ._ops import cuda_kernels_available, extension_available, extension_error
+from .attention import (BlockLayout, attention_kernel_available, block_sparse_attention,
+                        reference_block_sparse_attention)
 from .dispatch import crossover_density, maybe_sparsify
+from .hash_layout import (HashPlan, draw_rotations, hash_buckets, hash_sort_plan, hash_sparse_attention,
+                          local_window_layout)
 from .linear import MaskedLinear, SparseLinear
 
 __all__ = ["SparseLinear", "MaskedLinear", "maybe_sparsify", "crossover_density",
-           "extension_available", "extension_error", "cuda_kernels_available"]
+           "extension_available", "extension_error", "cuda_kernels_available",
+           "BlockLayout", "block_sparse_attention", "reference_block_sparse_attention",
+           "attention_kernel_available", "HashPlan", "draw_rotations", "hash_buckets",
+           "hash_sort_plan", "hash_sparse_attention", "local_window_layout"]

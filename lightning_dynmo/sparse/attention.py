@@ -1,0 +1,346 @@
+"""Block-sparse causal attention: ``block_sparse_attention(q, k, v, layout, block_size)``.
+
+A :class:`BlockLayout` says, per (batch, head) and query block of ``block_size`` tokens, which
+key blocks it attends to. The attention is exact softmax attention under the token mask
+
+    visible(i, j) = (block(i), block(j)) in layout  and  j <= i
+
+computed flash-style (online softmax, O(T) memory per head, logsumexp saved for the backward)
+by the ``ldsparse.block_attn_fwd`` / ``block_attn_bwd`` kernels of the compiled extension (CPU:
+fp32/fp64; CUDA: fp32/bf16/fp16 when built with CUDA). Everything else -- no extension, another
+dtype or device, a block size without a kernel -- takes :func:`reference_block_sparse_attention`,
+dense attention under the same mask (O(T^2) memory, same results). Query rows that see no key
+(a query block with no key block) output 0, as ``scaled_dot_product_attention`` does.
+
+Layout format (what the kernels take, one CSR per head, heads one after another)::
+
+    row_ptr  int32 [B, H, n + 1]   n = ceil(S / block_size); row_ptr[b, h, 0] = end of the previous head
+    col_idx  int32 [nnz]           key blocks of query block i: col_idx[row_ptr[b,h,i]:row_ptr[b,h,i+1]],
+                                   strictly increasing, each <= i
+
+The layout lives on S "slots", by default the T tokens in order. ``slot_token`` (int32
+``[B, H, S]``: the token at each slot, -1 for an empty padding slot, every token exactly once)
+runs the attention on a permuted, padded sequence -- the mask above applies to slots, and
+padding slots are no keys -- while
+inputs, outputs and gradients stay in token order; the kernels apply the permutation as they
+load and store, so it costs no extra pass (the hash-sorted layouts of ``hash_layout`` use this).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _ops
+
+__all__ = ["BlockLayout", "block_sparse_attention", "reference_block_sparse_attention",
+           "attention_kernel_available", "KERNEL_BLOCK_SIZES"]
+
+KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
+
+
+def _has_op(name: str) -> bool:
+    if not _ops.extension_available():
+        return False
+    try:
+        getattr(torch.ops.ldsparse, name)
+        return True
+    except (AttributeError, RuntimeError):  # a stale build without the attention kernels
+        return False
+
+
+_HAS_KERNELS = _has_op("block_attn_fwd") and _has_op("block_attn_bwd")
+
+
+def _has_cuda_kernels() -> bool:
+    return _HAS_KERNELS and _ops.cuda_kernels_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "ldsparse::block_attn_fwd", "CUDA")
+
+
+def attention_kernel_available(device: Union[str, torch.device] = "cpu",
+                               dtype: torch.dtype = torch.float32, block_size: int = 64) -> bool:
+    """Whether ``block_sparse_attention`` runs the compiled kernel (not the dense reference)."""
+    device = torch.device(device)
+    if not _HAS_KERNELS or block_size not in KERNEL_BLOCK_SIZES:
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.float64)
+    if device.type == "cuda":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16) and _has_cuda_kernels()
+    return False
+
+
+# --------------------------------------------------------------------------- layout
+class BlockLayout:
+    """Causal block layout of one attention call (see the module docstring for the format).
+
+    Build one with :meth:`from_block_mask` (any boolean ``[B, H, n, n]`` block mask; blocks above
+    the diagonal are dropped) or directly from ``row_ptr``/``col_idx``. The transposed layout the
+    backward needs is computed on first use with tensor ops on the layout's device and cached.
+    """
+
+    __slots__ = ("row_ptr", "col_idx", "block_size", "seq_len", "_transposed")
+
+    def __init__(self, row_ptr: Tensor, col_idx: Tensor, block_size: int, seq_len: int) -> None:
+        block_size, seq_len = int(block_size), int(seq_len)
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if seq_len < 0:
+            raise ValueError(f"seq_len must be non-negative, got {seq_len}")
+        n = -(-seq_len // block_size)
+        if row_ptr.dtype != torch.int32 or col_idx.dtype != torch.int32:
+            raise TypeError(f"row_ptr and col_idx must be int32, got {row_ptr.dtype} and {col_idx.dtype}")
+        if row_ptr.dim() != 3 or row_ptr.shape[-1] != n + 1:
+            raise ValueError(f"row_ptr must have shape [B, H, ceil(T / block_size) + 1] = [B, H, {n + 1}] "
+                             f"for T={seq_len}, block_size={block_size}; got {tuple(row_ptr.shape)}")
+        if col_idx.dim() != 1:
+            raise ValueError(f"col_idx must be 1-D, got shape {tuple(col_idx.shape)}")
+        if row_ptr.device != col_idx.device:
+            raise ValueError("row_ptr and col_idx must be on the same device")
+        self.row_ptr = row_ptr.contiguous()
+        self.col_idx = col_idx.contiguous()
+        self.block_size = block_size
+        self.seq_len = seq_len
+        self._transposed: Optional[Tuple[Tensor, Tensor]] = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_block_mask(cls, mask: Tensor, block_size: int, seq_len: Optional[int] = None) -> "BlockLayout":
+        """Layout of the causal part of a boolean block mask ``[B, H, n, n]`` (query block, key
+        block). ``seq_len`` defaults to ``n * block_size``; a shorter one makes the last block ragged."""
+        if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+            raise ValueError(f"block mask must be [B, H, n, n], got {tuple(mask.shape)}")
+        b, h, n, _ = mask.shape
+        seq_len = n * int(block_size) if seq_len is None else int(seq_len)
+        if -(-seq_len // int(block_size)) != n:
+            raise ValueError(f"a [.., {n}, {n}] block mask does not fit seq_len={seq_len} with "
+                             f"block_size={block_size} (needs {-(-seq_len // int(block_size))} blocks)")
+        causal = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril_()
+        m = mask.bool() & causal
+        counts = m.sum(-1, dtype=torch.int64).reshape(-1)
+        flat = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=mask.device)
+        torch.cumsum(counts, 0, out=flat[1:])
+        heads = torch.arange(b * h, device=mask.device).unsqueeze(1) * n
+        row_ptr = flat[heads + torch.arange(n + 1, device=mask.device)].reshape(b, h, n + 1)
+        col_idx = m.nonzero()[:, 3]  # row-major: sorted by (b, h, query block, key block)
+        return cls(row_ptr.to(torch.int32), col_idx.to(torch.int32), block_size, seq_len)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def n_blocks(self) -> int:
+        return self.row_ptr.shape[-1] - 1
+
+    @property
+    def batch(self) -> int:
+        return self.row_ptr.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.row_ptr.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.row_ptr.device
+
+    def active_blocks(self) -> int:
+        """Block pairs computed, over all batches and heads."""
+        return self.col_idx.numel()
+
+    def causal_blocks(self) -> int:
+        """Block pairs of dense causal attention (the denominator of :meth:`density`)."""
+        n = self.n_blocks
+        return self.batch * self.heads * n * (n + 1) // 2
+
+    def density(self) -> float:
+        """Active / causal block pairs: the fraction of dense causal attention's work done."""
+        return self.active_blocks() / max(1, self.causal_blocks())
+
+    def _rows(self) -> Tuple[Tensor, Tensor]:
+        """(head index b * H + h, query block) of every entry of ``col_idx``."""
+        n = self.n_blocks
+        counts = (self.row_ptr[..., 1:] - self.row_ptr[..., :-1]).reshape(-1).long()
+        rows = torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts,
+                                       output_size=self.col_idx.numel())
+        return rows // max(n, 1), rows % max(n, 1)
+
+    def block_mask(self) -> Tensor:
+        """Boolean ``[B, H, n, n]`` block mask (query block, key block)."""
+        n = self.n_blocks
+        mask = torch.zeros(self.batch * self.heads, n, n, dtype=torch.bool, device=self.device)
+        head, qb = self._rows()
+        mask[head, qb, self.col_idx.long()] = True
+        return mask.reshape(self.batch, self.heads, n, n)
+
+    def token_mask(self) -> Tensor:
+        """Boolean ``[B, H, T, T]`` mask of the attention the kernels compute (block mask and
+        causal), e.g. for ``scaled_dot_product_attention(..., attn_mask=...)``."""
+        t, bs = self.seq_len, self.block_size
+        blocks = torch.arange(t, device=self.device) // bs
+        tokens = self.block_mask()[:, :, blocks][:, :, :, blocks]
+        return tokens & torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
+
+    def transposed(self) -> Tuple[Tensor, Tensor]:
+        """``(col_ptr, row_idx)``: per key block the query blocks attending to it, same format.
+        Tensor ops only (no host sync on CUDA); cached."""
+        if self._transposed is None:
+            b, h, n = self.batch, self.heads, self.n_blocks
+            head, qb = self._rows()
+            key = head * n + self.col_idx.long()
+            order = torch.argsort(key, stable=True)  # entries are in query order within a head
+            counts = torch.zeros(b * h * n, dtype=torch.int64, device=self.device)
+            counts.scatter_add_(0, key, torch.ones_like(key))
+            flat = torch.zeros(b * h * n + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(counts, 0, out=flat[1:])
+            heads = torch.arange(b * h, device=self.device).unsqueeze(1) * n
+            col_ptr = flat[heads + torch.arange(n + 1, device=self.device)].reshape(b, h, n + 1)
+            self._transposed = (col_ptr.to(torch.int32), qb[order].to(torch.int32))
+        return self._transposed
+
+    def to(self, device) -> "BlockLayout":
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return BlockLayout(self.row_ptr.to(device), self.col_idx.to(device), self.block_size, self.seq_len)
+
+    def __repr__(self) -> str:
+        return (f"BlockLayout(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "
+                f"block_size={self.block_size}, active={self.active_blocks()}, "
+                f"density={self.density():.3f})")
+
+
+# --------------------------------------------------------------------------- reference
+def reference_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout,
+                                     scale: Optional[float] = None,
+                                     slot_token: Optional[Tensor] = None) -> Tensor:
+    """Dense attention under ``layout.token_mask()`` (O(T^2) memory): the fallback path and the
+    definition the kernels are tested against. Rows that see no key output 0."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = layout.to(q.device).token_mask()
+    if slot_token is not None:  # gather to slots, attend (padding slots are no keys), gather back
+        b, h, t, d = q.shape
+        slot_token = slot_token.to(q.device)
+        src = torch.where(slot_token >= 0, slot_token, t).long()
+        idx = src.unsqueeze(-1).expand(b, h, src.shape[-1], d)
+        qs, ks, vs = (torch.cat([x, x.new_zeros(b, h, 1, d)], dim=2).gather(2, idx) for x in (q, k, v))
+        out = _masked_attention(qs, ks, vs, mask & (slot_token >= 0).unsqueeze(-2), scale)
+        slots = torch.arange(src.shape[-1], device=src.device).expand_as(src)
+        slot_of = torch.zeros(b, h, t + 1, dtype=torch.long, device=src.device).scatter_(-1, src, slots)
+        return out.gather(2, slot_of[..., :t].unsqueeze(-1).expand(b, h, t, d))
+    return _masked_attention(q, k, v, mask, scale)
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    return torch.matmul(e / torch.where(denom > 0, denom, torch.ones_like(denom)), v)
+
+
+# --------------------------------------------------------------------------- kernel op
+@torch.library.custom_op("lightning_dynmo::block_sparse_attention", mutates_args=())
+def block_attention_op(q: Tensor, k: Tensor, v: Tensor, row_ptr: Tensor, col_idx: Tensor,
+                       col_ptr: Tensor, row_idx: Tensor, block_size: int, scale: float,
+                       slot_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """(out [B, H, T, D], lse [B, H, S]) of the kernels, differentiable in q, k, v.
+    (col_ptr, row_idx) is the transposed layout, used by the backward only."""
+    return torch.ops.ldsparse.block_attn_fwd(q, k, v, row_ptr, col_idx, block_size, scale, slot_token)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return q.dtype if q.device.type == "cpu" or q.dtype == torch.float64 else torch.float32
+
+
+def _fwd_outputs(q, slot_token):
+    lse_shape = q.shape[:-1] if slot_token is None else slot_token.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(lse_shape, dtype=_lse_dtype(q)))
+
+
+@block_attention_op.register_fake
+def _block_attention_fake(q, k, v, row_ptr, col_idx, col_ptr, row_idx, block_size, scale, slot_token=None):
+    return _fwd_outputs(q, slot_token)
+
+
+if _HAS_KERNELS:
+    @torch.library.register_fake("ldsparse::block_attn_fwd")
+    def _fwd_fake(q, k, v, row_ptr, col_idx, block_size, scale, slot_token=None):
+        return _fwd_outputs(q, slot_token)
+
+    @torch.library.register_fake("ldsparse::block_attn_bwd")
+    def _bwd_fake(grad_out, q, k, v, out, lse, col_ptr, row_idx, block_size, scale, slot_token=None):
+        return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, row_ptr, col_idx, col_ptr, row_idx, block_size, scale, slot_token = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.block_size, ctx.scale = block_size, scale
+    ctx.save_for_backward(q, k, v, out, lse, col_ptr, row_idx, slot_token)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, col_ptr, row_idx, slot_token = ctx.saved_tensors
+    dq, dk, dv = torch.ops.ldsparse.block_attn_bwd(grad_out, q, k, v, out, lse, col_ptr, row_idx,
+                                                   ctx.block_size, ctx.scale, slot_token)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+block_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- public API
+def _as_layout(layout, block_size: Optional[int], seq_len: int) -> BlockLayout:
+    if isinstance(layout, BlockLayout):
+        if block_size is not None and int(block_size) != layout.block_size:
+            raise ValueError(f"block_size={block_size} does not match the layout's {layout.block_size}")
+        return layout
+    if block_size is None:
+        raise ValueError("block_size is required unless layout is a BlockLayout")
+    if isinstance(layout, Tensor):
+        return BlockLayout.from_block_mask(layout, block_size, seq_len)
+    if isinstance(layout, (tuple, list)) and len(layout) == 2:
+        return BlockLayout(layout[0], layout[1], block_size, seq_len)
+    raise TypeError("layout must be a BlockLayout, a boolean [B, H, n, n] block mask or a "
+                    f"(row_ptr, col_idx) pair, got {type(layout).__name__}")
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor,
+                           layout: Union[BlockLayout, Tensor, Tuple[Tensor, Tensor]],
+                           block_size: Optional[int] = None, scale: Optional[float] = None,
+                           slot_token: Optional[Tensor] = None) -> Tensor:
+    """Causal softmax attention restricted to a block layout; ``q, k, v``: ``[B, H, T, D]``.
+
+    ``layout``: a :class:`BlockLayout`, a boolean ``[B, H, n, n]`` block mask, or a
+    ``(row_ptr, col_idx)`` pair (then ``block_size`` is required). ``scale`` defaults to
+    ``1 / sqrt(D)``. ``slot_token``: see the module docstring. Differentiable in q, k, v; equal
+    (to rounding) to ``scaled_dot_product_attention(q, k, v, attn_mask=layout.token_mask(),
+    scale=scale)`` when ``slot_token`` is None.
+    """
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError("q, k, v must all be [batch, heads, seq, head_dim] of one shape, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, t, d = q.shape
+    slots = t
+    if slot_token is not None:
+        if slot_token.dim() != 3 or tuple(slot_token.shape[:2]) != (b, h):
+            raise ValueError(f"slot_token must be [B, H, S] = [{b}, {h}, S], got {tuple(slot_token.shape)}")
+        slots = slot_token.shape[-1]
+        slot_token = slot_token.to(device=q.device, dtype=torch.int32).contiguous()
+    layout = _as_layout(layout, block_size, slots)
+    if layout.seq_len != slots or layout.batch != b or layout.heads != h:
+        raise ValueError(f"layout is for (batch={layout.batch}, heads={layout.heads}, seq={layout.seq_len}) "
+                         f"but q is [{b}, {h}, {t}, {d}]" + (f" with {slots} slots" if slot_token is not None else ""))
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if attention_kernel_available(q.device, q.dtype, layout.block_size):
+        layout = layout.to(q.device)
+        col_ptr, row_idx = layout.transposed()
+        out, _ = block_attention_op(q, k, v, layout.row_ptr, layout.col_idx, col_ptr, row_idx,
+                                    layout.block_size, scale, slot_token)
+        return out
+    return reference_block_sparse_attention(q, k, v, layout, scale, slot_token)
