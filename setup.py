@@ -23,7 +23,11 @@ setup(
         "tensorboard>=2.15",
         "matplotlib>=3.8",
     ],
-    extras_require={"dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja"]},
+    extras_require={
+        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja"],
+        # lightning_dynmo.models.hf (Hugging Face GPT-2 / Llama / Mistral); tested with transformers 5.23
+        "hf": ["transformers>=5.0", "safetensors>=0.4"],
+    },
     ext_modules=extension_modules(),
     cmdclass=build_ext_cmdclass(),
     zip_safe=False,

@@ -210,7 +210,11 @@ def main(argv=None) -> None:
             else:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
-    print(json.dumps(_summarise(args.case, args.quick, runs)))
+    summary = _summarise(args.case, args.quick, runs)
+    case = load(args.case)
+    if hasattr(case, "launcher_extra"):  # figures from a job of its own (e.g. another process layout)
+        summary.update(case.launcher_extra(args.quick))
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

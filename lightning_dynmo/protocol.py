@@ -4,10 +4,22 @@ A module trains with ``DynMoStrategy`` when it defines
 
 * ``pipeline_layers() -> nn.ModuleList``: the registered ModuleList (same object every call) of
   its ordered layers, embedding first and head last; each layer maps one tensor to the next;
-* ``pipeline_loss(output, target) -> Tensor``: a scalar mean loss on the last layer's output.
+* ``pipeline_loss(output, target) -> Tensor``: a scalar (0-dim) mean loss of one micro-batch on
+  the last layer's output (checked at the first step: a non-scalar fails on every rank).
 
 Batches are ``(inputs, targets)``. The strategy replaces the layers a rank does not own with
 :class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
+A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
+user keeps a copy and the owners sum its gradient each step (see ``runtime/tied.py``); a buffer
+may not be shared.
+
+Under the pipeline the module's ``training_step``/``validation_step``/``test_step`` are not called
+(the strategy runs the schedule over ``pipeline_layers`` and ``pipeline_loss``). Two optional hooks
+take their place for model-specific logging, both called on every rank with values that are the
+same on every rank:
+
+* ``on_pipeline_train_loss(loss, batch, batch_idx)`` after each training step (the step's loss);
+* ``on_pipeline_eval_loss(stage, loss, tokens)`` for each validation (``"val"``) or test batch.
 
 Two optional protocols connect the rest:
 

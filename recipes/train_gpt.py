@@ -11,6 +11,11 @@ Configs live in ``conf/`` (``conf/train_gpt.yaml`` plus the groups ``model/``, `
 Lightning starts ranks > 0 by re-running this script with the same overrides (its subprocess
 launcher adds ``hydra.run.dir=<this run's dir>``), so every rank shares one run directory;
 only global rank 0 prints the summary and writes ``summary.json``.
+
+Under ``torchrun`` every rank runs this script itself: the run directory is then named after the
+torchrun job (``outputs/train_gpt/torchrun-<run id>``), the same on every rank and across
+restarts, and with ``--max-restarts N`` the recipe resumes from the run's last checkpoint
+(``ckpt_path=last``), so a job whose rank was lost restarts where it stopped, also on fewer ranks.
 """
 from __future__ import annotations
 
@@ -36,14 +41,30 @@ from hydra.utils import instantiate, to_absolute_path  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 LOGGER_CHOICES = ("csv", "tensorboard", "both", "none")
+MODEL_KEYS = ("preset", "overrides", "lr", "min_lr", "warmup_steps", "weight_decay")
 log = logging.getLogger("train_gpt")
+
+
+def run_stamp() -> str:
+    """The run directory's name: the torchrun job's id under torchrun (the same on every rank and
+    across ``--max-restarts`` restarts), else the start time ``<date>/<time>``."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id:
+        return f"torchrun-{run_id}"
+    return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 
 
 # ---------------------------------------------------------------------------------- building
 def build_model(cfg: DictConfig):
     """``GPT(config=GPTConfig.preset(name, **overrides), lr=..., ...)``; bad presets/fields raise here."""
     from lightning_dynmo.models import GPT, GPTConfig
+    from recipes.hf_model import build_hf_model, is_hf
 
+    if is_hf(cfg):  # model=hf: a Hugging Face causal LM from model.path
+        return build_hf_model(cfg)
     m = cfg.model
     overrides = OmegaConf.to_container(m.get("overrides") or {}, resolve=True)
     gpt_config = GPTConfig.preset(m.preset, **overrides)
@@ -54,13 +75,17 @@ def build_model(cfg: DictConfig):
         )
     if gpt_config.vocab_size < 256:
         raise ValueError(f"byte-level data needs vocab_size >= 256, got {gpt_config.vocab_size}")
-    return GPT(
-        config=gpt_config,
+    from recipes.dynamism import model_class  # the dynamism group picks the class (GPT, MoEGPT, ...)
+
+    cls, extra = model_class(cfg)
+    return cls(
+        config=gpt_config.to_dict(),  # a plain dict: subclasses save it as a hyper-parameter
         lr=float(m.lr),
         min_lr=float(m.min_lr),
         warmup_steps=int(m.warmup_steps),
         weight_decay=float(m.weight_decay),
         seed=int(cfg.seed),
+        **extra,
     )
 
 
@@ -87,8 +112,33 @@ def build_strategy(cfg: DictConfig):
     return str(name)
 
 
-def check_compatible(cfg: DictConfig, strategy: Any) -> None:
-    """Cheap checks that would otherwise fail only after the ranks have started."""
+def check_config_keys(cfg: DictConfig) -> None:
+    """Keys that would otherwise be silently ignored (``+model.n_layer=8`` instead of
+    ``model.overrides.n_layer=8``), before any rank starts."""
+    import dataclasses
+
+    from lightning_dynmo.models import GPTConfig
+    from recipes.hf_model import check_hf_keys, is_hf
+
+    if is_hf(cfg):
+        return check_hf_keys(cfg)
+    unknown = sorted(k for k in cfg.model.keys() if k not in MODEL_KEYS)
+    if unknown:
+        fields = {f.name for f in dataclasses.fields(GPTConfig)}
+        hint = "; ".join(f"model.overrides.{k}=..." for k in unknown if k in fields)
+        raise ValueError(
+            f"unknown model key(s) {unknown}: model.* takes {', '.join(MODEL_KEYS)}; GPT architecture fields go under "
+            f"model.overrides" + (f" (use {hint})" if hint else f" (valid fields: {sorted(fields)})")
+        )
+    overrides = cfg.model.get("overrides") or {}
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    bad = sorted(k for k in overrides.keys() if k not in fields)
+    if bad:
+        raise ValueError(f"unknown model.overrides key(s) {bad}; valid GPTConfig fields: {sorted(fields)}")
+
+
+def check_compatible(cfg: DictConfig, strategy: Any, model: Any = None, datamodule: Any = None) -> None:
+    """Cheap checks that would otherwise fail (or silently do nothing) only after the ranks have started."""
     s = cfg.strategy
     if s.get("_target_"):
         mb = s.get("microbatches")
@@ -109,6 +159,25 @@ def check_compatible(cfg: DictConfig, strategy: Any) -> None:
                 )
     if cfg.logger not in LOGGER_CHOICES:
         raise ValueError(f"logger must be one of {list(LOGGER_CHOICES)}, got {cfg.logger!r}")
+    options = getattr(strategy, "options", None)
+    if model is not None and options is not None and hasattr(model, "pipeline_layers"):
+        from lightning_dynmo.strategy.options import check_stage_count
+
+        devices = cfg.trainer.get("devices")
+        pp = options.pipeline_parallel
+        if pp == "auto":
+            pp = devices * int(cfg.trainer.get("num_nodes") or 1) if isinstance(devices, int) else None
+        if pp is not None:
+            check_stage_count(len(model.pipeline_layers()), pp * options.virtual_stages, pp, options.virtual_stages)
+    if datamodule is not None and hasattr(datamodule, "val_dataloader") and cfg.trainer.get("limit_val_batches") != 0:
+        batches = len(datamodule.val_dataloader())
+        if batches == 0:
+            warnings.warn(
+                f"validation has zero batches (data.batch_size={cfg.data.get('batch_size')}, "
+                f"data.block_size={cfg.data.get('block_size')}, data.val_fraction={cfg.data.get('val_fraction')}): "
+                "no val_loss will be reported; use more text, a larger val_fraction or a smaller batch/block size",
+                UserWarning, stacklevel=2,
+            )
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list:
@@ -233,7 +302,7 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         rebalance_file = str(candidate) if candidate.is_file() else None
     train_s = (stats.train_end - stats.train_start) if stats.train_start and stats.train_end else None
     summary = {
-        "model": cfg.model.preset,
+        "model": cfg.model.get("preset") or f"hf:{Path(str(cfg.model.path)).name}",
         "parameters": n_params,
         "strategy": type(strategy).__name__ if not isinstance(strategy, str) else strategy,
         "pipeline_parallel": getattr(strategy, "pipeline_parallel", 1),
@@ -308,6 +377,8 @@ def _quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     # the strategy logs val/test loss already all-reduced across ranks, so sync_dist is not needed
     warnings.filterwarnings("ignore", message=r".*self.log\('(val|test)_loss', \.\.\., sync_dist=True\).*")
+    # GPT.training_step only logs train_loss, which the pipeline logs itself
+    warnings.filterwarnings("ignore", message=r"GPT\.training_step is not called under DynMoStrategy.*")
     # torch/lightning version skew inside Lightning itself
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
     # Hydra already logs to the console (and to <run dir>/<job>.log) from the root logger; Lightning's
@@ -340,12 +411,19 @@ def train(cfg: DictConfig) -> dict | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
 
     # everything that can fail on bad config, before any process is launched
+    check_config_keys(cfg)
     model = build_model(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     datamodule = build_data(cfg)
     strategy = build_strategy(cfg)
-    check_compatible(cfg, strategy)
+    check_compatible(cfg, strategy, model, datamodule)
     ckpt_path = cfg.ckpt_path
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if ckpt_path is None and restarts > 0 and cfg.checkpoint.enabled:
+        # torchrun --max-restarts: a restarted job resumes from the run's last checkpoint
+        # (none yet on the first attempt: Lightning then starts from scratch)
+        log.info("torchrun --max-restarts %d: resuming from the last checkpoint if there is one", restarts)
+        ckpt_path = "last"
     if ckpt_path is not None and ckpt_path not in ("last", "best", "hpc", "registry"):
         ckpt_path = to_absolute_path(str(ckpt_path))
         if not Path(ckpt_path).is_file():
@@ -356,6 +434,11 @@ def train(cfg: DictConfig) -> dict | None:
     loggers = build_loggers(cfg, run_dir)
     stats = RunStats.make()
     callbacks: list = [stats]
+    from recipes.dynamism import build_callbacks
+    from recipes.sweep import prepare_multirun_children
+
+    callbacks += build_callbacks(cfg)  # the dynamism group's callbacks (conf/dynamism/)
+    prepare_multirun_children()  # under -m, ranks > 0 run this job's overrides only
     ckpt_cb = None
     if cfg.checkpoint.enabled:
         ckpt_cb = ModelCheckpoint(

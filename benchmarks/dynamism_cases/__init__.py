@@ -8,7 +8,9 @@ A case module defines:
 * ``dynmo_strategy(plan) -> dict``: the DynMoStrategy options of the dynamic run (the static
   runs use ``uniform`` / ``param`` with ``rebalance="never"``);
 * optionally ``extra(model, callbacks, strategy) -> dict``: case-specific figures for the JSON
-  record (rank 0's view).
+  record (rank 0's view; every rank calls it, so it may run collectives);
+* optionally ``launcher_extra(quick) -> dict``: figures from a job of the case's own (run by the
+  launcher after the comparison, e.g. pruning's pp=2 x dp=2 gradient-exchange measurement).
 """
 from __future__ import annotations
 

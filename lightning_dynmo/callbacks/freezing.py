@@ -1,15 +1,18 @@
-"""``LayerFreezing``: freeze converged front layers (Egeria/AutoFreeze style) or on a schedule."""
+"""``LayerFreezing``: freeze converged front layers (Egeria or gradient-norm criterion) or on a schedule."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+import math
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ..dynamic._dist import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
     reduce_device, request_rebalance
-from ..dynamic.freezing import freeze_layer, layer_grad_norm
+from ..dynamic.freezing import freeze_layer, layer_grad_norm, plasticity, snapshot_layer
 
 log = logging.getLogger(__name__)
 
@@ -17,24 +20,38 @@ log = logging.getLogger(__name__)
 class LayerFreezing(Callback):
     """Freeze a growing prefix of ``pl_module.pipeline_layers()`` while training.
 
-    Two criteria, combinable (the frozen prefix is the larger of the two and never shrinks):
+    Criteria, combinable with a schedule (the frozen prefix is the larger of the two and never
+    shrinks); freezing runs front to back: a layer is frozen only if every layer before it is.
 
-    * **Convergence** (``threshold`` not ``None``): every ``interval`` optimizer steps, each
-      not-yet-frozen layer's gradient norm is averaged over the interval; a layer is *converged*
-      when the relative change ``|g_now - g_prev| / g_prev`` of that average between two
-      consecutive intervals is below ``threshold``. The front-most run of converged layers is
-      frozen (front to back: a layer is frozen only if every layer before it is frozen or
-      converged). Under a pipeline strategy the per-layer sums are one fixed-size vector (length
-      = number of layers, zeros for remote layers) all-reduced over ``strategy.pipeline_group``,
-      so every rank decides the same.
+    * ``criterion="reference"`` (Egeria, Wang et al. 2023, as DynMo's appendix F.4 runs it):
+      every ``interval`` optimizer steps, each of the ``lookahead`` front-most trainable layers is
+      compared with a **reference copy** of itself taken at the previous evaluation (held on
+      ``reference_device``, CPU by default, as Egeria keeps it; under a pipeline each rank copies
+      only its own layers). Its *plasticity* is ``||f(x) - f_ref(x)|| / ||f_ref(x)||`` on a probe
+      input ``x`` (the layer's input in the first micro-batch of the evaluation step, captured by
+      a global forward pre-hook, so no hook ever sits on a layer that might migrate): how much
+      the layer's function moved over the last interval. A layer is *converged* when its
+      plasticity stops changing, ``|p_t - p_{t-1}| / p_{t-1} < threshold`` for ``patience``
+      evaluations in a row, or drops below ``min_plasticity``. Up to ``max_per_event`` converged
+      front layers freeze per evaluation (default 1: progressive freezing, one layer per
+      ``interval`` once layers converge); then the references are refreshed. Plasticities are
+      agreed by one all-reduce over the world (pipeline stages own different layers, data-parallel
+      replicas probe different batches: the mean is used), so every rank decides the same.
+    * ``criterion="grad_norm"`` (AutoFreeze-like, the default): every ``interval`` optimizer
+      steps, each not-yet-frozen layer's gradient norm is averaged over the interval; a layer is
+      converged when the relative change ``|g_now - g_prev| / g_prev`` of that average between two
+      consecutive intervals is below ``threshold``. The per-layer sums are one fixed-size vector
+      all-reduced over ``strategy.pipeline_group``.
     * **Schedule** (``schedule={step: n}``): from optimizer step ``step`` on, at least the first
-      ``n`` layers are frozen.
+      ``n`` layers are frozen. ``threshold=None`` with a schedule: schedule only.
 
     At most ``max_frozen`` layers are frozen (default: all but the last two, i.e. the final norm
     and the head of a GPT stay trainable). Freezing sets ``requires_grad=False``, frees grads and
-    optimizer state (see :func:`lightning_dynmo.dynamic.freeze_layer`), then calls
-    ``strategy.invalidate_pipeline()`` and ``strategy.request_rebalance("freezing: ...")`` where
-    the strategy has them. Logs ``freezing/frozen_layers``.
+    optimizer state (see :func:`lightning_dynmo.dynamic.freeze_layer`): a frozen prefix builds no
+    autograd graph, its stages run no backward, and its parameters (gradient ``None``) skip the
+    data-parallel all-reduce. Each freeze calls ``strategy.invalidate_pipeline()`` and
+    ``strategy.request_rebalance("freezing: ...")`` where the strategy has them. Logs
+    ``freezing/frozen_layers``; ``history`` records each freeze (step, count, reason).
     """
 
     def __init__(
@@ -44,18 +61,36 @@ class LayerFreezing(Callback):
         interval: int = 50,
         max_frozen: int | None = None,
         eps: float = 1e-12,
+        criterion: Literal["grad_norm", "reference"] = "grad_norm",
+        patience: int = 1,
+        min_plasticity: float | None = None,
+        max_per_event: int | None = None,
+        lookahead: int = 2,
+        reference_device: str | torch.device | None = "cpu",
     ) -> None:
+        if criterion not in ("grad_norm", "reference"):
+            raise ValueError(f"criterion must be 'grad_norm' or 'reference', got {criterion!r}")
         if schedule is None and threshold is None:
             threshold = 0.05
         if threshold is not None and not threshold > 0:
             raise ValueError(f"threshold must be positive, got {threshold}")
         if int(interval) < 1:
             raise ValueError(f"interval must be >= 1, got {interval}")
+        if int(patience) < 1 or int(lookahead) < 1:
+            raise ValueError(f"patience and lookahead must be >= 1, got {patience}, {lookahead}")
+        if max_per_event is not None and int(max_per_event) < 1:
+            raise ValueError(f"max_per_event must be >= 1 or None, got {max_per_event}")
         self.schedule = {int(k): int(v) for k, v in (schedule or {}).items()}
         self.threshold = threshold
         self.interval = int(interval)
         self.max_frozen = max_frozen
         self.eps = float(eps)
+        self.criterion = criterion
+        self.patience = int(patience)
+        self.min_plasticity = None if min_plasticity is None else float(min_plasticity)
+        self.max_per_event = None if max_per_event is None else int(max_per_event)
+        self.lookahead = int(lookahead)
+        self.reference_device = reference_device
         # state (saved in checkpoints)
         self.n_frozen = 0
         self.history: list[dict] = []
@@ -63,6 +98,13 @@ class LayerFreezing(Callback):
         self._window: list[float] | None = None
         self._window_steps = 0
         self._last_step_seen = -1
+        self.plasticity: dict[int, list[float]] = {}  # layer -> plasticity at each evaluation
+        self._last_eval = -1
+        # Egeria reference (not saved: rebuilt at the first evaluation after a resume)
+        self._references: dict[int, torch.nn.Module] = {}
+        self._probe: dict[int, torch.Tensor] = {}
+        self._capture_ids: dict[int, int] | None = None
+        self._hook = None
 
     # ------------------------------------------------------------------ helpers
     def _num_layers(self, pl_module) -> int:
@@ -102,9 +144,18 @@ class LayerFreezing(Callback):
         if target > self.n_frozen:
             self._apply(trainer, pl_module, target, f"schedule at step {trainer.global_step}")
         pl_module.log("freezing/frozen_layers", float(self.n_frozen), on_step=True, on_epoch=False, batch_size=1)
+        if self.threshold is not None and self.criterion == "reference" and self._evaluation_due(trainer):
+            self._start_capture(pl_module)
+            self._last_eval = trainer.global_step
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._stop_capture()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._stop_capture()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.threshold is None or trainer.global_step == self._last_step_seen:
+        if self.threshold is None or self.criterion != "grad_norm" or trainer.global_step == self._last_step_seen:
             return  # one sample per step, whatever the number of optimizers
         self._last_step_seen = trainer.global_step
         L = self._num_layers(pl_module)
@@ -116,6 +167,9 @@ class LayerFreezing(Callback):
         self._window_steps += 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.threshold is not None and self.criterion == "reference":
+            self._reference_step_end(trainer, pl_module)
+            return
         if self.threshold is None or self._window_steps < self.interval or self._window is None:
             return
         vec = torch.tensor(self._window, dtype=torch.float64, device=reduce_device(trainer, pl_module))
@@ -141,6 +195,84 @@ class LayerFreezing(Callback):
         if n > self.n_frozen:
             self._apply(trainer, pl_module, n, f"converged, relative grad-norm change {changes} < {self.threshold}")
 
+
+    # ------------------------------------------------------------------ Egeria reference criterion
+    def _evaluation_due(self, trainer) -> bool:
+        return self._last_eval < 0 or trainer.global_step - self._last_eval >= self.interval
+
+    def _window_indices(self, pl_module) -> range:
+        return range(self.n_frozen, min(self.n_frozen + self.lookahead, self._limit(pl_module)))
+
+    def _start_capture(self, pl_module) -> None:
+        """Capture the input of each window layer in this step's first forward through it. A
+        global forward pre-hook (removed at the end of the step) finds the layers by identity
+        when it first fires, i.e. after any migration at the start of the step, and no hook is
+        ever attached to a layer (layers that move between ranks must not carry one)."""
+        self._stop_capture()
+        self._probe, self._capture_ids = {}, None
+        window = self._window_indices(pl_module)
+
+        def capture(module, args):
+            if self._capture_ids is None:
+                self._capture_ids = {id(layer): i for i, layer in local_layers(pl_module) if i in window}
+            i = self._capture_ids.get(id(module))
+            if i is not None and i not in self._probe and args and torch.is_tensor(args[0]):
+                self._probe[i] = args[0].detach().clone()
+
+        self._hook = register_module_forward_pre_hook(capture)
+
+    def _stop_capture(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._capture_ids = None
+
+    def _agree(self, trainer, pl_module, values: dict[int, float]) -> list[float]:
+        """Mean over every rank that measured a layer (NaN where none did); one all-reduce over
+        the world when there are several processes."""
+        L = self._num_layers(pl_module)
+        vec = torch.zeros(2 * L, dtype=torch.float64, device=reduce_device(trainer, pl_module))
+        for i, v in values.items():
+            vec[i] += v
+            vec[L + i] += 1.0
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(vec)
+        out = vec.cpu().tolist()
+        return [out[i] / out[L + i] if out[L + i] > 0 else math.nan for i in range(L)]
+
+    def _converged(self, i: int) -> bool:
+        hist = [p for p in self.plasticity.get(i, []) if p == p]
+        if self.min_plasticity is not None and hist and hist[-1] <= self.min_plasticity:
+            return True
+        if len(hist) < self.patience + 1:
+            return False
+        recent = hist[-(self.patience + 1):]
+        return all(abs(b - a) <= self.threshold * max(a, self.eps) for a, b in zip(recent, recent[1:]))
+
+    def _reference_step_end(self, trainer, pl_module) -> None:
+        if self._hook is None:
+            return
+        self._stop_capture()
+        local = dict(local_layers(pl_module))
+        measured = {i: plasticity(local[i], self._references[i], x, self.eps)
+                    for i, x in self._probe.items() if i in local and i in self._references}
+        self._probe = {}
+        agreed = self._agree(trainer, pl_module, measured)
+        for i in self._window_indices(pl_module):
+            if agreed[i] == agreed[i]:
+                self.plasticity.setdefault(i, []).append(round(agreed[i], 8))
+        n, limit = self.n_frozen, self._limit(pl_module)
+        cap = n + (self.max_per_event if self.max_per_event is not None else limit)
+        while n < min(limit, cap) and self._converged(n):
+            n += 1
+        if n > self.n_frozen:
+            recent = {i: self.plasticity[i][-(self.patience + 1):] for i in range(self.n_frozen, n)}
+            self._apply(trainer, pl_module, n, f"plasticity plateau {recent} (threshold {self.threshold})")
+        # refresh the references of the (new) window's local layers; forget the rest
+        window = set(self._window_indices(pl_module))
+        self._references = {i: snapshot_layer(layer, self.reference_device) for i, layer in local.items()
+                            if i in window}
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +281,8 @@ class LayerFreezing(Callback):
             "prev": self._prev,
             "window": self._window,
             "window_steps": self._window_steps,
+            "plasticity": {str(k): list(v) for k, v in self.plasticity.items()},
+            "last_eval": self._last_eval,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,3 +291,5 @@ class LayerFreezing(Callback):
         self._prev = state_dict.get("prev")
         self._window = state_dict.get("window")
         self._window_steps = int(state_dict.get("window_steps", 0))
+        self.plasticity = {int(k): list(v) for k, v in state_dict.get("plasticity", {}).items()}
+        self._last_eval = int(state_dict.get("last_eval", -1))

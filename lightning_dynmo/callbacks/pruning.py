@@ -9,10 +9,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from ..dynamic._dist import all_reduce_over_pipeline, local_layers, pipeline_layers, pipeline_reduce_group, \
-    reduce_device, request_rebalance
-from ..dynamic.pruning import PrunableLinear, cubic_sparsity, default_prunable_layer, \
+from ..dynamic._dist import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
+    pipeline_reduce_group, reduce_device, request_rebalance
+from ..dynamic.pruning import ParamSwap, PrunableLinear, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
+from ..runtime.optimizer_layout import replace_param
 
 log = logging.getLogger(__name__)
 
@@ -24,27 +25,42 @@ class GradualPruning(Callback):
 
     (``t``: optimizer step, ``t0 = start_step``, ``dt = frequency``, ``n = n_steps``). Pruning runs
     at the start of a scheduled step, so that step already trains the new mask; at step
-    ``t0 + n dt`` the global sparsity over all prunable weights is ``final_sparsity``.
+    ``t0 + n dt`` the global sparsity over all prunable weights is ``final_sparsity``. With
+    ``initial_sparsity=0, final_sparsity=0.9, n_steps=4`` the steps after ``t0`` prune to 52 %,
+    79 %, 89 % and 90 % (DynMo's schedule); a step that prunes nothing (``t0`` with ``s_i = 0``)
+    requests no rebalance. Continual training: start from trained weights
+    (``start_step`` after a dense phase, or a checkpoint) -- global magnitude pruning then keeps
+    each layer at whatever density its weight magnitudes earn.
 
     * Prunable weights: every ``nn.Linear`` inside the GPT blocks (not embeddings, final norm or
       head); ``layer_filter(index, layer) -> bool`` overrides the choice of layers. At ``setup``
-      their Linears become :class:`~lightning_dynmo.dynamic.PrunableLinear` (same Parameters, a
-      ``weight_mask`` buffer that migrates with its layer and is saved in checkpoints).
-    * Threshold: :func:`~lightning_dynmo.dynamic.global_magnitude_threshold` over the local
-      prunable weights, reduced over ``strategy.pipeline_group`` (exact k-th |w|, no weight
-      gathering; identical on data-parallel replicas). Masks only shrink.
-    * After pruning: pruned weights and their optimizer state (e.g. Adam moments) are zeroed, and
-      masks are re-applied after every optimizer step (``on_train_batch_end``); the forward also
-      multiplies by the mask, so pruned weights never contribute and get zero gradient.
-    * Kernels (``sparse_kernels``): ``"auto"`` switches a layer to the CSR kernel of
-      :mod:`lightning_dynmo.sparse` when its extension is available
-      (``extension_available()``) and the measured crossover density
-      (``crossover_density``, the measurement ``maybe_sparsify`` uses) says sparse is faster at
-      the layer's density; ``True`` forces the kernel wherever the extension exists; ``False``
-      keeps masked dense layers. Masked dense layers do **not** get cheaper: without sparse
-      kernels pruning changes no per-layer cost and the rebalance requests find nothing to do.
+      their Linears become :class:`~lightning_dynmo.dynamic.PrunableLinear` (same Parameters).
+    * Threshold: :func:`~lightning_dynmo.dynamic.global_magnitude_threshold` over the kept
+      weights of the local prunable layers (pruned ones count as zeros), reduced over
+      ``strategy.pipeline_group`` (exact k-th |w|, no weight gathering; identical on
+      data-parallel replicas). Masks only shrink.
+    * Storage (``storage_density``): a layer whose density is at most this is **CSR-stored**
+      (:meth:`PrunableLinear.compress`): its master weight becomes the kept values, so its
+      gradient, its optimizer moments and its data-parallel gradient all-reduce shrink with its
+      density. The optimizer is re-mapped in place (same groups and slots; the LR schedule is
+      untouched): ``strategy.optimizer_layout.replace_param`` under ``DynMoStrategy``,
+      :func:`~lightning_dynmo.runtime.optimizer_layout.replace_param` under a single-device
+      strategy. Other strategies (e.g. DDP, which registers parameters once) keep dense storage.
+      ``None`` keeps every layer dense-stored (masked dense). Dense-stored layers zero the
+      pruned weights and their optimizer state, and re-apply masks after every optimizer step.
+    * Kernels (``sparse_kernels``): ``"auto"`` computes a layer with the CSR kernel of
+      :mod:`lightning_dynmo.sparse` when its extension is built and the measured crossover
+      density (``crossover_density``) says sparse is faster at the layer's density; ``True``
+      forces the kernel wherever the extension exists; ``False`` never. A CSR-stored layer whose
+      kernel is off scatters its values into a dense weight for the matmul.
+    * Checkpoints stay in the dense single-process format: ``PrunableLinear`` densifies its state
+      dict and :meth:`on_save_checkpoint` densifies the optimizer state of CSR-stored weights. On
+      resume the layers are compressed again at ``on_train_start``.
+    * ``repack``: after the last pruning step, ask the strategy to pack the pipeline onto fewer
+      ranks (``strategy.request_repack(repack)``: an int target or ``"auto"``); None: do not ask.
     * Logs ``pruning/sparsity`` (global, measured), ``pruning/target_sparsity`` and
-      ``pruning/density_L{i}`` per layer; calls ``strategy.request_rebalance("pruning: ...")``.
+      ``pruning/density_L{i}`` per layer; ``history`` records each step's threshold and per-layer
+      densities; calls ``strategy.request_rebalance("pruning: ...")``.
     """
 
     def __init__(
@@ -57,6 +73,8 @@ class GradualPruning(Callback):
         layer_filter: Callable[[int, nn.Module], bool] | None = None,
         sparse_kernels: bool | Literal["auto"] = "auto",
         kernel_tokens: int = 2048,
+        storage_density: float | None = 0.5,
+        repack: int | str | None = None,
     ) -> None:
         for name, v in (("final_sparsity", final_sparsity), ("initial_sparsity", initial_sparsity)):
             if not 0.0 <= float(v) < 1.0:
@@ -65,6 +83,10 @@ class GradualPruning(Callback):
             raise ValueError("n_steps and frequency must be >= 1 and start_step >= 0")
         if sparse_kernels not in (True, False, "auto"):
             raise ValueError(f"sparse_kernels must be True, False or 'auto', got {sparse_kernels!r}")
+        if storage_density is not None and not 0.0 <= float(storage_density) <= 1.0:
+            raise ValueError(f"storage_density must be in [0, 1] or None, got {storage_density}")
+        if repack is not None and not (repack == "auto" or (isinstance(repack, int) and repack >= 1)):
+            raise ValueError(f"repack must be None, 'auto' or a rank count >= 1, got {repack!r}")
         self.final_sparsity = float(final_sparsity)
         self.initial_sparsity = float(initial_sparsity)
         self.start_step = int(start_step)
@@ -73,12 +95,15 @@ class GradualPruning(Callback):
         self.layer_filter = layer_filter
         self.sparse_kernels = sparse_kernels
         self.kernel_tokens = int(kernel_tokens)
+        self.storage_density = None if storage_density is None else float(storage_density)
+        self.repack = repack
         # state
         self.last_prune_step = -1
         self.target_sparsity = 0.0
         self.sparsity = 0.0
         self.history: list[dict] = []
         self._prunable: set[int] = set()
+        self._warned_storage = False
 
     # ------------------------------------------------------------------ schedule
     def sparsity_at(self, step: int) -> float:
@@ -88,6 +113,10 @@ class GradualPruning(Callback):
     def is_pruning_step(self, step: int) -> bool:
         off = step - self.start_step
         return 0 <= off <= self.n_steps * self.frequency and off % self.frequency == 0
+
+    @property
+    def last_step(self) -> int:
+        return self.start_step + self.n_steps * self.frequency
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -111,7 +140,7 @@ class GradualPruning(Callback):
         return [(i, n, m) for i, layer in local_layers(pl_module) if i in self._prunable
                 for n, m in prunable_modules(layer)]
 
-    # ------------------------------------------------------------------ kernels
+    # ------------------------------------------------------------------ kernels and storage
     def _choose_kernel(self, m: PrunableLinear) -> bool:
         if self.sparse_kernels is False or not sparse_kernels_available():
             return False
@@ -133,11 +162,49 @@ class GradualPruning(Callback):
             if want or m.sparse_kernel:
                 m.set_sparse_kernel(want)
 
+    def _can_swap_parameters(self, trainer) -> bool:
+        """Parameter swaps need a strategy whose optimizers can be re-mapped in place: DynMo's
+        layout, or a single process. DDP-style wrappers register parameters once."""
+        from lightning.pytorch.strategies import SingleDeviceStrategy
+
+        strategy = trainer.strategy
+        if callable(getattr(getattr(strategy, "optimizer_layout", None), "replace_param", None)):
+            return True
+        if isinstance(strategy, SingleDeviceStrategy):
+            return True
+        if not self._warned_storage:
+            self._warned_storage = True
+            warnings.warn(f"GradualPruning: {type(strategy).__name__} cannot re-map optimizer parameters; "
+                          "pruned layers keep their dense master weight (storage_density ignored)")
+        return False
+
+    def _apply_swaps(self, trainer, pl_module, swaps: list[tuple[PrunableLinear, ParamSwap]]) -> None:
+        """Re-map the optimizers for parameters a layer replaced (storage or pattern change)."""
+        if not swaps:
+            return
+        names = {id(m): n for n, m in pl_module.named_modules()}
+        layout = getattr(trainer.strategy, "optimizer_layout", None)
+        for m, swap in swaps:
+            fqn = f"{names[id(m)]}.{swap.name}"
+            if layout is not None and callable(getattr(layout, "replace_param", None)):
+                layout.replace_param(trainer.optimizers, fqn, swap.old, swap.new, swap.state_map)
+            else:
+                replace_param(trainer.optimizers, swap.old, swap.new, swap.state_map)
+        invalidate_pipeline(trainer)  # stages are rebuilt on the new parameters
+
+    def _refresh_storage(self, trainer, pl_module) -> list[tuple[PrunableLinear, ParamSwap]]:
+        """Compress every dense-stored layer whose density reached ``storage_density``."""
+        if self.storage_density is None or not self._can_swap_parameters(trainer):
+            return []
+        return [(m, m.compress()) for _, _, m in self._local_prunable(pl_module)
+                if not m.compressed and m.density <= self.storage_density and m.density < 1.0]
+
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
-        # resumed masks came with the model's state dict; make weights and kernels follow them
+        # resumed masks came with the (dense) model state; make weights, storage and kernels follow
         for _, _, m in self._local_prunable(pl_module):
             m.apply_mask()
+        self._apply_swaps(trainer, pl_module, self._refresh_storage(trainer, pl_module))
         self._refresh_kernels(pl_module)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -145,6 +212,10 @@ class GradualPruning(Callback):
         if self.is_pruning_step(step) and step != self.last_prune_step:
             self.prune(trainer, pl_module, self.sparsity_at(step))
             self.last_prune_step = step
+            if step == self.last_step and self.repack is not None:
+                fn = getattr(trainer.strategy, "request_repack", None)
+                if callable(fn):
+                    fn(self.repack)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.target_sparsity > 0:
@@ -156,31 +227,40 @@ class GradualPruning(Callback):
         """Prune to global ``sparsity`` now (collective over the pipeline group); returns the
         measured global sparsity."""
         mods = self._local_prunable(pl_module)
+        before = self.sparsity
         needs, group = pipeline_reduce_group(trainer)
-        thr = global_magnitude_threshold([m.weight * m.weight_mask for _, _, m in mods], sparsity, group=group,
-                                         distributed=needs)
+        zeros = sum(m.in_features * m.out_features - m.nnz for _, _, m in mods)
+        thr = global_magnitude_threshold([m.kept_values() for _, _, m in mods], sparsity, group=group,
+                                         distributed=needs, zeros=zeros)
+        swaps = []
         for _, _, m in mods:
-            mask = m.weight_mask & ((m.weight * m.weight_mask).abs() > thr)
-            m.set_mask(mask)
-            for opt in trainer.optimizers:
-                state = getattr(opt, "_optimizer", opt).state.get(m.weight)
-                for v in (state or {}).values():
-                    if torch.is_tensor(v) and v.shape == mask.shape:
-                        v.mul_(mask)
+            swap = m.prune_magnitude(thr)
+            if swap is not None:
+                swaps.append((m, swap))
+            elif not m.compressed:  # dense storage: pruned weights' optimizer state is zeroed
+                for opt in trainer.optimizers:
+                    state = getattr(opt, "_optimizer", opt).state.get(m.weight)
+                    for v in (state or {}).values():
+                        if torch.is_tensor(v) and v.shape == m.weight_mask.shape:
+                            v.mul_(m.weight_mask)
+        swaps += self._refresh_storage(trainer, pl_module)
+        self._apply_swaps(trainer, pl_module, swaps)
         self._refresh_kernels(pl_module)
         self.target_sparsity = float(sparsity)
         dens = self.layer_densities(trainer, pl_module)
         kept, total = dens.pop("__kept__"), dens.pop("__total__")
         self.sparsity = 1.0 - kept / total if total else 0.0
         self.history.append({"step": int(trainer.global_step), "target": self.target_sparsity,
-                             "sparsity": self.sparsity, "threshold": thr})
+                             "sparsity": self.sparsity, "threshold": thr,
+                             "densities": {str(i): round(d, 6) for i, d in dens.items()}})
         pl_module.log("pruning/sparsity", self.sparsity, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("pruning/target_sparsity", self.target_sparsity, on_step=True, on_epoch=False, batch_size=1)
         for i, d in dens.items():
             pl_module.log(f"pruning/density_L{i}", d, on_step=True, on_epoch=False, batch_size=1)
         log.info("pruning: step %d target %.4f measured %.4f (threshold %.3g)", trainer.global_step, sparsity,
                  self.sparsity, thr)
-        request_rebalance(trainer, f"pruning: global sparsity {self.sparsity:.3f}")
+        if self.sparsity > before:  # (the schedule's t0 with s_i = 0 prunes nothing: no rebalance)
+            request_rebalance(trainer, f"pruning: global sparsity {self.sparsity:.3f}")
         return self.sparsity
 
     def layer_densities(self, trainer, pl_module) -> dict:
@@ -189,12 +269,66 @@ class GradualPruning(Callback):
         L = len(pipeline_layers(pl_module))
         vec = torch.zeros(2 * L, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         for i, _, m in self._local_prunable(pl_module):
-            vec[i] += float(m.weight_mask.sum())
-            vec[L + i] += m.weight_mask.numel()
+            vec[i] += float(m.nnz)
+            vec[L + i] += m.in_features * m.out_features
         vec = all_reduce_over_pipeline(trainer, vec).cpu().tolist()
         out: dict = {i: vec[i] / vec[L + i] for i in range(L) if vec[L + i] > 0}
         out["__kept__"], out["__total__"] = sum(vec[:L]), sum(vec[L:])
         return out
+
+    def state_bytes(self, trainer, pl_module) -> dict[str, float]:
+        """Memory of the prunable layers over the pipeline (collective): ``stored`` = parameters +
+        gradients (one per trainable parameter, as a training step holds them) + optimizer state
+        as they are now; ``dense`` = the same for dense layers with the same optimizer; ``index`` = their
+        buffers (CSR indices, dense masks). ``ratio = stored / dense``; ``ratio_with_index``
+        counts the buffers too."""
+        vec = torch.zeros(3, dtype=torch.float64, device=reduce_device(trainer, pl_module))
+        opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        for _, _, m in self._local_prunable(pl_module):
+            for name, p in m.named_parameters(recurse=False):
+                dense_numel = m.in_features * m.out_features if name == "weight" else p.numel()
+                copies = 2 if p.requires_grad else 1  # the parameter, and its gradient while it trains
+                vec[0] += copies * p.numel() * p.element_size()
+                vec[1] += copies * dense_numel * p.element_size()
+                for opt in opts:
+                    for v in opt.state.get(p, {}).values():
+                        if torch.is_tensor(v):
+                            like = v.dim() > 0 and v.shape == p.shape
+                            vec[0] += v.numel() * v.element_size()
+                            vec[1] += (dense_numel if like else v.numel()) * v.element_size()
+            vec[2] += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
+        stored, dense, index = all_reduce_over_pipeline(trainer, vec).cpu().tolist()
+        return {"stored": stored, "dense": dense, "index": index,
+                "ratio": stored / dense if dense else 1.0,
+                "ratio_with_index": (stored + index) / dense if dense else 1.0}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """Densify the optimizer state of CSR-stored weights (nnz-long moments become ``[out, in]``
+        with zeros at pruned positions), so the checkpoint is exactly what a masked-dense
+        single-process run writes. Runs where the checkpoint holds the states (rank 0 under
+        ``DynMoStrategy``, which gathered them)."""
+        states, model = checkpoint.get("optimizer_states"), checkpoint.get("state_dict")
+        if not states or not model:
+            return
+        names = _optimizer_index_names(trainer, pl_module)
+        for o, sd in enumerate(states):
+            if not isinstance(sd, dict) or o >= len(names):
+                continue
+            for index, state in sd.get("state", {}).items():
+                fqn = names[o].get(index)
+                if fqn is None or not fqn.endswith(".weight"):
+                    continue
+                mask = model.get(fqn[: -len("weight")] + "weight_mask")
+                if mask is None or mask.dim() != 2:
+                    continue
+                mask = mask.bool()
+                nnz = int(mask.sum())
+                for key, v in list(state.items()):
+                    if torch.is_tensor(v) and v.dim() == 1 and v.numel() == nnz and mask.numel() != nnz:
+                        dense = v.new_zeros(mask.shape)
+                        dense[mask.to(v.device)] = v
+                        state[key] = dense
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -206,3 +340,21 @@ class GradualPruning(Callback):
         self.target_sparsity = float(state_dict.get("target_sparsity", 0.0))
         self.sparsity = float(state_dict.get("sparsity", 0.0))
         self.history = list(state_dict.get("history", []))
+
+
+def _optimizer_index_names(trainer, pl_module) -> list[dict[int, str]]:
+    """For each optimizer, single-process state index -> parameter name."""
+    layout = getattr(trainer.strategy, "optimizer_layout", None)
+    if layout is not None and hasattr(layout, "slots"):
+        out: list[dict[int, str]] = [{} for _ in trainer.optimizers]
+        for fqn, slot in layout.slots.items():
+            if slot.optimizer < len(out):
+                out[slot.optimizer][slot.index] = fqn
+        return out
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    out = []
+    for opt in trainer.optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        flat = [p for group in opt.param_groups for p in group["params"]]
+        out.append({k: names[id(p)] for k, p in enumerate(flat) if id(p) in names})
+    return out

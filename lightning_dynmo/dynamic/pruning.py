@@ -12,21 +12,25 @@ all ranks -- bitwise equal to ``torch.kthvalue`` on the concatenation -- and no 
 another rank's weights. Data-parallel replicas hold identical weights, so each replica's pipeline
 group computes the same threshold.
 
-Cost of pruned layers
----------------------
-``PrunableLinear`` computes ``F.linear(x, weight * weight_mask, bias)`` (dense): a masked dense
-layer is *not* cheaper than the dense one. When the sparse-kernel package
-(:mod:`lightning_dynmo.sparse`) is importable with its compiled extension
-(``extension_available()``) and its measured crossover density says the CSR kernel wins at this
-layer's density, :meth:`PrunableLinear.set_sparse_kernel` switches the forward/backward to the
-CSR SpMM/SDDMM kernel. The dense ``weight`` Parameter stays the master copy (its FQN, the optimizer
-state, the checkpoint format and the strategy's optimizer layout are unchanged): the forward
-gathers the kept values (``O(nnz)``) and the backward scatters their gradient back into the dense
-gradient, so compute follows density while memory does not shrink.
+Cost and memory of pruned layers
+--------------------------------
+Compute: a masked dense layer is *not* cheaper than the dense one. Where the sparse-kernel
+extension of :mod:`lightning_dynmo.sparse` is built and its measured crossover density says the
+CSR kernel wins at a layer's density, :meth:`PrunableLinear.set_sparse_kernel` switches the
+forward/backward to the CSR SpMM/SDDMM kernel, so compute follows density.
+
+Memory: :meth:`PrunableLinear.compress` makes the CSR values the master weight (the parameter
+keeps its name ``weight``; the pattern moves to int32 buffers and the dense mask is dropped), so
+gradients, optimizer moments and the data-parallel gradient all-reduce hold only kept weights.
+The optimizer is re-mapped in place (:class:`ParamSwap` + ``runtime.optimizer_layout.replace_param``;
+same groups, same slots, LR schedule untouched). State dicts are always dense, so checkpoints load
+into a dense single-process module; ``GradualPruning`` also densifies the optimizer state it saves.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,7 @@ __all__ = [
     "global_magnitude_threshold",
     "cubic_sparsity",
     "PrunableLinear",
+    "ParamSwap",
     "make_prunable",
     "prunable_modules",
     "sparse_kernels_available",
@@ -48,7 +53,7 @@ def _dist_ready() -> bool:
 
 
 def global_magnitude_threshold(
-    tensors: list[Tensor], sparsity: float, group=None, distributed: bool | None = None
+    tensors: list[Tensor], sparsity: float, group=None, distributed: bool | None = None, zeros: int = 0
 ) -> float:
     """The k-th smallest ``|w|`` over ``tensors`` on every rank of ``group`` (k = round(sparsity * N)).
 
@@ -56,7 +61,9 @@ def global_magnitude_threshold(
     ``k == 0`` returns ``-inf`` (prune nothing). Works without ``torch.distributed`` (single process);
     ``distributed=None`` reduces over ``group`` whenever a process group is initialised, ``False``
     never reduces. Every rank of the group must call it (it is a collective); a rank may pass an
-    empty list.
+    empty list. ``zeros``: this rank's weights that are not in ``tensors`` because they are already
+    pruned (entries a CSR-stored layer no longer holds); they count as ``|w| = 0``, so passing only
+    the kept values of a layer gives the same threshold as passing its masked dense weight.
     """
     if not 0.0 <= float(sparsity) <= 1.0:
         raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
@@ -74,7 +81,11 @@ def global_magnitude_threshold(
         vals = torch.empty(0, dtype=fdt, device=device)
     bits = vals.view(idt).to(torch.int64).sort().values  # order of |w| == order of its bit pattern
 
-    stats = torch.tensor([bits.numel(), int(bits[-1]) if bits.numel() else 0], dtype=torch.int64, device=device)
+    zeros = int(zeros)
+    if zeros < 0:
+        raise ValueError(f"zeros must be >= 0, got {zeros}")
+    stats = torch.tensor([bits.numel() + zeros, int(bits[-1]) if bits.numel() else 0], dtype=torch.int64,
+                         device=device)
     if reduce:
         n_total = stats[:1].clone()
         dist.all_reduce(n_total, group=group)
@@ -94,7 +105,7 @@ def global_magnitude_threshold(
     while lo < hi:
         mid = (lo + hi) // 2
         probe[0] = mid
-        count = torch.searchsorted(bits, probe, right=True)
+        count = torch.searchsorted(bits, probe, right=True) + zeros  # mid >= 0: every pruned zero counts
         if reduce:
             dist.all_reduce(count, group=group)
         if int(count) >= k:
@@ -124,18 +135,52 @@ def sparse_kernels_available() -> bool:
         return False
 
 
-class PrunableLinear(nn.Linear):
-    """``nn.Linear`` with a ``weight_mask`` buffer (1 = kept) applied in every forward.
+@dataclass
+class ParamSwap:
+    """One parameter replaced by another of a different shape (a storage or pattern change).
 
-    The mask is a buffer, so it is saved in checkpoints and migrates with its layer. It holds no
-    reference to any callback (the strategy deep-copies layers when it moves them). With an
-    all-ones mask the output equals ``nn.Linear`` bitwise (``w * 1.0 == w``).
+    ``state_map`` turns a tensor shaped like ``old`` (its gradient, an optimizer moment) into the
+    matching tensor shaped like ``new``: a gather of the kept entries when a layer is compressed or
+    pruned further, a scatter into zeros when it is decompressed. The caller re-maps the optimizer
+    (:func:`lightning_dynmo.runtime.optimizer_layout.replace_param`); the module has already moved
+    the gradient.
+    """
+
+    name: str  # attribute name inside the module ("weight")
+    old: nn.Parameter
+    new: nn.Parameter
+    state_map: Callable[[Tensor], Tensor]
+
+
+class PrunableLinear(nn.Linear):
+    """``nn.Linear`` whose pruned weights are gone, in one of two storages.
+
+    * ``storage == "dense"``: ``weight`` is the dense ``[out, in]`` master weight and the
+      ``weight_mask`` buffer (bool, 1 = kept) is applied in every forward, so pruned weights never
+      contribute and get zero gradient. With ``sparse_kernel`` on, the forward gathers the kept
+      values and runs the CSR kernel; memory does not shrink.
+    * ``storage == "csr"`` (after :meth:`compress`): ``weight`` **is the CSR values vector**
+      ``[nnz]``, in row-major order of the kept positions, and the pattern lives in int32 buffers
+      (``csr_crow``, ``csr_col``; with the kernel on also the cached transpose ``csr_crow_t``,
+      ``csr_col_t``, ``csr_perm_t`` for the input gradient). Gradients and optimizer state are
+      nnz-sized, and a data-parallel all-reduce of the gradient sends only kept values. There is
+      no dense mask: :meth:`dense_mask` derives it. The forward runs the CSR kernel, or (kernel
+      off: dense is faster at this density) scatters the values into a dense weight.
+
+    The parameter keeps its name in both storages, so its fully-qualified name, its optimizer
+    slot and the checkpoint keys never change. The state dict is always the dense format
+    (``weight`` ``[out, in]`` with zeros at pruned positions, ``weight_mask``, ``bias``): a CSR-stored
+    layer densifies on save, so a checkpoint loads into a dense single-process module whatever
+    storage wrote it. Storage changes return a :class:`ParamSwap` for the optimizer re-map.
+    Everything the layer owns is a parameter or a buffer, so migration moves it generically. With
+    an all-ones mask the output equals ``nn.Linear`` bitwise (``w * 1.0 == w``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.register_buffer("weight_mask", torch.ones_like(self.weight, dtype=torch.bool))
         self.sparse_kernel = False
+        self.storage = "dense"
         self._empty_csr()
 
     def _empty_csr(self) -> None:
@@ -153,25 +198,165 @@ class PrunableLinear(nn.Linear):
         new.bias = linear.bias
         new.weight_mask = torch.ones_like(linear.weight, dtype=torch.bool)
         new.sparse_kernel = False
+        new.storage = "dense"
         new._empty_csr()
         new.train(linear.training)
         return new
 
-    # ------------------------------------------------------------------ masks
+    # ------------------------------------------------------------------ views (either storage)
+    @property
+    def compressed(self) -> bool:
+        return self.storage == "csr"
+
+    @property
+    def nnz(self) -> int:
+        return self.weight.numel() if self.compressed else int(self.weight_mask.sum())
+
     @property
     def density(self) -> float:
-        return float(self.weight_mask.float().mean())
+        return self.nnz / max(1, self.in_features * self.out_features)
+
+    def _rows(self) -> Tensor:
+        from ..sparse._ops import _rows_of
+
+        return _rows_of(self.csr_crow)
 
     @torch.no_grad()
+    def dense_mask(self) -> Tensor:
+        """``[out, in]`` bool, True where a weight is kept."""
+        if not self.compressed:
+            return self.weight_mask.clone()
+        mask = torch.zeros(self.out_features, self.in_features, dtype=torch.bool, device=self.weight.device)
+        mask[self._rows(), self.csr_col.long()] = True
+        return mask
+
+    @torch.no_grad()
+    def dense_weight(self) -> Tensor:
+        """``[out, in]`` weight with zeros at pruned positions (a detached copy)."""
+        if not self.compressed:
+            return self.weight.detach() * self.weight_mask
+        w = self.weight.new_zeros(self.out_features, self.in_features)
+        w[self._rows(), self.csr_col.long()] = self.weight.detach()
+        return w
+
+    @torch.no_grad()
+    def kept_values(self) -> Tensor:
+        """The kept weights, row-major (what a global magnitude threshold ranks)."""
+        return self.weight.detach() if self.compressed else self.weight.detach()[self.weight_mask]
+
+    # ------------------------------------------------------------------ masks (dense storage)
+    @torch.no_grad()
     def apply_mask(self) -> None:
-        self.weight.mul_(self.weight_mask)
+        """Zero pruned weights (an optimizer's momentum or weight decay must not revive them).
+        A CSR-stored layer holds no pruned weights: nothing to do."""
+        if not self.compressed:
+            self.weight.mul_(self.weight_mask)
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor) -> None:
+        """Dense storage: replace the mask (and zero the newly pruned weights)."""
+        if self.compressed:
+            raise RuntimeError("set_mask changes a dense mask; a CSR-stored layer prunes with prune_to()")
         self.weight_mask.copy_(mask.to(self.weight_mask))
         self.apply_mask()
         if self.sparse_kernel:
             self._build_csr()
+
+    @torch.no_grad()
+    def prune_magnitude(self, threshold: float) -> ParamSwap | None:
+        """Prune every kept weight with ``|w| <= threshold`` (masks only shrink). Dense storage
+        changes the mask in place and returns None; CSR storage drops the values and returns the
+        :class:`ParamSwap` (None when nothing was pruned)."""
+        if not self.compressed:
+            self.set_mask(self.weight_mask & (self.weight.abs() > threshold))
+            return None
+        return self._keep(self.weight.detach().abs() > threshold)
+
+    @torch.no_grad()
+    def prune_to(self, mask: Tensor) -> ParamSwap | None:
+        """Keep only weights that ``mask`` (``[out, in]`` bool) keeps; see :meth:`prune_magnitude`."""
+        mask = mask.to(device=self.weight.device, dtype=torch.bool)
+        if not self.compressed:
+            self.set_mask(self.weight_mask & mask)
+            return None
+        return self._keep(mask[self._rows(), self.csr_col.long()])
+
+    def _keep(self, keep: Tensor) -> ParamSwap | None:
+        """CSR storage: keep the values where ``keep`` ([nnz] bool) is true."""
+        if bool(keep.all()):
+            return None
+        mask = torch.zeros(self.out_features, self.in_features, dtype=torch.bool, device=keep.device)
+        mask[self._rows()[keep], self.csr_col.long()[keep]] = True
+        old = self.weight
+        new = nn.Parameter(old.detach()[keep].clone(), requires_grad=old.requires_grad)
+        if old.grad is not None:
+            new.grad = old.grad[keep].clone()
+        self.weight = new
+        self._set_pattern(mask)
+        return ParamSwap("weight", old, new, lambda t, keep=keep: t[keep])
+
+    # ------------------------------------------------------------------ storage
+    @torch.no_grad()
+    def compress(self) -> ParamSwap:
+        """Dense -> CSR storage: the master weight becomes the kept values (gradients and optimizer
+        state follow through the returned swap's gather)."""
+        if self.compressed:
+            raise RuntimeError("layer is already CSR-stored")
+        mask = self.weight_mask.bool()
+        flat = mask.reshape(-1).nonzero(as_tuple=True)[0]  # row-major kept positions
+        old = self.weight
+        new = nn.Parameter(old.detach().reshape(-1)[flat].clone(), requires_grad=old.requires_grad)
+        if old.grad is not None:
+            new.grad = old.grad.reshape(-1)[flat].clone()
+        del self.weight_mask  # the pattern is the CSR buffers from now on
+        self.weight = new
+        self.storage = "csr"
+        self.csr_index = torch.zeros(0, dtype=torch.int64, device=mask.device)
+        self._set_pattern(mask)
+        return ParamSwap("weight", old, new, lambda t, flat=flat: t.reshape(-1)[flat])
+
+    @torch.no_grad()
+    def decompress(self) -> ParamSwap:
+        """CSR -> dense storage (the inverse of :meth:`compress`)."""
+        if not self.compressed:
+            raise RuntimeError("layer is already dense-stored")
+        mask = self.dense_mask()
+        shape = (self.out_features, self.in_features)
+
+        def scatter(t: Tensor, mask=mask) -> Tensor:
+            out = t.new_zeros(shape)
+            out[mask] = t
+            return out
+
+        old = self.weight
+        new = nn.Parameter(scatter(old.detach()), requires_grad=old.requires_grad)
+        if old.grad is not None:
+            new.grad = scatter(old.grad)
+        self.weight = new
+        self.storage = "dense"
+        self.register_buffer("weight_mask", mask)
+        for name in ("csr_crow", "csr_col", "csr_crow_t", "csr_col_t", "csr_perm_t"):
+            setattr(self, name, torch.zeros(0, dtype=torch.int32, device=mask.device))
+        if self.sparse_kernel:
+            self._build_csr()
+        return ParamSwap("weight", old, new, scatter)
+
+    def _set_pattern(self, mask: Tensor) -> None:
+        """CSR storage: pattern buffers for ``mask`` (and the kernel's transpose when it is on)."""
+        from ..sparse.linear import csr_pattern
+
+        self.csr_crow, self.csr_col = csr_pattern(mask)
+        self._refresh_transpose()
+
+    def _refresh_transpose(self) -> None:
+        empty = torch.zeros(0, dtype=torch.int32, device=self.csr_crow.device)
+        if self.compressed and self.sparse_kernel:
+            from ..sparse import _ops
+
+            self.csr_crow_t, self.csr_col_t, self.csr_perm_t = _ops.csr_transpose(
+                self.csr_crow, self.csr_col, self.in_features)
+        else:
+            self.csr_crow_t, self.csr_col_t, self.csr_perm_t = empty, empty.clone(), empty.clone()
 
     # ------------------------------------------------------------------ sparse kernel
     @torch.no_grad()
@@ -180,25 +365,27 @@ class PrunableLinear(nn.Linear):
         if enabled and not sparse_kernels_available():
             raise RuntimeError("the sparse-kernel extension is not available; keep masked dense layers")
         self.sparse_kernel = bool(enabled)
-        if enabled:
+        if self.compressed:
+            self._refresh_transpose()
+        elif enabled:
             self._build_csr()
         else:
             self._empty_csr()
 
     @torch.no_grad()
     def _build_csr(self) -> None:
+        """Dense storage with the kernel on: the CSR of the mask plus the gather index."""
         from ..sparse import _ops
+        from ..sparse.linear import csr_pattern
 
         mask = self.weight_mask.bool()
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major == CSR order
-        crow = torch.zeros(self.out_features + 1, dtype=torch.int64, device=mask.device)
-        crow[1:] = torch.cumsum(torch.bincount(rows, minlength=self.out_features), 0)
-        self.csr_crow = crow.to(torch.int32)
-        self.csr_col = cols.to(torch.int32)
-        self.csr_index = rows * self.in_features + cols
+        self.csr_crow, self.csr_col = csr_pattern(mask)
+        self.csr_index = mask.reshape(-1).nonzero(as_tuple=True)[0]
         self.csr_crow_t, self.csr_col_t, self.csr_perm_t = _ops.csr_transpose(self.csr_crow, self.csr_col, self.in_features)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.compressed:
+            return self._forward_csr(x)
         if self.sparse_kernel and self.csr_crow.numel() and x.dtype in (torch.float32, torch.float64) \
                 and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             from ..sparse import _ops
@@ -210,8 +397,62 @@ class PrunableLinear(nn.Linear):
             return y.reshape(*lead, self.out_features)
         return F.linear(x, self.weight * self.weight_mask, self.bias)
 
+    def _forward_csr(self, x: Tensor) -> Tensor:
+        values, bias = self.weight, self.bias
+        if not self.sparse_kernel:  # dense is faster at this density: scatter the values
+            w = values.new_zeros(self.out_features, self.in_features).index_put(
+                (self._rows(), self.csr_col.long()), values)
+            return F.linear(x, w, bias)
+        from ..sparse import _ops
+
+        if torch.is_autocast_enabled(x.device.type):  # match nn.Linear under autocast
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, values = x.to(dtype), values.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        lead = x.shape[:-1]
+        y = _ops.sparse_linear(x.reshape(-1, self.in_features), values, bias, self.csr_crow, self.csr_col,
+                               self.csr_crow_t, self.csr_col_t, self.csr_perm_t)
+        return y.reshape(*lead, self.out_features)
+
+    # ------------------------------------------------------------------ state dict: always dense
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        if not self.compressed:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.dense_weight()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+        destination[prefix + "weight_mask"] = self.dense_mask()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        if not self.compressed:
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        wkey, mkey = prefix + "weight", prefix + "weight_mask"
+        if wkey in state_dict:
+            w = state_dict[wkey]
+            shape = (self.out_features, self.in_features)
+            if tuple(w.shape) != shape:
+                error_msgs.append(f"size mismatch for {wkey}: copying a param with shape {tuple(w.shape)}, "
+                                  f"the dense shape of this CSR-stored layer is {shape}")
+            else:
+                mask = state_dict[mkey] if mkey in state_dict else w != 0
+                mask = mask.to(device=self.weight.device, dtype=torch.bool)
+                if not torch.equal(mask, self.dense_mask()):
+                    error_msgs.append(f"{mkey}: the checkpoint's sparsity pattern differs from this CSR-stored "
+                                      "layer's; load it into a freshly built (dense) model, whose pruning "
+                                      "callback compresses it again")
+                else:
+                    with torch.no_grad():
+                        self.weight.copy_(w.to(self.weight)[mask])
+        rest = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in (wkey, mkey)}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if wkey in state_dict and wkey in missing_keys:
+            missing_keys.remove(wkey)
+
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", sparse_kernel={self.sparse_kernel}"
+        return super().extra_repr() + f", storage={self.storage}, sparse_kernel={self.sparse_kernel}"
 
 
 def make_prunable(module: nn.Module) -> int:

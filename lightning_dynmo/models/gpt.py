@@ -435,7 +435,10 @@ class GPT(L.LightningModule):
         residual = {id(m.proj) for m in layer.modules() if isinstance(m, (CausalSelfAttention, MLP))}
 
         def normal_(t: torch.Tensor, std: float) -> None:
-            t.copy_(torch.empty(t.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen))
+            if t.dtype == torch.float32 and t.device.type == "cpu":
+                t.normal_(0.0, std, generator=gen)  # the same draw, without a temporary
+            else:
+                t.copy_(torch.empty(t.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen))
 
         for m in layer.modules():
             if isinstance(m, nn.Linear):

@@ -16,11 +16,17 @@ Conventions (the runtime must profile accordingly):
 * Receive cost: stage ``s > 0`` pays ``2 * activation[b[s] - 1] / bandwidth`` per micro-batch, i.e.
   the forward activation coming in plus the gradient of the same size going back over the same
   link. It is charged to the *receiving* stage, so a slow link looks like a heavier stage.
+* Activation checkpointing (``CostModel.recompute``: the layers run under checkpointing): a
+  recomputed layer costs one extra forward per micro-batch (its backward recomputes it first) and
+  keeps nothing in flight; while its backward runs, one micro-batch of its activations is alive
+  again, so a stage with recomputed layers also holds the largest of their ``activation`` once.
+  ``backward`` stays the layer's plain backward: costs profiled *with* checkpointing already
+  contain the recompute and go with ``recompute=frozenset()``.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Iterable, Sequence
 
@@ -199,8 +205,15 @@ class CostModel:
     bandwidth: float | None = None  # bytes/s between adjacent stages; None = free transfers
     capacity: float | None = None  # bytes per stage; None = unlimited
     virtual_stages: int = 1  # stages per rank; >1: the partition's stages are virtual stages
+    recompute: frozenset[int] = frozenset()  # layers under activation checkpointing
+    _recompute_prefix: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        rc = self.recompute
+        if isinstance(rc, (str, bytes)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                    for i in rc):
+            raise ValueError(f"recompute must be a set of layer indices (ints >= 0), got {rc!r}")
+        object.__setattr__(self, "recompute", frozenset(rc))
         m = self.microbatches
         if isinstance(m, bool) or int(m) != m or m < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {m!r}")
@@ -249,9 +262,38 @@ class CostModel:
         return min(m, p - stage)
 
     def segment_memory(self, costs: LayerCosts, start: int, stop: int, stage: int, num_stages: int) -> float:
-        """Peak bytes if layers ``start..stop-1`` form stage ``stage`` of ``num_stages``."""
+        """Peak bytes if layers ``start..stop-1`` form stage ``stage`` of ``num_stages``.
+        Recomputed layers keep no activations in flight; the largest of them is alive once while
+        its backward runs (see the module docstring)."""
         k = self.inflight(stage, num_stages)
-        return costs.memory_sum(start, stop) + k * costs.activation_sum(start, stop)
+        if not self.recompute:
+            return costs.memory_sum(start, stop) + k * costs.activation_sum(start, stop)
+        prefix = self._prefixes(costs)
+        kept = prefix["kept_activation"].sum(start, stop)
+        transient = max((costs.activation[i] for i in self.recompute if start <= i < stop), default=0.0)
+        return costs.memory_sum(start, stop) + k * kept + transient
+
+    # ---- activation checkpointing -----------------------------------------------------------
+    def with_recompute(self, layers) -> "CostModel":
+        """This model with ``layers`` (indices) under activation checkpointing."""
+        return replace(self, recompute=frozenset(layers))
+
+    def _prefixes(self, costs: LayerCosts) -> dict:
+        """Exact prefix sums of fwd + bwd + recomputed fwd and of the activations kept in flight,
+        cached for the last ``costs`` instance (LayerCosts is immutable)."""
+        cached = self._recompute_prefix.get(id(costs))
+        if cached is None or cached["costs"] is not costs:
+            bad = [i for i in self.recompute if i >= costs.num_layers]
+            if bad:
+                raise ValueError(f"recompute names layers {sorted(bad)} but costs have {costs.num_layers} layers")
+            rc = self.recompute
+            extra = tuple(f if i in rc else 0.0 for i, f in enumerate(costs.forward))
+            kept = tuple(0.0 if i in rc else a for i, a in enumerate(costs.activation))
+            cached = {"costs": costs, "time": _ExactPrefix(costs.forward, costs.backward, extra),
+                      "kept_activation": _ExactPrefix(kept)}
+            self._recompute_prefix.clear()
+            self._recompute_prefix[id(costs)] = cached
+        return cached
 
     def stage_memory(self, costs: LayerCosts, partition: Partition) -> list[float]:
         costs._check(partition)
@@ -269,8 +311,10 @@ class CostModel:
         return 2.0 * costs.activation[start - 1] / self.bandwidth
 
     def segment_time(self, costs: LayerCosts, start: int, stop: int) -> float:
-        """Per-micro-batch time of a stage owning layers ``start..stop-1`` (compute + receive)."""
-        return costs.time_sum(start, stop) + self.recv_time(costs, start)
+        """Per-micro-batch time of a stage owning layers ``start..stop-1`` (compute + receive);
+        a recomputed layer adds its forward once more."""
+        compute = self._prefixes(costs)["time"].sum(start, stop) if self.recompute else costs.time_sum(start, stop)
+        return compute + self.recv_time(costs, start)
 
     def stage_times(self, costs: LayerCosts, partition: Partition) -> list[float]:
         costs._check(partition)
@@ -304,3 +348,35 @@ class CostModel:
         return (self.microbatches + num_stages - 1) * per_stage
 
     imbalance = staticmethod(imbalance)
+
+
+def choose_recompute(costs: LayerCosts, model: CostModel, partition: Partition,
+                     stages: Iterable[int] | None = None) -> frozenset[int]:
+    """Layers to run under activation checkpointing so that each of ``stages`` (default: all)
+    fits ``model.capacity``; layers already in ``model.recompute`` stay recomputed.
+
+    Per stage over capacity, layers are added greedily in order of activation bytes freed per
+    second of extra forward (most first; ties: the higher index, whose activations live longest)
+    until the stage fits. A stage that fits recomputes nothing more; a stage that cannot fit even
+    fully recomputed gets every layer with activations (the caller can check
+    ``model.with_recompute(result).fits(...)``). Pure and deterministic.
+    """
+    costs._check(partition)
+    chosen = set(model.recompute)
+    if model.capacity is None:
+        return frozenset(chosen)
+    S = partition.num_stages
+
+    def rank(i: int) -> tuple[float, int]:
+        f = costs.forward[i]
+        return (-(costs.activation[i] / f) if f > 0 else -math.inf, -i)
+
+    for s in range(S) if stages is None else stages:
+        rng = partition.layers_of(s)
+        current = model.with_recompute(chosen)
+        for i in sorted((i for i in rng if i not in chosen and costs.activation[i] > 0), key=rank):
+            if current.fits(current.segment_memory(costs, rng.start, rng.stop, s, S)):
+                break
+            chosen.add(i)
+            current = model.with_recompute(chosen)
+    return frozenset(chosen)

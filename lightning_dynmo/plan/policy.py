@@ -10,6 +10,13 @@ and migrate before the step after it. Triggers:
   imbalance ``(max - min) / mean`` above ``threshold``; the new partition is applied only if the
   predicted saving over ``horizon`` steps exceeds the measured cost of migrating.
 
+Every decision starts the ``cooldown`` (no ``auto`` profiling for that many steps), applied or
+not. A decision that changed nothing (refused by the cost/benefit check, or "already balanced")
+also disarms ``auto`` with hysteresis: it fires again only once the imbalance has grown beyond
+``(1 + hysteresis)`` x the level that was just judged not worth acting on, or after it has fallen
+below ``(1 - hysteresis)`` x ``threshold`` (the pipeline became balanced, then drifted again).
+An imbalance hovering at the threshold therefore costs one profiled decision, not one per cooldown.
+
 Everything here works on numbers every rank agrees on, so every rank decides the same.
 """
 from __future__ import annotations
@@ -79,14 +86,17 @@ class Decision:
 
 @dataclass
 class RebalancePolicy:
-    mode: str = "never"
+    mode: str = "auto"
     interval: int = 50
     threshold: float = 0.1
     horizon: int = 100
     cooldown: int = 10
+    hysteresis: float = 0.5
     ema_decay: float = 0.7
     # state
-    last_rebalance_step: int = -(10**9)
+    last_rebalance_step: int = -(10**9)  # last applied decision
+    last_decision_step: int = -(10**9)  # last decision of any outcome (starts the cooldown)
+    disarmed_at: float | None = None  # imbalance judged not worth acting on (None: armed)
     ema_busy: list[float] | None = None
     pending_reasons: list[str] = field(default_factory=list)
 
@@ -98,6 +108,8 @@ class RebalancePolicy:
         non_negative_int("rebalance cooldown", self.cooldown)
         if not self.threshold >= 0:
             raise ValueError(f"imbalance threshold must be >= 0, got {self.threshold!r}")
+        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, (int, float)) or not 0 <= self.hysteresis < 1:
+            raise ValueError(f"rebalance hysteresis must be in [0, 1), got {self.hysteresis!r}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
 
@@ -124,10 +136,17 @@ class RebalancePolicy:
             return reason
         if self.mode == "every_n" and step % self.interval == self.interval - 1:
             return f"every {self.interval} steps"
-        if self.mode == "auto" and self.ema_busy and step - self.last_rebalance_step >= self.cooldown:
+        if self.mode == "auto" and self.ema_busy:
             imb = imbalance(self.ema_busy)
-            if imb > self.threshold:
-                return f"auto: busy-time imbalance {imb:.2f} > {self.threshold:.2f}"
+            if self.disarmed_at is not None and imb < self.threshold * (1 - self.hysteresis):
+                self.disarmed_at = None  # balanced again: re-arm
+            if step - max(self.last_rebalance_step, self.last_decision_step) < self.cooldown:
+                return None
+            if self.disarmed_at is None:
+                if imb > self.threshold:
+                    return f"auto: busy-time imbalance {imb:.2f} > {self.threshold:.2f}"
+            elif imb > max(self.threshold, self.disarmed_at * (1 + self.hysteresis)):
+                return f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x {1 + self.hysteresis:.2f}"
         return None
 
     def accept(self, predicted_now: float, predicted_new: float, migration_cost: float) -> tuple[bool, str]:
@@ -140,8 +159,20 @@ class RebalancePolicy:
         return False, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} <= cost {migration_cost * 1e3:.1f} ms"
 
     def applied(self, step: int) -> None:
-        self.last_rebalance_step = step
+        """The partition changed at ``step`` (a rebalance or a re-pack)."""
+        self.last_rebalance_step = self.last_decision_step = step
+        self.disarmed_at = None
         self.ema_busy = None
+
+    def decided(self, step: int, applied: bool) -> None:
+        """Every decision starts the cooldown; one that changed nothing also disarms ``auto``
+        until the imbalance grows by ``hysteresis`` or falls below the threshold band."""
+        if applied:
+            self.applied(step)
+            return
+        self.last_decision_step = step
+        if self.ema_busy:
+            self.disarmed_at = max(imbalance(self.ema_busy), self.threshold)
 
 
 def decide(

@@ -8,6 +8,7 @@ where it runs.
 """
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +20,56 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ..plan.partition import Partition
 from ..plan.schedules import ScheduleSpec
+from ..protocol import PipelineProtocolError
+from .checkpointing import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageModule(nn.Sequential):
+    """A stage's layers in order. Its output is never a view (nor its own input): torch's
+    schedules detach stage outputs in place after their backward, which a view does not allow
+    ("Can't detach views in-place" under zero-bubble schedules), so a view is cloned. Outputs
+    that own their storage, the usual case, pass through without a copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if isinstance(out, torch.Tensor) and (out._is_view() or out is x):
+            out = out.clone()
+        return out
+
+
+def loss_name(loss_fn: LossFn) -> str:
+    owner = getattr(inspect.unwrap(loss_fn), "__self__", None)
+    return f"{type(owner).__name__}.pipeline_loss" if owner is not None else getattr(loss_fn, "__qualname__", "pipeline_loss")
+
+
+def check_loss_value(loss, loss_fn: LossFn) -> str | None:
+    """Why ``loss`` cannot drive a backward (None: it can)."""
+    if not isinstance(loss, torch.Tensor):
+        return (f"{loss_name(loss_fn)}(output, target) must return a scalar tensor (the micro-batch's mean loss), "
+                f"it returned {type(loss).__name__}")
+    if loss.numel() != 1:
+        return (f"{loss_name(loss_fn)}(output, target) must return a scalar (0-dim) tensor, the micro-batch's mean "
+                f"loss; it returned shape {list(loss.shape)}. Reduce it, e.g. `return loss.mean()` or "
+                "F.cross_entropy(..., reduction='mean')")
+    if not loss.is_floating_point():
+        return f"{loss_name(loss_fn)}(output, target) must return a floating-point loss, it returned {loss.dtype}"
+    return None
+
+
+def checked_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` with a check that names the fix (the schedule calls it on the last stage)."""
+
+    def fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(output, target)
+        problem = check_loss_value(loss, loss_fn)
+        if problem:
+            raise PipelineProtocolError(problem)
+        return loss
+
+    return fn
 
 
 @dataclass(frozen=True)
@@ -66,17 +116,21 @@ def _layer_needs_grad(layer: nn.Module) -> bool:
     return any(p.requires_grad for p in layer.parameters())
 
 
-def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor) -> list[TensorSpec]:
+def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor,
+                         microbatch_target: torch.Tensor | None = None, loss_fn: LossFn | None = None) -> list[TensorSpec]:
     """One no-grad forward of one micro-batch through the pipeline; returns every layer's output spec.
 
     Each rank runs its own stages in pipeline order and passes the activation on with a blocking
     object send; then the per-layer specs are all-gathered so every rank knows the whole table.
+    With ``loss_fn`` and ``microbatch_target`` the last stage also checks that the loss is a
+    scalar; a problem travels in the same all-gather, so every rank raises the same error.
     """
     layers, partition, spec = placement.layers, placement.partition, placement.spec
     pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     obj_device = device if device.type == "cuda" else None
     local: dict[int, TensorSpec] = {}
+    problem: str | None = None
     act: torch.Tensor | None = None
     act_rg = False
     with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -105,10 +159,18 @@ def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor) -
                 nxt = spec.rank_of_stage(s + 1, pp_size)
                 if nxt != pp_rank:
                     dist.send_object_list([(act.cpu(), act_rg)], dst=ranks[nxt], group=group, device=obj_device)
-    gathered: list[dict[int, TensorSpec]] = [None] * len(ranks)  # type: ignore[list-item]
-    dist.all_gather_object(gathered, local, group=group)
+            elif loss_fn is not None and microbatch_target is not None:
+                try:
+                    problem = check_loss_value(loss_fn(act, microbatch_target), loss_fn)
+                except Exception as err:  # noqa: BLE001 - reported on every rank below
+                    problem = f"{loss_name(loss_fn)}(output, target) raised {type(err).__name__}: {err}"
+    gathered: list = [None] * len(ranks)
+    dist.all_gather_object(gathered, (local, problem), group=group)
+    problems = [p for _, p in gathered if p]
+    if problems:
+        raise PipelineProtocolError(problems[0])
     table: dict[int, TensorSpec] = {}
-    for part in gathered:
+    for part, _ in gathered:
         table.update(part)
     missing = [i for i in range(len(layers)) if i not in table]
     if missing:
@@ -127,6 +189,7 @@ class PipelineEngine:
         input_spec: TensorSpec,
         layer_specs: list[TensorSpec],
         profiler: PipelineProfiler,
+        recompute: frozenset[int] = frozenset(),
     ) -> None:
         layers, partition, spec = placement.layers, placement.partition, placement.spec
         pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
@@ -134,12 +197,13 @@ class PipelineEngine:
         self.spec = spec
         self.pp_rank = pp_rank
         self.microbatches = microbatches
+        self.recompute = frozenset(recompute)  # layers run under activation checkpointing
         self.local_stage_ids = spec.stages_of_rank(pp_rank, pp_size, partition.num_stages // pp_size)
         S = partition.num_stages
         self.stages: list[TimedPipelineStage] = []
         for s in self.local_stage_ids:
             rng = partition.layers_of(s)
-            submod = nn.Sequential(*[layers[i] for i in rng])
+            submod = StageModule(*[CheckpointedLayer(layers[i], i) if i in self.recompute else layers[i] for i in rng])
             in_spec = input_spec if s == 0 else layer_specs[rng.start - 1]
             out_spec = layer_specs[rng.stop - 1]
             profiler.register_stage(s, rng)
@@ -156,10 +220,15 @@ class PipelineEngine:
                 )
             )
         schedule_cls = get_schedule_class(spec.torch_class)
+        loss_fn = checked_loss(loss_fn)
+        # The mean over micro-batches is taken here, once per parameter, after the step: torch's
+        # schedules divide by m per stage when that stage's last backward ends, which divides a
+        # parameter shared by two stages of this rank (a tied embedding and LM head) twice, and
+        # part of its gradient before the other stage has finished adding to it.
         if spec.multi:
-            self.schedule = schedule_cls(self.stages, microbatches, loss_fn=loss_fn)
+            self.schedule = schedule_cls(self.stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         else:
-            self.schedule = schedule_cls(self.stages[0], microbatches, loss_fn=loss_fn)
+            self.schedule = schedule_cls(self.stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
         self.has_first = any(st.is_first for st in self.stages)
         self.has_last = any(st.is_last for st in self.stages)
         self.last_step_seconds = 0.0
@@ -172,6 +241,13 @@ class PipelineEngine:
         t0 = time.perf_counter()
         if train:
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            if self.microbatches != 1:
+                seen: set[int] = set()
+                for stage in self.stages:
+                    for p in stage.submod.parameters():
+                        if id(p) not in seen and p.grad is not None:
+                            seen.add(id(p))
+                            p.grad.div_(self.microbatches)
         else:
             with torch.no_grad():
                 self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
@@ -185,22 +261,29 @@ class EngineCache:
     move (:meth:`clear_engines`); the specs stay valid until a layer changes structure
     (:meth:`clear`)."""
 
-    def __init__(self, profiler: PipelineProfiler) -> None:
+    def __init__(self, profiler: PipelineProfiler, checkpointing: ActivationCheckpointing | None = None) -> None:
         self.profiler = profiler
+        self.checkpointing = checkpointing  # which layers training engines recompute (None: none)
         self._engines: dict[tuple, PipelineEngine] = {}
         self._layer_specs: dict[tuple, list[TensorSpec]] = {}
 
     def get(self, placement: Placement, inputs: torch.Tensor, microbatches: int, train: bool,
-            loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> PipelineEngine:
+            loss_fn: LossFn, targets: torch.Tensor | None = None) -> PipelineEngine:
         mb_shape = (inputs.shape[0] // microbatches, *inputs.shape[1:])
         key = (train, mb_shape, inputs.dtype, microbatches)
         engine = self._engines.get(key)
         if engine is None:
             spec_key = (mb_shape, inputs.dtype)
             if spec_key not in self._layer_specs:
-                self._layer_specs[spec_key] = discover_layer_specs(placement, inputs[: mb_shape[0]])
+                target = targets[: mb_shape[0]] if targets is not None else None
+                self._layer_specs[spec_key] = discover_layer_specs(placement, inputs[: mb_shape[0]], target, loss_fn)
+            recompute = frozenset()
+            if train and self.checkpointing is not None and self.checkpointing.enabled:
+                recompute = self.checkpointing.layers_to_recompute(
+                    placement.layers, placement.partition, placement.spec, placement.pp_rank, placement.pp_size,
+                    self._layer_specs[spec_key], inputs[: mb_shape[0]], microbatches)
             engine = PipelineEngine(placement, microbatches, loss_fn, TensorSpec.of(inputs[: mb_shape[0]], requires_grad=False),
-                                    self._layer_specs[spec_key], self.profiler)
+                                    self._layer_specs[spec_key], self.profiler, recompute)
             self._engines[key] = engine
         return engine
 
@@ -215,3 +298,5 @@ class EngineCache:
     def clear(self) -> None:
         self._engines.clear()
         self._layer_specs.clear()
+        if self.checkpointing is not None:
+            self.checkpointing.saved_bytes.clear()  # measured per layer structure

@@ -76,7 +76,7 @@ def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, grou
         present[idx] = 1.0
     if dist.is_initialized():
         both = torch.cat([norms, present])
-        dist.all_reduce(both, group=group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         norms, present = both[:total], both[total:]
     total_norm = torch.linalg.vector_norm(norms[present > 0], 2.0)
     coef = torch.clamp(float(clip_val) / (total_norm + 1e-6), max=1.0)

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from ..plan.migration_plan import MigrationPlan
 from ..protocol import RemoteLayer
 from .optimizer_layout import OptimizerLayout
+from .tied import TiedParameters, retie
 
 
 @dataclass
@@ -45,9 +46,12 @@ def _as_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def pack_layer(
-    layer: nn.Module, prefix: str, optimizers: list[Optimizer], layout: OptimizerLayout, device: torch.device
+    layer: nn.Module, prefix: str, optimizers: list[Optimizer], layout: OptimizerLayout, device: torch.device,
+    keep: frozenset[str] = frozenset(),
 ) -> tuple[dict, torch.Tensor]:
-    """Detach ``layer``'s optimizer state and serialise everything it owns."""
+    """Detach ``layer``'s optimizer state and serialise everything it owns. Parameters named in
+    ``keep`` (tied parameters another local layer still uses) stay in the optimizer; a copy of
+    their state travels."""
     entries: list[tuple] = []  # (kind, name, key, shape, dtype, on_cpu)
     chunks: list[torch.Tensor] = []
     extras: dict[str, dict] = {}
@@ -60,7 +64,10 @@ def pack_layer(
         add("param", name, None, p)
         if p.grad is not None:
             add("grad", name, None, p.grad)
-        state = layout.detach_param(optimizers, prefix + name, p)
+        if name in keep:
+            state = layout.copy_state(optimizers, prefix + name, p)
+        else:
+            state = layout.detach_param(optimizers, prefix + name, p)
         if state is not None:
             extras[name] = {}
             for k, v in state.items():
@@ -89,7 +96,10 @@ def unpack_layer(
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        t = flat[offset : offset + nbytes].view(dtype).reshape(shape)
+        chunk = flat[offset : offset + nbytes]
+        if offset % torch.empty((), dtype=dtype).element_size():
+            chunk = chunk.clone()  # an odd-length int32/bool entry before it: view() needs alignment
+        t = chunk.view(dtype).reshape(shape)
         offset += nbytes
         if kind == "param":
             params[name].data.copy_(t)
@@ -112,9 +122,13 @@ def execute_migration(
     pp_rank: int,
     group: dist.ProcessGroup | None,
     device: torch.device,
+    tied: TiedParameters | None = None,
 ) -> MigrationStats:
     """Carry out ``plan`` on this rank. Every pipeline rank calls it with the same plan; moves run
-    in global layer order as blocking send/recv pairs, so no rank can wait on a move out of turn."""
+    in global layer order as blocking send/recv pairs, so no rank can wait on a move out of turn.
+
+    Tied parameters: a sender that still uses one through another layer keeps it; a receiver
+    that already holds one ties the arriving layer to its own copy (the copies are equal)."""
     stats = MigrationStats()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     obj_device = device if device.type == "cuda" else None
@@ -122,7 +136,11 @@ def execute_migration(
     for move in plan.moves:
         prefix = f"{layers_attr}.{move.layer}."
         if move.src == pp_rank:
-            meta, flat = pack_layer(layers[move.layer], prefix, optimizers, layout, device)
+            keep = frozenset()
+            if tied:
+                keep = frozenset(name for name, _ in layers[move.layer].named_parameters()
+                                 if tied.held_elsewhere(layers, prefix + name, move.layer) is not None)
+            meta, flat = pack_layer(layers[move.layer], prefix, optimizers, layout, device, keep)
             meta["nbytes"] = flat.numel()
             dist.send_object_list([meta], dst=ranks[move.dst], group=group, device=obj_device)
             if flat.numel():
@@ -138,9 +156,17 @@ def execute_migration(
             if meta["nbytes"]:
                 dist.recv(flat, src=ranks[move.src], group=group)
             layer, states = unpack_layer(meta, flat, device)
+            retied = set()
+            if tied:
+                for name, _ in list(layer.named_parameters(remove_duplicate=False)):
+                    mine = tied.held_elsewhere(layers, prefix + name, move.layer)
+                    if mine is not None:
+                        retie(layer, name, mine)
+                        retied.add(name)
             layers[move.layer] = layer
             for name, p in layer.named_parameters():
-                layout.attach_param(optimizers, module, prefix + name, p, states.get(name))
+                if name not in retied:
+                    layout.attach_param(optimizers, module, prefix + name, p, states.get(name))
             stats.layers_received += 1
             stats.bytes_received += flat.numel()
         else:

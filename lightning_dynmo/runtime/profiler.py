@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from .checkpointing import is_recomputing
+
 
 @dataclass(frozen=True)
 class ChunkEvent:
@@ -135,12 +137,16 @@ class PipelineProfiler:
 
     def _make_pre(self, i: int):
         def pre(module, args):
+            if is_recomputing():  # activation checkpointing: the recompute is part of the backward
+                return
             self._fwd_start[i] = self.now()
 
         return pre
 
     def _make_post(self, i: int):
         def post(module, args, output):
+            if is_recomputing():
+                return
             t = self.now()
             self.fwd[i] += t - self._fwd_start.pop(i, t)
             self.fwd_calls[i] += 1

@@ -4,7 +4,9 @@ Stage times come from the same :class:`LayerCosts` the balancers use (forward an
 seconds per micro-batch, summed exactly over the stage's layers); a zero-bubble schedule splits
 a stage's backward into input-gradient ``I = (1 - w) B`` and weight-gradient ``W = w B``. Each
 boundary crossing costs ``latency + activation bytes / bandwidth`` (the boundary layer's output
-forward, its gradient backward). With data parallelism each rank then all-reduces its stages'
+forward, its gradient backward); ``link`` is one :class:`Link` for every pair of neighbouring
+ranks, or one per rank (``links[r]`` joins rank ``r`` and ``r + 1``; the last one closes the ring
+of interleaved schedules), e.g. NVLink inside a node and InfiniBand between nodes. With data parallelism each rank then all-reduces its stages'
 gradients (ring: ``2 (d-1)/d`` of the bytes over the bandwidth, ``2 (d-1)`` latencies), either
 after its last action (``overlap=False``, as our runtime does) or per stage as soon as the
 stage's last gradient is done, on one communication channel per rank beside the compute
@@ -17,6 +19,7 @@ balancer, so a simulated rebalance uses the balancers exactly as training does.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..plan.cost_model import CostModel, LayerCosts
@@ -67,14 +70,27 @@ class SimResult:
     events: tuple[dict, ...]  # compute chunks in lightning_dynmo.plotting's timeline format
 
 
+def _links(link: Link | Sequence[Link], pp: int) -> list[Link]:
+    if isinstance(link, Link):
+        return [link] * pp
+    links = list(link)
+    if len(links) != pp or not all(isinstance(x, Link) for x in links):
+        raise ValueError(f"need one Link or one Link per pipeline rank ({pp}), got {link!r}")
+    return links
+
+
 def matching_cost_model(
-    schedule: str, microbatches: int, link: Link = Link(), virtual: int | None = None, capacity: float | None = None
+    schedule: str, microbatches: int, link: Link | Sequence[Link] = Link(), virtual: int | None = None,
+    capacity: float | None = None,
 ) -> CostModel:
     """The cost model a balancer should see for this simulated pipeline (same in-flight rule;
-    the link's bandwidth as the cost model's receive cost)."""
+    the link's bandwidth as the cost model's receive cost: with one link per rank, the slowest
+    one, since the cost model has a single bandwidth)."""
     spec = get_schedule(schedule)
+    links = [link] if isinstance(link, Link) else list(link)
+    finite = [x.bandwidth for x in links if x.bandwidth is not None]
     return CostModel(
-        microbatches, spec.cost_schedule, bandwidth=link.bandwidth, capacity=capacity,
+        microbatches, spec.cost_schedule, bandwidth=min(finite) if finite else None, capacity=capacity,
         virtual_stages=spec.virtual_stages(virtual),
     )
 
@@ -86,12 +102,18 @@ def simulate(
     microbatches: int,
     *,
     virtual: int | None = None,
-    link: Link = Link(),
+    link: Link | Sequence[Link] = Link(),
     dp: DataParallel | None = None,
     w_fraction: float = 0.5,
+    reduced_params: Sequence[int] | None = None,
+    action_overhead: float = 0.0,
 ) -> SimResult:
     """Simulate one step. ``partition`` has one stage per (virtual) pipeline stage: ``pp x
-    virtual`` stages for a multi-stage schedule, placed on ranks as torch places them."""
+    virtual`` stages for a multi-stage schedule, placed on ranks as torch places them.
+    ``reduced_params``: per layer, the parameters whose gradients the data-parallel all-reduce
+    carries (default ``costs.params``; e.g. 0 for frozen layers). ``action_overhead``: seconds
+    added to every compute action (the framework's per-chunk work that per-layer profiling does
+    not see: the schedule loop, posting sends and receives, the loss on the last stage)."""
     spec = get_schedule(schedule)
     v = spec.virtual_stages(virtual)
     S = partition.num_stages
@@ -106,14 +128,26 @@ def simulate(
     b = partition.boundaries
     forward = [math.fsum(costs.forward[b[s] : b[s + 1]]) for s in range(S)]
     backward = [math.fsum(costs.backward[b[s] : b[s + 1]]) for s in range(S)]
+    if not action_overhead >= 0.0:
+        raise ValueError(f"action_overhead must be >= 0, got {action_overhead}")
     durations = {
-        "F": forward,
-        "B": backward,
-        "I": [(1.0 - w_fraction) * x for x in backward],
-        "W": [w_fraction * x for x in backward],
+        "F": [x + action_overhead for x in forward],
+        "B": [x + action_overhead for x in backward],
+        "I": [(1.0 - w_fraction) * x + action_overhead for x in backward],
+        "W": [w_fraction * x + action_overhead for x in backward],
     }
-    crossing = [link.time(costs.activation[b[s + 1] - 1]) for s in range(S - 1)]
+    links = _links(link, pp)
+    rank_of = {op.stage: r for r, rank_ops in enumerate(ops) for op in rank_ops}
+
+    def link_of(s: int) -> Link:  # the link joining the ranks of stages s and s+1
+        a, c = sorted((rank_of[s], rank_of[s + 1]))
+        return links[c if (a, c) == (0, pp - 1) and pp > 2 else a]
+
+    crossing = [link_of(s).time(costs.activation[b[s + 1] - 1]) for s in range(S - 1)]
     spans = replay(ops, durations, crossing)
+    if reduced_params is not None and len(reduced_params) != costs.num_layers:
+        raise ValueError(f"reduced_params has {len(reduced_params)} entries, costs have {costs.num_layers} layers")
+    grad_params = list(costs.params if reduced_params is None else reduced_params)
 
     busy = [0.0] * pp
     compute_end = [0.0] * pp
@@ -130,7 +164,7 @@ def simulate(
         for r, stages in enumerate(stages_of):
             channel = 0.0
             for s in sorted(stages, key=lambda s: grads_done[s]):
-                t = dp.allreduce_time(costs.params_sum(b[s], b[s + 1]))
+                t = dp.allreduce_time(sum(grad_params[b[s] : b[s + 1]]))
                 channel = max(channel, grads_done[s] if dp.overlap else compute_end[r]) + t
                 allreduce[r] += t
             end[r] = max(end[r], channel)

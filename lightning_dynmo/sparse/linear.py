@@ -17,6 +17,19 @@ from . import _ops
 _BUFFERS = ("crow_indices", "col_indices", "crow_indices_t", "col_indices_t", "perm_t")
 
 
+def csr_pattern(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """CSR row pointers and column indices (int32) of the true entries of a 2-D ``mask``, in
+    row-major order: ``values = weight[mask]`` lists the kept weights in the same order."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be 2-D, got shape {tuple(mask.shape)}")
+    if int(mask.sum()) >= 2**31:
+        raise ValueError("CSR patterns use int32 indices: at most 2^31-1 non-zeros")
+    rows, cols = mask.nonzero(as_tuple=True)  # row-major order = CSR order
+    crow = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
+    crow[1:] = torch.cumsum(torch.bincount(rows, minlength=mask.shape[0]), 0)
+    return crow.to(torch.int32), cols.to(torch.int32)
+
+
 def _as_mask(linear: nn.Linear, mask: Optional[Tensor]) -> Tensor:
     w = linear.weight.detach()
     mask = w != 0 if mask is None else mask.to(device=w.device).bool()
@@ -63,16 +76,8 @@ class SparseLinear(nn.Module):
         weight = self.dense_weight() if weight is None else weight.to(self.values)
         if mask.shape != (self.out_features, self.in_features):
             raise ValueError(f"mask shape {tuple(mask.shape)} does not match the layer")
-        nnz = int(mask.sum())
-        if nnz >= 2**31:
-            raise ValueError("SparseLinear uses int32 indices: at most 2^31-1 non-zeros")
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major order = CSR order
-        crow = torch.zeros(self.out_features + 1, dtype=torch.int64, device=mask.device)
-        crow[1:] = torch.cumsum(torch.bincount(rows, minlength=self.out_features), 0)
-        self.crow_indices = crow.to(torch.int32)
-        self.col_indices = cols.to(torch.int32)
-        self.values = nn.Parameter(weight[rows, cols].contiguous(),
-                                   requires_grad=self.values.requires_grad)
+        self.crow_indices, self.col_indices = csr_pattern(mask)
+        self.values = nn.Parameter(weight[mask].contiguous(), requires_grad=self.values.requires_grad)
         self._refresh_transpose()
 
     def _refresh_transpose(self) -> None:

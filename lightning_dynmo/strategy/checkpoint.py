@@ -3,11 +3,26 @@
 Saving gathers replica 0's pipeline ranks onto global rank 0; loading lets every rank pick the
 entries of the layers it holds (global layer indices in the keys, global parameter positions in
 the optimizer state).
+
+Loading is strict and safe, and every rank runs the same checks on the same file, so a bad file
+fails on every rank with the same message before any collective:
+
+* the file is read with ``weights_only=True`` (tensors and plain containers only), and a file that
+  is not a torch checkpoint at all is called that, not answered with unpickling advice;
+* every floating-point tensor of the model and optimizer state must be finite;
+* with ``strict=True`` the keys must be exactly the whole model's (the error names the missing and
+  unexpected keys, as ``nn.Module.load_state_dict`` does), and shapes must always match;
+* the optimizer state must have the module's optimizer's groups, parameter counts and, for every
+  per-parameter tensor, its parameter's shape.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import os
+import pickle
+import zipfile
+from typing import TYPE_CHECKING, Any, Mapping
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
@@ -15,6 +30,97 @@ from ..runtime.optimizer_layout import OptimizerLayout
 
 if TYPE_CHECKING:
     from .strategy import DynMoStrategy
+
+_MAX_LISTED = 30
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be, or must not be, loaded into this run."""
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(f'"{k}"' for k in keys[:_MAX_LISTED])
+    return shown + (f", ... ({len(keys) - _MAX_LISTED} more)" if len(keys) > _MAX_LISTED else "")
+
+
+def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Read ``path`` with ``weights_only=True`` (unless the caller explicitly passed ``False``)
+    and check that it is a Lightning checkpoint whose tensors are all finite."""
+    weights_only = True if weights_only is None else weights_only
+    local = isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
+    if local and not zipfile.is_zipfile(path):
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+        if not head.startswith(b"\x80"):  # neither torch.save's zip archive nor a (legacy) pickle
+            raise CheckpointError(f"{path} is not a checkpoint: it is not a torch.save archive")
+    try:
+        ckpt = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as err:
+        detail = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line
+                       or "Unsupported global" in line), "")
+        if local and zipfile.is_zipfile(path):
+            detail = detail or "objects that are not tensors or plain containers"
+            raise CheckpointError(
+                f"{path} holds Python objects that a weights_only=True load refuses ({detail}). A Lightning "
+                "checkpoint needs none; if you trust the file and need them, pass weights_only=False to trainer.fit"
+            ) from None
+        raise CheckpointError(f"{path} is not a checkpoint: torch.load cannot read it ({detail or type(err).__name__})") from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is not a checkpoint: torch.load cannot read it ({first})") from None
+    if not isinstance(ckpt, Mapping) or "state_dict" not in ckpt:
+        raise CheckpointError(
+            f"{path} is not a Lightning checkpoint: it holds a {type(ckpt).__name__} without a 'state_dict' entry"
+        )
+    check_finite(ckpt, path)
+    return ckpt
+
+
+def _nonfinite(t) -> bool:
+    return torch.is_tensor(t) and t.is_floating_point() and t.numel() > 0 and not bool(torch.isfinite(t).all())
+
+
+def check_finite(ckpt: Mapping, path="checkpoint") -> None:
+    """Refuse NaN/Inf in the model state and the optimizer states, naming the tensor."""
+    bad = [f"state_dict[{k!r}]" for k, v in ckpt["state_dict"].items() if _nonfinite(v)]
+    for o, sd in enumerate(ckpt.get("optimizer_states") or []):
+        for index, state in ((sd or {}).get("state") or {}).items():
+            for key, v in (state.items() if isinstance(state, Mapping) else ()):
+                if _nonfinite(v):
+                    bad.append(f"optimizer_states[{o}]['state'][{index!r}][{key!r}]")
+    if bad:
+        raise CheckpointError(
+            f"{path} holds non-finite values (NaN or Inf) in {', '.join(bad[:_MAX_LISTED])}"
+            + (f" and {len(bad) - _MAX_LISTED} more tensors" if len(bad) > _MAX_LISTED else "")
+            + "; training from it would only produce NaN losses. Resume from an earlier checkpoint"
+        )
+
+
+def check_model_state(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, Any], strict: bool, name: str) -> None:
+    """Compare a checkpoint's ``state_dict`` with the whole model's keys and shapes (not only
+    this rank's), so every rank reaches the same verdict."""
+    errors = []
+    if strict:
+        unexpected = [k for k in state if k not in expected]
+        missing = [k for k in expected if k not in state]
+        if unexpected:
+            errors.append(f"Unexpected key(s) in state_dict: {_listed(unexpected)}.")
+        if missing:
+            errors.append(f"Missing key(s) in state_dict: {_listed(missing)}.")
+    mismatched = [
+        f"size mismatch for {k}: copying a param with shape {list(v.shape)} from checkpoint, the shape in current "
+        f"model is {list(expected[k])}."
+        for k, v in state.items() if k in expected and torch.is_tensor(v) and tuple(v.shape) != tuple(expected[k])
+    ]
+    errors += mismatched[:_MAX_LISTED]
+    if errors:
+        raise CheckpointError(
+            f"Error(s) in loading state_dict for {name}:\n\t" + "\n\t".join(errors)
+            + "\n(the checkpoint was saved from a different model; load it into the model it was saved from"
+            + (", or pass strict=False to ignore missing/unexpected keys)" if strict else ")")
+        )
 
 
 def gather_to_zero(strategy: "DynMoStrategy", obj: Any) -> list[Any] | None:
@@ -54,12 +160,10 @@ def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]
 
 
 def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: bool = True) -> None:
-    """Load the entries of the layers this rank holds."""
+    """Check the checkpoint against the whole model, then load the entries of the layers this rank holds."""
     module = strategy.lightning_module
+    check_model_state(strategy.full_state_shapes, checkpoint["state_dict"], strict, type(module).__name__)
     own = module.state_dict()
-    missing = [k for k in own if k not in checkpoint["state_dict"]]
-    if missing and strict:
-        raise KeyError(f"checkpoint lacks {len(missing)} entries this rank needs, e.g. {missing[:3]}")
     module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in own}, strict=False)
 
 
@@ -68,7 +172,14 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
     states = checkpoint["optimizer_states"]
     optimizers = strategy.optimizers
     if len(states) != len(optimizers):
-        raise ValueError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
+        raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
+    shapes = strategy.full_state_shapes
+    problems = [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
+    if problems:
+        raise CheckpointError(
+            "the checkpoint's optimizer state does not fit the module's optimizer: " + "; ".join(problems[:_MAX_LISTED])
+            + " (was it saved from a different model or configure_optimizers()?)"
+        )
     for o, (opt, sd) in enumerate(zip(optimizers, states)):
         strategy.optimizer_layout.load_local(strategy.lightning_module, opt, o, sd)
     _optimizers_to_device(optimizers, strategy.root_device)

@@ -17,3 +17,72 @@ class PipelineSpawnLauncher(_MultiProcessingLauncher):
             return super()._collect_rank_zero_results(trainer, results)
         finally:
             module.state_dict = original
+
+
+def die_with_launcher(local_rank: int) -> None:
+    """Make this process die (SIGKILL) when the process that launched it dies, so that after a
+    failure no rank outlives its launcher (torchrun's agent, Lightning's rank 0, a spawn parent).
+    Only for launched processes: a rank 0 that the user started (and that launched the others)
+    keeps its ordinary life, so ``nohup python train.py &`` survives its shell. Linux only."""
+    import ctypes
+    import multiprocessing
+    import os
+    import signal
+    import sys
+
+    launched = ("TORCHELASTIC_RUN_ID" in os.environ or local_rank > 0
+                or multiprocessing.parent_process() is not None)
+    if not launched or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
+def seeded_loader_for_one_replica(dataloader):
+    """With one data-parallel replica no sampler is injected, so every rank of a pipeline iterates
+    the loader itself; a ``RandomSampler`` drawing from the global RNG would give the ranks
+    different orders (their RNGs drift apart: dropout runs on different layers). Give it a
+    generator seeded with ``PL_GLOBAL_SEED`` (same on every rank; a new permutation each epoch).
+    Loaders that do not shuffle, or shuffle with their own generator, are returned as they are."""
+    import os
+
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(dataloader, DataLoader) or type(sampler) is not RandomSampler or sampler.generator is not None:
+        return dataloader
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    generator = torch.Generator().manual_seed(int(os.environ.get("PL_GLOBAL_SEED", 0)))
+    seeded = RandomSampler(sampler.data_source, replacement=sampler.replacement,
+                           num_samples=sampler._num_samples, generator=generator)
+    return _update_dataloader(dataloader, seeded)
+
+
+def restart_safe_store(timeout):
+    """Under torchrun (its agent hosts the store), the store of this restart attempt: torchrun
+    keeps one store server for every attempt of a job and its workers' keys carry no attempt
+    number, so after a restart a rank that starts late leaves its peers reading the *previous*
+    attempt's address for it (gloo: "Connection refused" to a dead port, and the restart fails).
+    A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps attempts apart. None elsewhere."""
+    import os
+
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        world = int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dynmo/attempt_{attempt}", client)

@@ -1,9 +1,12 @@
 """``DynMoStrategy``'s options, validated once, before any process starts."""
 from __future__ import annotations
 
+import dis
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
+
+import lightning as L
 
 from ..plan.balancers import get_balancer
 from ..plan.partition import Partition
@@ -11,9 +14,11 @@ from ..plan.repack import check_repack_target
 from ..plan.schedules import ScheduleSpec, get_schedule
 from ..plan.validation import positive_int
 from ..protocol import PipelineProtocolError, pipeline_layers_of
+from ..runtime.checkpointing import check_activation_checkpointing
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+NONFINITE_MODES = ("error", "skip", "ignore")
 
 
 @dataclass(frozen=True)
@@ -28,14 +33,18 @@ class PipelineOptions:
     repack: int | str
     repack_tolerance: float
     plot: bool
+    plot_interval: int
+    on_nonfinite: str
     timeout: timedelta
     start_method: str
     process_group_backend: str | None
+    activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/checkpointing.py)
 
     @classmethod
     def validate(cls, *, pipeline_parallel, schedule, microbatches, virtual_stages, balancer, partition,
                  memory_capacity, repack, repack_tolerance, plot, timeout, start_method,
-                 process_group_backend) -> "PipelineOptions":
+                 process_group_backend, plot_interval=50, on_nonfinite="error",
+                 activation_checkpointing=False) -> "PipelineOptions":
         pp = positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
         spec = get_schedule(schedule)
         virtual = spec.virtual_stages(virtual_stages)
@@ -52,6 +61,13 @@ class PipelineOptions:
                 raise ValueError(f"repack must be 'off', 'auto' or a positive number of pipeline ranks, got {repack!r}") from None
         if not 0 <= repack_tolerance < 1:
             raise ValueError(f"repack_tolerance must be in [0, 1), got {repack_tolerance!r}")
+        positive_int("plot_interval", plot_interval)
+        if on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"on_nonfinite must be one of {', '.join(NONFINITE_MODES)} (what to do when a step's training loss "
+                f"is NaN/Inf), got {on_nonfinite!r}"
+            )
+        activation_checkpointing = check_activation_checkpointing(activation_checkpointing, memory_capacity)
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -62,13 +78,22 @@ class PipelineOptions:
             pipeline_parallel=pp, schedule=spec, virtual_stages=virtual, microbatches=mb, balancer=balancer,
             partition=Partition(tuple(partition)) if partition is not None else None,
             memory_capacity=memory_capacity, repack=repack, repack_tolerance=float(repack_tolerance),
-            plot=bool(plot), timeout=timeout or DEFAULT_TIMEOUT, start_method=start_method,
-            process_group_backend=process_group_backend,
+            plot=bool(plot), plot_interval=plot_interval, on_nonfinite=on_nonfinite, timeout=timeout or DEFAULT_TIMEOUT, start_method=start_method,
+            process_group_backend=process_group_backend, activation_checkpointing=activation_checkpointing,
         )
 
 
-def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline_parallel: int, virtual: int) -> None:
+def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline_parallel: int, virtual: int,
+                 activation_checkpointing: bool | str = False) -> None:
     """What the pipeline needs of the LightningModule and the Trainer, checked at setup."""
+    if activation_checkpointing is not False:
+        try:
+            pipeline_layers_of(module)
+        except PipelineProtocolError as err:
+            raise PipelineProtocolError(
+                f"activation_checkpointing={activation_checkpointing!r} checkpoints each pipeline layer, so the module "
+                f"must expose its layers: {err}"
+            ) from None
     if not module.automatic_optimization:
         raise PipelineProtocolError(
             "DynMoStrategy runs backward inside the pipeline schedule and needs automatic optimisation; "
@@ -85,11 +110,49 @@ def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline
     if outside:
         raise PipelineProtocolError(
             f"{type(module).__name__} has parameters outside pipeline_layers(): {outside[:5]}; "
-            "every parameter must belong to exactly one pipeline layer (no weight tying across layers)"
+            "every parameter must be used by a pipeline layer (a parameter shared by several layers, like a "
+            "tied embedding and LM head, is supported)"
         )
-    if num_stages > len(layers):
+    check_stage_count(len(layers), num_stages, pipeline_parallel, virtual)
+
+
+def check_stage_count(num_layers: int, num_stages: int, pipeline_parallel: int, virtual: int) -> None:
+    if num_stages > num_layers:
         raise ValueError(
-            f"cannot split {len(layers)} layers into {num_stages} pipeline stages "
+            f"cannot split {num_layers} layers into {num_stages} pipeline stages "
             f"(pipeline_parallel={pipeline_parallel} x virtual_stages={virtual}); "
-            f"use at most {len(layers) // virtual} pipeline ranks or a deeper model"
+            f"use at most {num_layers // virtual} pipeline ranks or a deeper model"
         )
+
+
+# names a training_step may use for what the pipeline's own step already does (run the layers,
+# compute pipeline_loss): such a training_step loses nothing when it is skipped
+_PIPELINE_NAMES = {"pipeline_loss", "pipeline_layers", "forward", "training_step", "super", "layers",
+                   "size", "shape", "view", "reshape", "flatten", "float", "long", "to", "mean", "detach", "item"}
+
+
+def skipped_training_step_warning(module) -> str | None:
+    """The warning to give when ``module.training_step`` holds logic the pipeline will skip
+    (None: it does not define one, or it defines ``on_pipeline_train_loss``, the documented hook
+    for per-step logic under the pipeline)."""
+    cls = type(module)
+    step = getattr(cls, "training_step", None)
+    if step is None or step is L.LightningModule.training_step or callable(getattr(module, "on_pipeline_train_loss", None)):
+        return None
+    calls = set()
+    try:
+        for ins in dis.get_instructions(step):
+            if ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL") and isinstance(ins.argval, str):
+                calls.add(ins.argval)
+    except TypeError:
+        pass
+    if not calls - _PIPELINE_NAMES:
+        return None  # only computes the loss, which the pipeline does itself
+    noted = sorted(n for n in calls if n.startswith("log") or n in ("manual_backward", "optimizers", "toggle_optimizer"))
+    what = f" (it calls {', '.join('self.' + n for n in noted)})" if noted else ""
+    return (
+        f"{cls.__name__}.training_step is not called under DynMoStrategy{what}: the pipeline runs "
+        "pipeline_layers() and pipeline_loss() itself and logs train_loss. Move per-step logic such as "
+        "self.log(...) into `def on_pipeline_train_loss(self, loss, batch, batch_idx)`, which the strategy calls "
+        "on every rank with the step's loss (defining it also silences this warning)."
+    )

@@ -2,13 +2,17 @@
 
 Per step: ``before_step`` acts on the profile of the previous step (if one was taken) and starts
 profiling when the policy or a re-pack request asks; ``after_step`` takes in the step's shared
-statistics. Every rank runs the same code on the same agreed numbers, so decisions agree.
+statistics. Every rank runs the same code on the same agreed numbers, so decisions agree, provided
+the balancer is deterministic: each rank calls it itself, so every decision (and the initial
+partition) is checked with one small all-reduce (MIN of a hash and its negation), and a balancer
+that answers differently on different ranks stops training on every rank with a message saying so.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +25,7 @@ from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
 from ..plan.policy import Decision, RebalancePolicy, decide
 from ..plan.repack import RepackRefused, check_repack_target, plan_repack
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..runtime.groups import build_packed_groups
 from ..runtime.migration import MigrationStats, execute_migration
@@ -38,15 +42,20 @@ log = logging.getLogger(__name__)
 REPROFILE_STEPS = 200
 
 
+class BalancerDisagreementError(RuntimeError):
+    """Ranks computed different partitions from the same costs: the balancer is not deterministic."""
+
+
 class Rebalancer:
     def __init__(self, strategy: "DynMoStrategy", policy: RebalancePolicy, balancer: str, repack: int | str,
-                 repack_tolerance: float, plot: bool) -> None:
+                 repack_tolerance: float, plot: bool, plot_interval: int = 50) -> None:
         self.strategy = strategy
         self.policy = policy
         self.balancer = balancer
         self.repack = repack
         self.repack_tolerance = repack_tolerance
-        self.recorder = DecisionRecorder(plot)
+        self.recorder = DecisionRecorder(plot, plot_interval)
+        self._warned_never = False
         self.known_costs: dict[int, tuple[float, float]] = {}  # layer -> (fwd, bwd) s per micro-batch
         self.load_at_profile: dict[int, float | None] = {}
         self.layer_load: list[float | None] = []
@@ -62,6 +71,15 @@ class Rebalancer:
 
     # ------------------------------------------------------------------ requests
     def request_rebalance(self, reason: str, reprofile: bool = True) -> None:
+        if self.policy.mode == "never":
+            if not self._warned_never:
+                self._warned_never = True
+                rank_zero_warn(
+                    f"dynmo: request_rebalance({str(reason)!r}) is ignored because DynMoStrategy(rebalance='never') "
+                    "keeps the initial partition. Use rebalance='auto' (the default) or rebalance='on_event' to "
+                    "rebalance when dynamism callbacks ask (this warning is given once)"
+                )
+            return
         if reprofile:
             self.policy.request(str(reason))
         else:
@@ -170,7 +188,23 @@ class Rebalancer:
         params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         problem = BalanceProblem(costs=LayerCosts.from_params(params), num_stages=s.layout.num_stages,
                                  model=self.cost_model(), current=None)
-        return get_balancer(self.balancer)(problem).partition
+        partition = get_balancer(self.balancer)(problem).partition
+        self.check_agreement(str(partition), True, "the initial partition at setup")
+        return partition
+
+    def check_agreement(self, result: str | None, applied: bool, what: str) -> None:
+        """Every rank must have reached the same result (one all-reduce over the world)."""
+        s = self.strategy
+        h = float(zlib.crc32(repr((result, bool(applied))).encode()))
+        both = torch.tensor([h, -h], dtype=torch.float64, device=s.root_device)
+        dist.all_reduce(both, op=dist.ReduceOp.MIN)
+        if float(both[0]) != -float(both[1]):
+            raise BalancerDisagreementError(
+                f"balancer {self.balancer!r} is not deterministic: the ranks computed different results for "
+                f"{what} (rank {s.global_rank}: {result}, applied={applied}). Every rank calls the balancer itself "
+                "on the same BalanceProblem, so it must return the same partition for the same problem: no "
+                "rank-, time- or unseeded-random-dependent choices"
+            )
 
     # ------------------------------------------------------------------ decisions
     def _act_on_profile(self, step: int, reason: str) -> None:
@@ -193,10 +227,11 @@ class Rebalancer:
             cost = max(self.rank_wall) if self.rank_wall else 0.0  # first time: assume one step
         decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
                                current=before, policy=self.policy, migration_cost=cost)
+        self.check_agreement(decision.after, new is not None, f"the decision at step {step}")
+        self.policy.decided(step, applied=new is not None)
         if new is not None:
             seconds, moved_bytes = self.migrate(new)
             self.migration_cost = seconds + (decision.decision_ms or 0.0) / 1e3
-            self.policy.applied(step)
             decision = decision.with_(migration_ms=seconds * 1e3, migration_bytes=moved_bytes)
         self._record(decision, costs, model, events, before, new)
 
@@ -214,8 +249,10 @@ class Rebalancer:
                 lambda r: s.choose_microbatches(s.last_batch_size, pp=r), s.layout.virtual, self.repack_tolerance,
             )
         except RepackRefused as err:
+            self.check_agreement(None, False, f"the re-pack decision at step {step}")
             self._record(base.with_(why=f"refused: {err}"))
             return
+        self.check_agreement(f"{plan.partition} on {plan.ranks} ranks", True, f"the re-pack decision at step {step}")
         seconds, _ = self.migrate(plan.partition, ranks=plan.ranks)
         self.policy.applied(step)
         self._record(base.with_(
@@ -247,7 +284,7 @@ class Rebalancer:
         s.profiler.stop_layer_profiling()  # hooks must not travel with the layers
         s.engines.clear_engines()  # release stage references to layers that may leave
         stats = execute_migration(plan, s.lightning_module, s.layers, s.layers_attr, s.optimizers,
-                                  s.optimizer_layout, s.layout.pp_rank, s.pipeline_group, s.root_device)
+                                  s.optimizer_layout, s.layout.pp_rank, s.pipeline_group, s.root_device, s.tied)
         s.last_migration = stats
         log.debug("rank %d migrated: %s", s.global_rank, plan.describe())
         return stats
@@ -263,6 +300,7 @@ class Rebalancer:
         s.replica_pipeline_groups = groups
         s.pipeline_group = groups[s.layout.dp_rank] if not s.layout.released else None
         s.layout.released_ranks = s.layout.topology.released_ranks(ranks)
+        s.tied.update(s.layout, s.options.timeout)
         if s.layout.released:
             s.engines.clear()
             if s.root_device.type == "cuda":
@@ -290,9 +328,11 @@ class Rebalancer:
             )
         if s.layout.released:  # not in the pipeline group: nothing to send or receive
             s.layout.partition = new
+            s.tied.update(s.layout, s.options.timeout)
             return MigrationStats()
         stats = self.execute(MigrationPlan.build(s.partition, new, s.layout.rank_of_stage))
         s.layout.partition = new
+        s.tied.update(s.layout, s.options.timeout)  # collective over the world, like this method
         return stats
 
     def check_repack(self, ranks: int, partition: Partition) -> None:

@@ -17,9 +17,20 @@ METRIC_FIELDS = ("decision_ms", "migration_ms", "migration_bytes", "imbalance_be
 
 
 class DecisionRecorder:
-    def __init__(self, plot: bool) -> None:
+    """Every decision goes to the metrics and ``rebalance_history.jsonl``; a PNG is drawn only for
+    applied decisions, at most one per ``plot_interval`` steps (per-iteration rebalancing would
+    otherwise write a file per step)."""
+
+    def __init__(self, plot: bool, plot_interval: int = 50) -> None:
         self.plot = plot
+        self.plot_interval = plot_interval
         self.decisions: list[Decision] = []
+        self._last_plot_step: int | None = None
+
+    def _should_plot(self, decision: Decision) -> bool:
+        if not (self.plot and decision.applied):
+            return False
+        return self._last_plot_step is None or decision.step - self._last_plot_step >= self.plot_interval
 
     def record(self, module, decision: Decision, partition: Partition, out_dir: str | None, is_global_zero: bool,
                costs: LayerCosts | None = None, model: CostModel | None = None, events: Sequence[dict] = (),
@@ -43,10 +54,11 @@ class DecisionRecorder:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "rebalance_history.jsonl"), "a") as fh:
             fh.write(json.dumps(decision.to_record()) + "\n")
-        if self.plot and events and costs is not None and model is not None and before is not None:
-            from ..plotting import save_rebalance_figure
+        if self._should_plot(decision) and events and costs is not None and model is not None and before is not None:
+            from .. import plotting
 
-            save_rebalance_figure(
+            self._last_plot_step = decision.step
+            plotting.save_rebalance_figure(
                 os.path.join(out_dir, f"rebalance_step{decision.step:06d}.png"),
                 events,
                 before=(str(before), model.stage_times(costs, before)),

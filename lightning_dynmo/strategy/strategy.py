@@ -4,10 +4,13 @@ How a training step runs (automatic optimisation, unchanged for the user):
 
 1. ``training_step`` runs the whole pipeline schedule (forward *and* backward of every
    micro-batch) with ``torch.distributed.pipelining`` and returns the batch loss, which every
-   rank learns from the step's one all-reduce. Lightning zeroes gradients between
-   ``training_step`` and ``backward``, so the pipeline's gradients are held aside until ``backward``.
-2. ``backward`` restores them, averages them over data-parallel replicas and fires the usual
-   ``on_before_backward``/``on_after_backward`` hooks.
+   rank learns from the step's one all-reduce. The module's own ``training_step`` is not called;
+   its ``on_pipeline_train_loss(loss, batch, batch_idx)`` hook is, on every rank. A non-finite
+   loss stops training with an error naming the step (``on_nonfinite``). Lightning zeroes
+   gradients between ``training_step`` and ``backward``, so the pipeline's gradients are held
+   aside until ``backward``.
+2. ``backward`` restores them, sums the gradients of tied parameters over their owners, averages
+   over data-parallel replicas and fires the usual ``on_before_backward``/``on_after_backward`` hooks.
 3. Lightning clips (by the global norm across stages) and steps each rank's optimizer, which
    holds only the parameters of the layers that rank owns.
 
@@ -19,7 +22,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import time
+import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -35,7 +41,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
@@ -55,13 +61,38 @@ from ..runtime.optimizer_layout import OptimizerLayout
 from ..runtime.placement import collect_load_factors, drop_remote_layers
 from ..runtime.profiler import PipelineProfiler
 from ..runtime.step_stats import exchange_step_stats, share_eval_loss
+from ..runtime.tied import TiedParameters, find_tied_parameters
+from ..runtime.checkpointing import ActivationCheckpointing, layer_state_bytes
+from ..runtime.materialize import materialize_pipeline, meta_init_context
+from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from . import checkpoint
-from .launcher import PipelineSpawnLauncher
-from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module
+from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
+from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
 from .rebalancer import Rebalancer
 from .recorder import log_step
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training step's loss was NaN or Inf (``on_nonfinite="error"``)."""
+
+
+def check_loss(loss: torch.Tensor, step: int, mode: str) -> bool:
+    """Whether the step's optimizer update should be applied. ``loss`` is the step's shared loss
+    (identical on every rank), so every rank reaches the same verdict and none waits alone."""
+    value = float(loss)
+    if math.isfinite(value) or mode == "ignore":
+        return True
+    if mode == "skip":
+        warnings.warn(f"dynmo: training loss is {value} at step {step}; skipping this step's update "
+                      "(on_nonfinite='skip')", UserWarning, stacklevel=2)
+        return False
+    raise NonFiniteLossError(
+        f"training loss is {value} (non-finite) at step {step}; stopping instead of training on with NaN weights. "
+        "Lower the learning rate, clip gradients (gradient_clip_val) or check the data; pass "
+        "DynMoStrategy(on_nonfinite='skip') to skip such steps (e.g. with fp16 loss scaling) or 'ignore' to keep going"
+    )
 
 
 class DynMoStrategy(ParallelStrategy):
@@ -76,21 +107,40 @@ class DynMoStrategy(ParallelStrategy):
             size that is at most 4 x stages (and at least the stage count where the schedule
             needs it).
         virtual_stages: stages per rank for interleaved schedules (default 2).
-        balancer: name of the balancer for the initial partition (and later rebalancing).
+        balancer: name of the balancer for the initial partition (from parameter counts, before
+            any step) and for rebalancing (on profiled per-layer times). Default
+            ``"partition_time"``: the exact min-max contiguous partition of stage time.
         partition: explicit initial boundaries, overriding ``balancer`` for step 0.
-        rebalance: ``"never"``, ``"every_n"`` (every ``rebalance_interval`` steps),
-            ``"on_event"`` (after ``request_rebalance``) or ``"auto"`` (when the busy-time
-            imbalance exceeds ``imbalance_threshold`` and the predicted saving over
-            ``rebalance_horizon`` steps exceeds the measured migration cost).
+        rebalance: ``"auto"`` (default: after a dynamism callback's ``request_rebalance`` and
+            when the busy-time imbalance exceeds ``imbalance_threshold``, applied only when the
+            predicted saving over ``rebalance_horizon`` steps exceeds the measured migration
+            cost), ``"on_event"`` (after ``request_rebalance``), ``"every_n"`` (every
+            ``rebalance_interval`` steps) or ``"never"`` (a static partition; requests are
+            ignored with a warning).
+        rebalance_cooldown: steps without automatic profiling after any decision.
+        rebalance_hysteresis: after a decision that changed nothing, ``auto`` fires again only
+            once the imbalance has grown by this fraction, or fell below
+            ``imbalance_threshold x (1 - rebalance_hysteresis)`` first.
         memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
             activations in flight); balancers never exceed it. ``None``: unlimited.
         repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
             move the layers onto the fewest ranks whose balanced partition fits memory and whose
             predicted step time stays within ``repack_tolerance`` of the current one; the other
             ranks are released (they keep no layers and do no training compute).
-        plot: save a pipeline timeline and stage-load PNG next to the logs at each rebalance.
+        plot: save a pipeline timeline and stage-load PNG next to the logs for applied
+            rebalances, at most one per ``plot_interval`` steps.
+        on_nonfinite: a step whose training loss is NaN/Inf: ``"error"`` (stop, naming the step),
+            ``"skip"`` (apply no update for that step, warn) or ``"ignore"``.
         timeout: timeout of every collective; a dead or stuck rank makes the others fail.
         start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
+        activation_checkpointing: ``True`` recomputes every layer's forward in backward
+            (``torch.utils.checkpoint`` per layer), ``"auto"`` only the layers needed for each stage
+            to fit ``memory_capacity``, ``False`` none (see
+            :mod:`lightning_dynmo.runtime.checkpointing`).
+
+    A model built under ``trainer.init_module(empty_init=True)`` (the meta device) is materialised
+    layer by layer: each rank allocates and initialises only the layers it owns (see
+    :mod:`lightning_dynmo.runtime.materialize`).
     """
 
     strategy_name = "dynmo"
@@ -101,17 +151,21 @@ class DynMoStrategy(ParallelStrategy):
         schedule: str = "1f1b",
         microbatches: int | None = None,
         virtual_stages: int | None = None,
-        balancer: str = "uniform",
+        balancer: str = "partition_time",
         partition: tuple[int, ...] | list[int] | None = None,
-        rebalance: str = "never",
+        rebalance: str = "auto",
         rebalance_interval: int = 50,
         imbalance_threshold: float = 0.1,
         rebalance_horizon: int = 100,
         rebalance_cooldown: int = 10,
+        rebalance_hysteresis: float = 0.5,
         memory_capacity: float | None = None,
         repack: str | int = "off",
         repack_tolerance: float = 0.05,
         plot: bool = True,
+        plot_interval: int = 50,
+        on_nonfinite: Literal["error", "skip", "ignore"] = "error",
+        activation_checkpointing: bool | Literal["auto"] = False,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -128,11 +182,13 @@ class DynMoStrategy(ParallelStrategy):
             pipeline_parallel=pipeline_parallel, schedule=schedule, microbatches=microbatches,
             virtual_stages=virtual_stages, balancer=balancer, partition=partition, memory_capacity=memory_capacity,
             repack=repack, repack_tolerance=repack_tolerance, plot=plot, timeout=timeout, start_method=start_method,
-            process_group_backend=process_group_backend,
+            process_group_backend=process_group_backend, plot_interval=plot_interval, on_nonfinite=on_nonfinite,
+            activation_checkpointing=activation_checkpointing,
         )
         policy = RebalancePolicy(mode=rebalance, interval=rebalance_interval, threshold=imbalance_threshold,
-                                 horizon=rebalance_horizon, cooldown=rebalance_cooldown)
-        self.rebalancer = Rebalancer(self, policy, balancer, repack, self.options.repack_tolerance, self.options.plot)
+                                 horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis)
+        self.rebalancer = Rebalancer(self, policy, balancer, repack, self.options.repack_tolerance, self.options.plot,
+                                     self.options.plot_interval)
         self._num_nodes = 1
         # pipeline state (set in setup_environment / setup)
         self.layout: PipelineLayout | None = None  # set in setup_environment
@@ -151,6 +207,9 @@ class DynMoStrategy(ParallelStrategy):
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
         self._batch_checked = False
+        self._apply_step = True
+        self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
+        self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -181,12 +240,34 @@ class DynMoStrategy(ParallelStrategy):
         if plugin is not None:
             install_global_norm_clipping(plugin, lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt), lambda: self.pipeline_group,
                                          lambda: not self.released)
+            install_found_inf_agreement(plugin, lambda: self.pipeline_group, lambda: not self.released,
+                                        lambda: self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """``trainer.init_module(empty_init=True)``: build on the meta device; setup materialises
+        only this rank's layers (like Lightning's ModelParallelStrategy)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with meta_init_context(), self.precision_plugin.tensor_init_context():
+            yield
 
     @property
     def is_distributed(self) -> bool:
-        """Always: Lightning then injects a DistributedSampler (with our replica count and rank),
-        which also gives every rank of a pipeline the same batch order."""
+        """Always (``self.log(..., sync_dist=True)`` reduces over the ranks). Samplers: with more
+        than one data-parallel replica Lightning injects a DistributedSampler (our replica count and
+        rank; it shuffles training data, seeded, the same on every rank of a pipeline); with one
+        replica none is injected (see :meth:`setup`), so training sees the loader's own order."""
         return True
+
+    def process_dataloader(self, dataloader):
+        """One replica: a loader that shuffles with the global RNG gets a seeded generator, so
+        every rank of the pipeline draws the same order (their global RNGs drift apart)."""
+        if self.layout is not None and self.topology.dp == 1:
+            return seeded_loader_for_one_replica(dataloader)
+        return dataloader
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -226,7 +307,11 @@ class DynMoStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": o.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        store = None if dist.is_initialized() else restart_safe_store(o.timeout)
+        if store is not None:  # torchrun (--max-restarts): this attempt's keys only, no stale peer addresses
+            kwargs["store"] = store
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        die_with_launcher(self.local_rank)  # a rank must not outlive the process that launched it
         if backend != "nccl":  # Lightning registers this for NCCL only; gloo threads need it too
             atexit.register(_destroy_dist_connection)
         self.pipeline_group, self.data_parallel_group, self.replica_pipeline_groups = build_groups(
@@ -291,23 +376,42 @@ class DynMoStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel, self.options.virtual_stages)
+        check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel, self.options.virtual_stages,
+                     self.options.activation_checkpointing)
+        check_precision(self.precision_plugin)
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
+        self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))
         self.model = self.precision_plugin.convert_module(self.model)
+        self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            message = skipped_training_step_warning(module)
+            if message:
+                rank_zero_warn(message)
             # Built once on the full model: every parameter's group and hyper-parameters are known
             # globally, so layers can later move between ranks and checkpoints stay portable.
             self.setup_optimizers(trainer)
-            self.optimizer_layout = OptimizerLayout.record(module, self.optimizers)
+            self.optimizer_layout = OptimizerLayout.record(module, self.optimizers, self.tied.aliases)
+            check_precision(self.precision_plugin, self.optimizers)
         self.layout.partition = self.rebalancer.initial_partition(layers)
         drop_remote_layers(layers, self.layout)
+        self.tied.update(self.layout, self.options.timeout)
+        if self.topology.dp == 1:
+            # One replica: every rank already loads the same batches; Lightning's injected
+            # DistributedSampler would reshuffle a shuffle=False loader (it forces shuffle=True).
+            trainer._accelerator_connector.use_distributed_sampler = False
         if fitting:
             OptimizerLayout.keep_only_local(module, self.optimizers)
+        # a model built on the meta device: allocate and initialise this rank's layers only
+        materialize_pipeline(module, layers, self.local_layer_indices(), self.optimizers if fitting else ())
         self.model_to_device()
+        self.tied.align(layers, self.optimizers if fitting else ())  # tied copies: one object per rank, equal values
         self.profiler = PipelineProfiler(self.root_device)
-        self.engines = EngineCache(self.profiler)
+        self.engines = EngineCache(self.profiler, ActivationCheckpointing(
+            self.options.activation_checkpointing, self.options.memory_capacity,
+            lambda i: layer_state_bytes(self._layers[i], self.optimizers),
+            lambda: {i: fb[0] for i, fb in self.rebalancer.known_costs.items()}))
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -322,13 +426,15 @@ class DynMoStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ pipeline execution
-    def _engine_for(self, inputs: torch.Tensor, train: bool):
+    def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
         m = self.choose_microbatches(inputs.shape[0])
         if train:
             self.last_microbatches = m
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
                               self.pipeline_group, self.root_device)
-        return self.engines.get(placement, inputs, m, train, self.lightning_module.pipeline_loss)
+        loss_fn = self.lightning_module.pipeline_loss
+        return self.engines.get(placement, inputs, m, train, pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn,
+                                targets)
 
     def invalidate_pipeline(self) -> None:
         """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
@@ -369,11 +475,11 @@ class DynMoStrategy(ParallelStrategy):
         self._held_grads.clear()
         if not self.released:  # a released rank computes nothing; it only joins the step's collective
             with self.precision_plugin.train_step_context():
-                engine = self._engine_for(inputs, train=True)
+                engine = self._engine_for(inputs, targets, train=True)
                 for p in module.parameters():
                     p.grad = None
                 self.profiler.begin_step()
-                losses = engine.run(inputs, targets, train=True)
+                losses = unscale_losses(self.precision_plugin, engine.run(inputs, targets, train=True))
             self._held_grads.hold(module.parameters())
             busy, wall = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds
             loads = collect_load_factors(self._layers, self.local_layer_indices())
@@ -382,9 +488,14 @@ class DynMoStrategy(ParallelStrategy):
             topology=self.topology, active_pp=self.layout.pp_size, num_layers=len(self._layers),
             global_rank=self.global_rank, device=self.root_device,
         )
+        self._apply_step = check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite)
         self.rebalancer.after_step(stats)
         log_step(self.lightning_module, stats, inputs, now, self._last_step_end, self.topology.dp, self.layout.pp_size)
         self._last_step_end = now
+        hook = getattr(module, "on_pipeline_train_loss", None)
+        if callable(hook):  # the module's training_step is not called under the pipeline
+            batch = args[0] if args else kwargs.get("batch")
+            hook(stats.loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
         return stats.loss
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -393,8 +504,13 @@ class DynMoStrategy(ParallelStrategy):
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._held_grads.restore()
-        average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp)
+        if self._apply_step:
+            self._held_grads.restore()
+            if not self.released:
+                self.tied.sync_gradients(self._layers)
+            average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp)
+        else:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
+            self._held_grads.clear()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -413,7 +529,7 @@ class DynMoStrategy(ParallelStrategy):
         losses = None
         if not self.released:
             with ctx:
-                losses = self._engine_for(inputs, train=False).run(inputs, targets, train=False)
+                losses = self._engine_for(inputs, targets, train=False).run(inputs, targets, train=False)
         loss = share_eval_loss(losses, self.topology.dp, self.root_device)
         self.lightning_module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True,
                                   batch_size=inputs.shape[0], sync_dist=True)  # identical everywhere: mean is exact
@@ -468,6 +584,11 @@ class DynMoStrategy(ParallelStrategy):
         return self.released_ranks
 
     # ------------------------------------------------------------------ checkpoints
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint safely (``weights_only=True`` unless the caller passes ``False``), refusing
+        files that are not checkpoints and NaN/Inf tensors; every rank reads and checks the file."""
+        return checkpoint.read_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict (global layer indices) on rank 0; empty elsewhere."""
         return checkpoint.full_model_state_dict(self)

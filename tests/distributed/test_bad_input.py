@@ -1,54 +1,84 @@
 """Bad input fails early with a message that names the fix, on every rank, never a hang."""
 from __future__ import annotations
 
-import subprocess
+import json
+import re
 import sys
-import time
 
 import pytest
 
+from tests.support.multiproc import ROOT, run, torchrun
 
-from tests.support.multiproc import ROOT, worker_env
-
+pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "bad_input_worker.py"
 
+# case -> a pattern the error of *every* rank must match (each rank raises it itself)
+EXPECTED = {
+    "too_many_stages": r"ValueError: cannot split 5 layers into 6 pipeline stages",
+    "batch_not_divisible": r"batch size 6 is not divisible by microbatches=4",
+    "no_protocol": r"PipelineProtocolError: .*does not define pipeline_layers and pipeline_loss",
+    "partition_does_not_fit": r"ValueError: partition \(0, 2, 4\) does not split 5 layers into 2 stages",
+    "accumulate_grad_batches": r"ValueError: DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches`",
+    "manual_optimisation": r"PipelineProtocolError: .*needs automatic optimisation",
+    "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
+    "different_batches": r"RuntimeError: rank {rank}: the ranks of one pipeline received different batches",
+    "checkpoint_two_optimizers": r"checkpoint has 2 optimizers, the module configures 1",
+}
+# a damaged checkpoint lacks an entry of rank 0's layers and one of rank 1's
+MISSING_KEY = {0: "layers.0.wte.weight", 1: "layers.4.lm_head.weight"}
 
-def _run(case: str, timeout: int = 120):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           str(WORKER), case]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    return proc, time.time() - t0
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    cases = [*EXPECTED, "checkpoint_missing_keys"]
+    proc = run(torchrun(2, WORKER, ",".join(cases), str(tmp / "errors")), timeout=300, log=tmp / "worker.log")
+    assert proc.returncode == 0, proc.output[-4000:]  # every case failed cleanly; the job itself ends well
+    return {rank: json.loads((tmp / f"errors.rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "case,message",
-    [
-        ("too_many_stages", "cannot split 5 layers into 6 pipeline stages"),
-        ("batch_not_divisible", "batch size 6 is not divisible by microbatches=4"),
-        ("no_protocol", "does not define pipeline_layers and pipeline_loss"),
-    ],
-)
-def test_bad_input_fails_on_every_rank(case, message):
-    proc, _ = _run(case)
-    out = proc.stdout + proc.stderr
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_bad_input_fails_on_every_rank(errors, case):
+    for rank in (0, 1):
+        message = errors[rank][case]
+        assert message is not None, f"{case}: rank {rank} trained on"
+        assert re.search(EXPECTED[case].format(rank=rank), message), (rank, message)
+
+
+def test_a_checkpoint_missing_entries_fails_on_every_rank_naming_them(errors):
+    for rank in (0, 1):
+        message = errors[rank]["checkpoint_missing_keys"]
+        assert message is not None and all(key in message for key in MISSING_KEY.values()), (rank, message)
+
+
+def _launch(case: str, tmp_path) -> tuple[str, str]:
+    """(torchrun's output, the exception rank 0 reported itself)."""
+    # a long monitor interval: the agent must not stop rank 0 before rank 0 fails on its own
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "5", "--nproc-per-node", "2",
+           "--standalone", str(WORKER), case, str(tmp_path / "seen")]
+    proc = run(cmd, timeout=180, log=tmp_path / "worker.log")  # a hang fails here (process group killed)
     assert proc.returncode != 0
-    for rank in (0, 1):  # each rank raises the same error itself, before any collective
-        assert any(message in line for line in out.splitlines() if line.startswith(f"[rank{rank}]")), out[-3000:]
+    seen = tmp_path / "seen.rank0.txt"
+    assert seen.exists(), f"rank 0 reported no exception of its own\n{proc.output[-3000:]}"
+    return proc.output, seen.read_text()
 
 
-@pytest.mark.slow
-def test_a_dead_rank_makes_the_others_fail_not_hang():
-    proc, seconds = _run("die")
-    assert proc.returncode != 0
-    assert seconds < 90
+def _exitcode_of(rank: int, output: str) -> int:
+    """Exit code of ``rank`` in torchrun's failure summary."""
+    m = re.search(rf"rank\s*:\s*{rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*:\s*(-?\d+)", output)
+    assert m, output[-3000:]
+    return int(m.group(1))
 
 
-@pytest.mark.slow
-def test_a_stuck_rank_times_out_with_a_message():
-    proc, seconds = _run("stall")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert seconds < 90  # the collective timeout is 8 s
-    assert "rank0" in out and ("Timed out" in out or "timeout" in out.lower()), out[-3000:]
+def test_a_dead_rank_makes_the_others_fail_not_hang(tmp_path):
+    out, seen = _launch("die", tmp_path)
+    assert _exitcode_of(1, out) == 3  # the rank that died
+    # rank 0 fails by itself in its pending collective, naming the lost peer
+    assert re.match(r"RuntimeError: .*Connection (closed|reset) by peer", seen), seen
+
+
+def test_a_stuck_rank_times_out_with_a_message(tmp_path):
+    out, seen = _launch("stall", tmp_path)
+    # rank 0's own collective times out after the strategy's timeout (8 s), says so, and ends rank 0
+    assert re.match(r"RuntimeError: .*Timed out waiting 8000ms", seen), seen
+    assert _exitcode_of(0, out) == 1, out[-3000:]

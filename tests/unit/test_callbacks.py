@@ -102,6 +102,48 @@ def test_convergence_freezing_front_to_back(tmp_path):
     assert cb2.n_frozen == 0
 
 
+class RecordingFreezing(LayerFreezing):
+    """Records the interval means the convergence criterion compares."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        before = self._prev
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._prev is not before:
+            self.means = getattr(self, "means", []) + [list(self._prev)]
+
+
+def _first_freeze(threshold: float, means: list[list[float]], limit: int) -> tuple[int, int]:
+    """(decision index, layers frozen) of the criterion's first freeze on recorded window means:
+    front to back, a layer freezes while its relative change stays below the threshold."""
+    for d, (prev, mean) in enumerate(zip(means, means[1:])):
+        n = 0
+        while n < limit and abs(mean[n] - prev[n]) / prev[n] < threshold:
+            n += 1
+        if n:
+            return d, n
+    return len(means) - 1, 0
+
+
+def test_convergence_threshold_discriminates_between_layers(tmp_path):
+    """With a threshold between the layers' measured relative gradient-norm changes, exactly the
+    front run of layers below it freezes (some, not all; a converged layer behind an unconverged
+    one waits)."""
+    probe = RecordingFreezing(threshold=1e-12, interval=2)  # nothing freezes: record the windows
+    trainer(tmp_path, 8, [probe]).fit(GPT(CFG, seed=0), loader())
+    limit = len(probe.means[0]) - 2  # the final norm and the head always stay trainable
+    rels = sorted({abs(b - a) / a for m, n in zip(probe.means, probe.means[1:]) for a, b in zip(m[:limit], n[:limit])})
+    candidates = [((lo + hi) / 2, hi - lo) for lo, hi in zip(rels, rels[1:])]
+    outcomes = [(margin, t, *_first_freeze(t, probe.means, limit)) for t, margin in candidates]
+    margin, threshold, decision, k = max(o for o in outcomes if 0 < o[3] < limit)
+    step = 2 * (decision + 2)  # decisions close windows of 2 steps; the first compares two windows
+    cb = LayerFreezing(threshold=threshold, interval=2)
+    model = GPT(CFG, seed=0)
+    trainer(tmp_path, step + 1, [cb]).fit(model, loader())  # same seed and data: the same windows
+    assert cb.n_frozen == k and [h["step"] for h in cb.history] == [step], (threshold, k, cb.history)
+    trainable = [any(q.requires_grad for q in layer.parameters()) for layer in model.pipeline_layers()]
+    assert trainable == [False] * k + [True] * (len(trainable) - k)
+
+
 # ---------------------------------------------------------------------------------- pruning
 class CheckedPruning(GradualPruning):
     """Checks each pruning decision against a brute-force global torch.kthvalue threshold."""
@@ -110,13 +152,13 @@ class CheckedPruning(GradualPruning):
 
     def prune(self, trainer, pl_module, sparsity):
         mods = [m for _, _, m in self._local_prunable(pl_module)]
-        allw = torch.cat([(m.weight * m.weight_mask).detach().abs().flatten() for m in mods])
+        allw = torch.cat([m.dense_weight().abs().flatten() for m in mods])
         k = int(round(sparsity * allw.numel()))
         brute = float(allw.kthvalue(k).values) if k else -math.inf
-        expected = [m.weight_mask & ((m.weight * m.weight_mask).abs() > brute) for m in mods]
+        expected = [m.dense_mask() & (m.dense_weight().abs() > brute) for m in mods]
         out = super().prune(trainer, pl_module, sparsity)
         assert self.history[-1]["threshold"] == brute
-        assert all(torch.equal(m.weight_mask, e) for m, e in zip(mods, expected))
+        assert all(torch.equal(m.dense_mask(), e) for m, e in zip(mods, expected))
         self.checks.append((trainer.global_step, sparsity, out, k / allw.numel()))
         return out
 
@@ -139,13 +181,15 @@ def test_gradual_pruning_schedule_masks_and_threshold(tmp_path, sparse_kernels):
     assert type(model.layers[-1].lm_head) is torch.nn.Linear
     opt = tr.optimizers[0]
     for m in mods:  # masks stay applied after optimizer steps (AdamW momentum, weight decay)
-        assert torch.all(m.weight[~m.weight_mask] == 0)
+        assert m.compressed == (m.density <= 0.5)  # default storage_density: CSR-stored below 50 %
+        assert torch.all(m.dense_weight()[~m.dense_mask()] == 0)
         for v in opt.state[m.weight].values():
-            if torch.is_tensor(v) and v.shape == m.weight.shape:
-                assert torch.all(v[~m.weight_mask] == 0)
+            if torch.is_tensor(v) and v.shape == m.weight.shape:  # CSR-stored: nnz-long, nothing pruned
+                assert v.numel() == m.nnz if m.compressed else torch.all(v[~m.weight_mask] == 0)
     densities = [m.density for m in mods]
     assert min(densities) < max(densities)  # global, not per-layer: layers keep different amounts
-    assert len(strategy.requests) == 4 and all(r.startswith("pruning:") for r in strategy.requests)
+    # t0 (s_i = 0) prunes nothing and requests nothing; steps 3, 5, 7 request a rebalance
+    assert len(strategy.requests) == 3 and all(r.startswith("pruning:") for r in strategy.requests)
     if sparse_kernels and cb._choose_kernel(mods[0]):
         assert all(m.sparse_kernel for m in mods)
 
@@ -166,6 +210,26 @@ def test_early_exit_callback_schedule_logging_and_requests(tmp_path):
     assert fr[2] < 1.0
     metrics = tr.callback_metrics
     assert "early_exit/active_fraction_L2" in metrics and "early_exit/active_fraction" in metrics
+
+
+def test_early_exit_threshold_discriminates_between_tokens(tmp_path):
+    """A saturation threshold at the median of the first block's measured saturations lets
+    exactly the tokens above it leave: the fraction entering the next block is strictly between 0
+    and 1 and equals the count the threshold implies."""
+    model = EarlyExitGPT(CFG, seed=0)
+    x, _ = next(iter(loader()))
+    with torch.no_grad():
+        h = model.layers[0](x)
+        out = model.layers[1](h)  # block 0, nobody exits yet (threshold None)
+        c = h.size(-1) - 1
+        sat = torch.nn.functional.cosine_similarity(out[..., :c].float(), h[..., :c].float(), dim=-1).flatten()
+    threshold = float(sat.median())
+    expected = float((sat <= threshold).sum()) / sat.numel()
+    assert 0 < expected < 1
+    cb = EarlyExit(threshold=threshold, check_interval=1)
+    trainer(tmp_path, 1, [cb]).fit(model, loader())  # step 0 runs batch 0 on these weights
+    fr = cb.last_fractions
+    assert fr[1] == 1.0 and fr[2] == pytest.approx(expected, abs=1e-12), (fr, expected)
 
 
 # ---------------------------------------------------------------------------------- composition + resume
@@ -195,23 +259,34 @@ def test_all_callbacks_compose_and_resume_from_checkpoint(tmp_path):
 
     model2 = EarlyExitGPT(CFG, seed=1)  # different init: everything must come from the checkpoint
     cbs2 = callbacks()
-    tr2 = trainer(tmp_path, 8, cbs2, logger=CSVLogger(tmp_path), enable_checkpointing=True, log_every_n_steps=1)
 
     class AtResume(L.Callback):
+        """Runs after every callback's own on_train_start (it is registered last): the state the
+        resumed run starts from."""
+
+        checked = False
+
         def on_train_start(self, trainer, pl_module):
             f, p, e = cbs2[:3]
             assert f.n_frozen == 1 and f.history == freeze.history
             assert p.last_prune_step == 3 and p.history == prune.history and p.sparsity == prune.sparsity
             assert e.baseline == exit_cb.baseline and e.requests == exit_cb.requests
             assert not any(q.requires_grad for q in pl_module.layers[0].parameters())
-            for (n, a), (_, b) in zip(pl_module.named_buffers(), model.named_buffers()):
-                assert torch.equal(a, b), n
+            buffers = dict(model.named_buffers())
+            assert dict(pl_module.named_buffers()).keys() == buffers.keys()
+            for n, a in pl_module.named_buffers():
+                assert torch.equal(a, buffers[n]), n
+            for n, q in pl_module.named_parameters():  # everything came from the checkpoint, not seed=1
+                assert torch.equal(q, dict(model.named_parameters())[n]), n
+            AtResume.checked = True
 
+    cbs2.append(AtResume())
+    tr2 = trainer(tmp_path, 8, cbs2, logger=CSVLogger(tmp_path), enable_checkpointing=True, log_every_n_steps=1)
     tr2.fit(model2, loader(), ckpt_path=ckpt)
-    cbs2.insert(0, None)  # keep indices readable below
-    _, f2, p2, e2 = cbs2[:4]
+    assert AtResume.checked
+    f2, p2, e2 = cbs2[:3]
     assert tr2.global_step == 8 and f2.n_frozen == 1
     assert [h["step"] for h in p2.history] == [1, 3, 5, 7] and p2.sparsity == pytest.approx(0.6, abs=1e-3)
     for m in model2.modules():
         if isinstance(m, PrunableLinear):
-            assert torch.all(m.weight[~m.weight_mask] == 0)
+            assert torch.all(m.dense_weight()[~m.dense_mask()] == 0)

@@ -3,6 +3,8 @@ schedule, PrunableLinear, early-exit blocks."""
 from __future__ import annotations
 
 import math
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -23,7 +25,6 @@ from lightning_dynmo.dynamic import (
 )
 from lightning_dynmo.models import GPT, Block, GPTConfig
 
-from tests.support.multiproc import free_port
 
 
 def brute_threshold(tensors, sparsity):
@@ -61,9 +62,11 @@ def test_threshold_prunes_k_weights_and_validates():
         global_magnitude_threshold([w], 1.5)
 
 
-def _threshold_worker(rank, world, port, shards, sparsities, out):
+def _threshold_worker(rank, world, store_file, shards, sparsities, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a file rendezvous: no port to pick (and lose to another process) before it is bound
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
     try:
         res = [global_magnitude_threshold(shards[rank], s) for s in sparsities]
         # an explicit sub-group (as a pipeline group would be) gives the same answer
@@ -74,7 +77,22 @@ def _threshold_worker(rank, world, port, shards, sparsities, out):
         dist.destroy_process_group()
 
 
-def test_threshold_two_gloo_ranks_equals_single_process():
+def _spawn_and_join(fn, args, nprocs: int, timeout: float) -> None:
+    """``mp.start_processes`` with a deadline: on timeout every child is killed and the test fails."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"spawned ranks did not finish within {timeout} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def test_threshold_two_gloo_ranks_equals_single_process(tmp_path):
     g = torch.Generator().manual_seed(7)
     shards = [
         [torch.randn(40, 30, generator=g), torch.randn(123, generator=g)],
@@ -85,8 +103,7 @@ def test_threshold_two_gloo_ranks_equals_single_process():
     assert expected == [brute_threshold(shards[0] + shards[1], s) for s in sparsities]
     manager = mp.Manager()
     out = manager.dict()
-    mp.start_processes(_threshold_worker, args=(2, free_port(), shards, sparsities, out), nprocs=2,
-                       join=True, start_method="spawn")
+    _spawn_and_join(_threshold_worker, (2, str(tmp_path / "store"), shards, sparsities, out), nprocs=2, timeout=120)
     for rank in range(2):
         res, res_g = out[rank]
         assert res == expected and res_g == expected

@@ -1,15 +1,24 @@
 """Failure cases that must end every rank with a clear error (never a hang).
 
-Usage: torchrun --nproc-per-node 2 bad_input_worker.py CASE
+Usage: torchrun --nproc-per-node 2 bad_input_worker.py CASES OUT
+       CASES: comma-separated names from ``CASES`` below, run one after another in this one
+       process group (each fails the same way on every rank, before the ranks could disagree);
+       every rank writes ``{case: "ExceptionType: message"}`` to ``OUT.rank<r>.json``.
+       torchrun --nproc-per-node 2 bad_input_worker.py die|stall OUT
+       a rank that dies or hangs mid-training; the job must fail (these end the process group).
+       Each surviving rank writes the exception it saw to ``OUT.rank<r>.txt`` the moment Lightning
+       reports it (``on_exception``), before torchrun may stop it.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 torch.set_num_threads(1)
 
@@ -17,6 +26,8 @@ import lightning as L
 
 from lightning_dynmo import DynMoStrategy
 from tests.support.workers.common import make_loader, make_model
+
+CFG = {"steps": 4, "n_layer": 2}  # 5 pipeline layers: embedding, 2 blocks, final norm, head
 
 
 class NoProtocol(L.LightningModule):
@@ -31,9 +42,33 @@ class NoProtocol(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def manual_optimisation_model():
+    model = make_model(CFG)
+    model.automatic_optimization = False
+    return model
+
+
+def parameter_outside_layers_model():
+    model = make_model(CFG)
+    model.temperature = nn.Parameter(torch.ones(()))  # belongs to no pipeline layer
+    return model
+
+
+def per_rank_shuffled_loader(batch: int) -> DataLoader:
+    """Every rank shuffles with its own seed: the ranks of one pipeline see different batches."""
+    rank = int(os.environ.get("RANK", "0"))
+    data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(5))
+    ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    return DataLoader(ds, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(100 + rank))
+
+
 class DiesOrStalls(L.Callback):
-    def __init__(self, how: str):
-        self.how = how
+    def __init__(self, how: str, out: str):
+        self.how, self.out = how, out
+
+    def on_exception(self, trainer, pl_module, exception):
+        with open(f"{self.out}.rank{trainer.global_rank}.txt", "w") as fh:
+            fh.write(f"{type(exception).__name__}: {exception}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2 and trainer.global_rank == 1:
@@ -42,26 +77,76 @@ class DiesOrStalls(L.Callback):
             time.sleep(600)  # a stuck rank: the others must time out
 
 
-def main(case: str) -> None:
-    cfg = {"steps": 4, "n_layer": 2}
-    model = make_model(cfg)
+def fit(model=None, batch: int = 8, loader=None, ckpt_path=None, trainer_kw=None, callbacks=(), **strategy_kw):
     kwargs = dict(pipeline_parallel=2, microbatches=4, timeout=8)
-    batch = 8
-    callbacks = []
-    if case == "too_many_stages":
-        kwargs.update(schedule="interleaved_1f1b", virtual_stages=3)  # 6 stages > 5 layers
-    elif case == "batch_not_divisible":
-        batch = 6
-    elif case == "no_protocol":
-        model = NoProtocol()
-    elif case in ("die", "stall"):
-        callbacks.append(DiesOrStalls(case))
-    trainer = L.Trainer(
-        strategy=DynMoStrategy(**kwargs), accelerator="cpu", devices=2, max_steps=cfg["steps"], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-    )
-    trainer.fit(model, train_dataloaders=make_loader(cfg, batch))
+    kwargs.update(strategy_kw)
+    trainer_kw = dict(dict(max_steps=CFG["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                           enable_model_summary=False), **(trainer_kw or {}))
+    trainer = L.Trainer(strategy=DynMoStrategy(**kwargs), accelerator="cpu", devices=2, callbacks=list(callbacks),
+                        **trainer_kw)
+    trainer.fit(model if model is not None else make_model(CFG),
+                train_dataloaders=loader if loader is not None else make_loader(CFG, batch), ckpt_path=ckpt_path)
+    return trainer
+
+
+def damaged_checkpoint(out_dir: str, how: str) -> str:
+    """A real checkpoint of this model (2 steps on 2 ranks), damaged by rank 0; every rank waits."""
+    import torch.distributed as dist
+
+    good = os.path.join(out_dir, "good.ckpt")
+    if not os.path.exists(good):
+        trainer = fit(trainer_kw={"max_steps": 2})
+        trainer.save_checkpoint(good)  # collective: the pipeline gathers the full state on rank 0
+    path = os.path.join(out_dir, f"{how}.ckpt")
+    if dist.get_rank() == 0:
+        ckpt = torch.load(good, weights_only=False)
+        if how == "missing_keys":  # one entry of rank 0's first layer and one of rank 1's head
+            del ckpt["state_dict"]["layers.0.wte.weight"]
+            del ckpt["state_dict"]["layers.4.lm_head.weight"]
+        elif how == "two_optimizers":
+            ckpt["optimizer_states"] = ckpt["optimizer_states"] * 2
+        torch.save(ckpt, path)
+    dist.barrier()
+    return path
+
+
+CASES = {
+    "too_many_stages": lambda out: fit(schedule="interleaved_1f1b", virtual_stages=3),  # 6 stages > 5 layers
+    "batch_not_divisible": lambda out: fit(batch=6),
+    "no_protocol": lambda out: fit(model=NoProtocol()),
+    "partition_does_not_fit": lambda out: fit(partition=[0, 2, 4]),  # covers 4 of the 5 layers
+    "accumulate_grad_batches": lambda out: fit(trainer_kw={"accumulate_grad_batches": 2}),
+    "manual_optimisation": lambda out: fit(model=manual_optimisation_model()),
+    "parameter_outside_layers": lambda out: fit(model=parameter_outside_layers_model()),
+    "different_batches": lambda out: fit(loader=per_rank_shuffled_loader(8), trainer_kw={"use_distributed_sampler": False}),
+    "checkpoint_missing_keys": lambda out: fit(ckpt_path=damaged_checkpoint(out, "missing_keys")),
+    "checkpoint_two_optimizers": lambda out: fit(ckpt_path=damaged_checkpoint(out, "two_optimizers")),
+}
+
+
+def run_cases(names: list[str], out: str) -> None:
+    import torch.distributed as dist
+
+    errors = {}
+    for name in names:
+        try:
+            CASES[name](os.path.dirname(out))
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    with open(f"{out}.rank{int(os.environ['RANK'])}.json", "w") as fh:
+        json.dump(errors, fh)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(case: str, out: str) -> None:
+    fit(callbacks=[DiesOrStalls(case, out)])
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] in ("die", "stall"):
+        main(sys.argv[1], sys.argv[2])
+    else:
+        run_cases(sys.argv[1].split(","), sys.argv[2])

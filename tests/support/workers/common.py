@@ -16,7 +16,9 @@ from lightning_dynmo.plan.balancers import BalanceResult
 from lightning_dynmo.models import GPT, GPTConfig
 
 
-def make_model(cfg: dict) -> GPT:
+def make_model(cfg: dict, cls: type = GPT) -> GPT:
+    """The test GPT; ``cfg["tied"]``: the LM head shares the token embedding's weight (GPT-2's
+    tying), so the parameter is used by the first and the last pipeline layer."""
     n_layer = cfg.get("n_layer", 6)
     config = GPTConfig(
         vocab_size=64,
@@ -28,12 +30,16 @@ def make_model(cfg: dict) -> GPT:
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
     )
-    return GPT(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+    model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+    if cfg.get("tied"):
+        layers = model.pipeline_layers()
+        layers[-1].lm_head.weight = layers[0].wte.weight
+    return model
 
 
 class EpochPermutation(torch.utils.data.Sampler):
-    """The order DistributedSampler(shuffle=True, seed=0) gives one replica: a new permutation
-    per epoch (Lightning calls ``set_epoch``)."""
+    """The permutation DistributedSampler(shuffle=True, seed=0) deals out to the replicas
+    (replica r takes every dp-th index from r): a new one per epoch (Lightning calls ``set_epoch``)."""
 
     def __init__(self, n: int) -> None:
         self.n, self.epoch = n, 0
@@ -48,16 +54,22 @@ class EpochPermutation(torch.utils.data.Sampler):
         return self.n
 
 
-def make_loader(cfg: dict, batch: int, reference: bool = False) -> DataLoader:
-    """The pipeline gets a plain loader; Lightning injects DistributedSampler(shuffle=True, seed=0)
-    (it always shuffles training data in distributed runs). ``reference=True`` gives a single
-    process the same permutation, so step k sees the union of the replicas' batches k, and
-    ``batch[r::dp]`` is exactly replica r's batch."""
+def make_loader(cfg: dict, batch: int, reference: bool = False, dp: int | None = None) -> DataLoader:
+    """The pipeline gets a plain ``shuffle=False`` loader. With one data-parallel replica the
+    strategy injects no sampler, so the pipeline sees the loader's own order, like single-process
+    Lightning. With ``dp > 1`` replicas Lightning injects DistributedSampler(shuffle=True, seed=0)
+    (it always shuffles training data then). ``reference=True`` gives a single process what the
+    pipeline sees over all replicas: for ``dp > 1`` the same permutation, so step k sees the union
+    of the replicas' batches k and ``batch[r::dp]`` is exactly replica r's batch; for ``dp == 1``
+    the plain order. ``dp`` defaults to ``batch // cfg["batch"]`` (references load the whole
+    global batch)."""
     g = torch.Generator().manual_seed(123)
     n = cfg.get("n_samples", 512)
     data = torch.randint(0, 64, (n, cfg.get("block", 16) + 1), generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
-    if reference:
+    if dp is None:
+        dp = max(1, batch // cfg["batch"]) if reference and cfg.get("batch") else 1
+    if reference and dp > 1:
         return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
     return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)
 

@@ -5,13 +5,15 @@ Usage: torchrun --nproc-per-node N tests/workers/dynamism_worker.py SPEC.json
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch, pp (absent: single process),
 model ("gpt" | "early_exit"), pruning / freezing / early_exit (callback kwargs or absent),
 balancer, rebalance, rebalance_interval, partition. Rank 0 writes {"runs": [...]} with the losses,
-the full state dict path, callback states and the strategy's rebalance history.
+the full state dict and optimizer state (single-process format) paths, callback states, the
+strategy's rebalance history and, per rank, how many pruned linears run the sparse kernel.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.distributed as dist
 
 torch.set_num_threads(1)
 
@@ -20,7 +22,7 @@ import lightning as L
 import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks import EarlyExit, GradualPruning, LayerFreezing
-from lightning_dynmo.dynamic import EarlyExitGPT
+from lightning_dynmo.dynamic import EarlyExitGPT, PrunableLinear
 
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
 
@@ -77,21 +79,29 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         callbacks=[rec, *cbs.values()], default_root_dir=out_dir, **kw,
     )
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"], reference=not pipeline))
+    sparse_kernels = sum(1 for m in model.modules() if isinstance(m, PrunableLinear) and m.sparse_kernel)
     if pipeline:
         state = trainer.strategy.lightning_module_state_dict()
+        optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
         history, partition = trainer.strategy.rebalance_history, str(trainer.strategy.partition)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, sparse_kernels)
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        history, partition = [], None
+        optim = trainer.optimizers[0].state_dict()
+        history, partition, per_rank = [], None, [sparse_kernels]
     result = {
         "losses": rec.losses,
         "history": history,
         "partition": partition,
         "callbacks": {name: cb.state_dict() for name, cb in cbs.items()},
+        "sparse_kernels_per_rank": per_rank,
     }
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"dyn_state{idx}.pt")
+        result["optim"] = os.path.join(out_dir, f"dyn_optim{idx}.pt")
         torch.save(state, result["state"])
+        torch.save(optim, result["optim"])
     return result
 
 

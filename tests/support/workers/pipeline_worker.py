@@ -6,17 +6,21 @@ writes {"runs": [{"losses": [...], "state": path, "optim": path, "history": [...
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
+import torch.distributed as dist
 
 torch.set_num_threads(1)
 
 import lightning as L
+from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 
+from tests.support.evaluation import GPTWithTest, eval_loader
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
 
 
@@ -41,31 +45,79 @@ class ReleaseListener(L.Callback):
         self.ranks = list(ranks)
 
 
+class StepProbe(L.Callback):
+    """Per step, on every rank: the whole model's gradient norm *before* clipping (local norms
+    summed over the pipeline group; what ``clip_grad_norm_`` would see in one process), the
+    micro-batch count the strategy used, and how many tensors autograd saved for backward on this
+    rank (0: the rank built no autograd graph)."""
+
+    def __init__(self):
+        self.grad_norms: list[float] = []
+        self.microbatches: list[int | None] = []
+        self.saved_tensors: list[int] = []
+        self._saved = 0
+        self._hooks = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._saved = 0
+
+        def pack(t):
+            self._saved += 1
+            return t
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._hooks.__enter__()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        s = trainer.strategy
+        if s.released:
+            self.grad_norms.append(math.nan)
+            return
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        sq = local.double().square().reshape(1)
+        dist.all_reduce(sq, group=s.pipeline_group)
+        self.grad_norms.append(float(sq.sqrt()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        self.saved_tensors.append(self._saved)
+        self.microbatches.append(trainer.strategy.last_microbatches)
+
+
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     nnodes = int(cfg.get("nnodes", 1))
     model = make_model(cfg)
+    evaluate = cfg.get("evaluate")
+    if evaluate:
+        model = GPTWithTest(**model.hparams)  # the same seeded GPT, plus a test_step
     pp = cfg["pp"]
     dp = world // pp
     strategy = DynMoStrategy(
         pipeline_parallel=pp,
         schedule=cfg.get("schedule", "1f1b"),
-        microbatches=cfg.get("microbatches", 4),
+        microbatches=cfg.get("microbatches", 4),  # null in the spec: None (the strategy chooses)
+        virtual_stages=cfg.get("virtual_stages"),
         balancer=cfg.get("balancer", "uniform"),
         partition=cfg.get("partition"),
         rebalance=cfg.get("rebalance", "never"),
         rebalance_interval=cfg.get("rebalance_interval", 1),
         imbalance_threshold=cfg.get("imbalance_threshold", 0.1),
         repack=cfg.get("repack", "off"),
+        repack_tolerance=cfg.get("repack_tolerance", 0.05),
+        rebalance_horizon=cfg.get("rebalance_horizon", 100),
         memory_capacity=cfg.get("memory_capacity"),
         rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
-        plot=False,
-        timeout=120,
+        plot=bool(cfg.get("plot", False)),
+        timeout=cfg.get("timeout", 120),
     )
     rec = LossRecorder()
+    probe = StepProbe()
     released_hook = ReleaseListener()
     ckpt_dir = os.path.join(out_dir, f"ckpt{idx}")
-    callbacks = [rec, released_hook]
+    callbacks = [rec, probe, released_hook]
     if cfg.get("freeze"):
         from lightning_dynmo import LayerFreezing
 
@@ -81,21 +133,27 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         devices=world // nnodes,
         num_nodes=nnodes,
         max_steps=cfg["steps"],
-        logger=False,
+        logger=CSVLogger(out_dir, name=f"logs{idx}") if cfg.get("logger") else False,
+        log_every_n_steps=1,
         enable_checkpointing=bool(cfg.get("save_ckpt")),
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
+        limit_val_batches=evaluate["val_batches"] if evaluate else 0,
+        val_check_interval=cfg["steps"] if evaluate else None,
         gradient_clip_val=cfg.get("clip"),
         callbacks=callbacks,
         default_root_dir=out_dir,
     )
-    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), ckpt_path=cfg.get("resume"))
+    val = eval_loader(cfg, cfg["batch"]) if evaluate else None
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), val_dataloaders=val, ckpt_path=cfg.get("resume"))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     events = trainer.strategy.last_step_events()  # the last step's chunk timeline on this rank
     chunk_seconds = {k: sum(e["end"] - e["start"] for e in events if e["kind"] == k) for k in "FBW"}
     grads = sum(1 for p in trainer.lightning_module.parameters() if p.grad is not None)
+    optim_tensors = sum(1 for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+                        if torch.is_tensor(v) and v.numel() > 1)
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
-             chunk_seconds, grads)
+             chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
@@ -103,7 +161,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
               "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
               "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
-              "released_hook": released_hook.ranks}
+              "released_hook": released_hook.ranks, "optim_tensors_per_rank": [x[4] for x in per_rank],
+              "released_hook_per_rank": [x[5] for x in per_rank], "saved_tensors_per_rank": [x[6] for x in per_rank],
+              "grad_norms": probe.grad_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
+              "log_dir": trainer.log_dir}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
@@ -111,6 +172,13 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         torch.save(optim, result["optim"])
         if cfg.get("save_ckpt"):
             result["ckpt"] = os.path.join(ckpt_dir, "last.ckpt")
+    if evaluate and evaluate.get("test"):  # the usual Lightning flow: fit, then test on the same trainer
+        try:
+            out = trainer.test(model, dataloaders=eval_loader(cfg, cfg["batch"]), verbose=False)
+            result["test_metrics"] = out[0] if out else {}
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which says what it expected
+            result["test_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"rank {trainer.global_rank}: trainer.test failed: {result['test_error']}", flush=True)
     return result
 
 

@@ -1,0 +1,170 @@
+"""Setup memory per rank with meta-device init, and activation memory with checkpointing.
+
+1. **Setup peak RSS.** A GPT with 24 blocks is set up (``Trainer.fit`` until ``on_fit_start``:
+   model build, process groups, optimizer, partition, materialisation, move to device) on one
+   process (pp=1), on a 2-rank and on a 4-rank pipeline (torchrun, gloo). Each rank resets its
+   peak-RSS high-water mark after the imports (Linux ``/proc/self/clear_refs``), builds the model
+   under ``trainer.init_module(empty_init=True)`` (the meta device; the strategy materialises
+   only the rank's own layers) and reports the peak RSS reached during setup minus its RSS before
+   the build (the interpreter's baseline: Python, torch, Lightning). The ratios are the max over
+   ranks divided by the single process's figure (``setup_peak_rss_ratio_pp2``/``_pp4``; targets
+   <= 0.65 and <= 0.4). For contrast, ``setup_peak_rss_ratio_pp2_full_build``: the same 2-rank
+   pipeline with the model built on real tensors (every rank holds the whole model at setup).
+2. **Activation memory.** Bytes autograd keeps after the forward of one micro-batch through all
+   pipeline layers, with every layer checkpointed vs none (saved-tensor hooks, distinct storages,
+   parameters excluded; a checkpointed layer keeps its input): ``activation_bytes_ratio``.
+
+Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from _harness import launch, write_result  # noqa: E402
+
+BLOCKS = 24
+
+
+def model_config(width: int, block: int):
+    from lightning_dynmo.models import GPTConfig
+
+    return GPTConfig(vocab_size=256, block_size=block, n_layer=BLOCKS, n_head=8, n_embd=width)
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def worker(args) -> None:
+    torch.set_num_threads(1)
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_dynmo import DynMoStrategy
+    from lightning_dynmo.models import GPT
+
+    class StopAtFitStart(L.Callback):
+        """Records the peak RSS at the end of setup and stops before the first step."""
+
+        def on_fit_start(self, trainer, pl_module):
+            self.peak_kb = _rss_kb("VmHWM") if self.reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.local_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+            trainer.should_stop = True
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    stop = StopAtFitStart()
+    trainer = L.Trainer(
+        strategy=DynMoStrategy(pipeline_parallel=world, microbatches=2 * world, plot=False, timeout=600),
+        accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[stop],
+    )
+    import gc
+
+    gc.collect()
+    baseline_kb = _rss_kb("VmRSS")
+    stop.reset = _reset_peak()
+    t0 = time.perf_counter()
+    cfg = model_config(args.width, 16)
+    if args.meta:
+        with trainer.init_module(empty_init=True):
+            model = GPT(cfg, seed=0)
+    else:
+        model = GPT(cfg, seed=0)
+    data = torch.randint(0, 256, (8 * world, 17))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]),
+                                         batch_size=2 * world)
+    trainer.fit(model, train_dataloaders=loader)
+    local = {"setup_kb": stop.peak_kb - baseline_kb, "baseline_kb": baseline_kb, "params_bytes": stop.local_bytes,
+             "seconds": time.perf_counter() - t0}
+    per_rank = [local]
+    if dist.is_initialized() and world > 1:
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, local)
+    write_result(args.out, {"ranks": per_rank, "hwm_reset": stop.reset})
+
+
+def activation_bytes(width: int, block: int, microbatch: int) -> tuple[int, int]:
+    """Saved-activation bytes of one micro-batch through every pipeline layer, plain and with
+    every layer checkpointed."""
+    from torch import nn
+
+    from lightning_dynmo.models import GPT
+    from lightning_dynmo.runtime.checkpointing import CheckpointedLayer, saved_activation_bytes
+
+    model = GPT(model_config(width, block), seed=0)
+    layers = list(model.pipeline_layers())
+    x = torch.randint(0, 256, (microbatch, block))
+    plain = saved_activation_bytes(nn.Sequential(*layers), x)
+    ckpt = saved_activation_bytes(nn.Sequential(*[CheckpointedLayer(l, i) for i, l in enumerate(layers)]), x)
+    return plain, ckpt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="width 512 (76M parameters) instead of 768 (170M)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--meta", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=768, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    width = 512 if args.quick else 768
+    runs = {}
+    for name, nproc, meta in (("pp1", 1, 1), ("pp2", 2, 1), ("pp4", 4, 1), ("pp2_full_build", 2, 0)):
+        res = launch(Path(__file__), nproc, ["--width", str(width), "--meta", str(meta)])
+        runs[name] = res
+        worst = max(r["setup_kb"] for r in res["ranks"])
+        print(f"{name}: setup peak RSS above baseline per rank (MiB) "
+              f"{[round(r['setup_kb'] / 1024, 1) for r in res['ranks']]}, max {worst / 1024:.1f}; "
+              f"parameters held {[round(r['params_bytes'] / 2**20, 1) for r in res['ranks']]} MiB", flush=True)
+    single = runs["pp1"]["ranks"][0]["setup_kb"]
+    ratio = {name: max(r["setup_kb"] for r in runs[name]["ranks"]) / single for name in ("pp2", "pp4", "pp2_full_build")}
+    block, microbatch = (128, 2) if args.quick else (256, 4)
+    plain, ckpt = activation_bytes(width, block, microbatch)
+    print(f"activations of one micro-batch ({microbatch} x {block} tokens) through {BLOCKS + 3} layers: "
+          f"{plain / 2**20:.1f} MiB plain, {ckpt / 2**20:.1f} MiB with every layer checkpointed", flush=True)
+    result = {
+        "benchmark": "memory",
+        "quick": bool(args.quick),
+        "blocks": BLOCKS,
+        "n_embd": width,
+        "model_mib_fp32": round(runs["pp1"]["ranks"][0]["params_bytes"] / 2**20, 1),
+        "setup_peak_mib": {name: [round(r["setup_kb"] / 1024, 1) for r in res["ranks"]] for name, res in runs.items()},
+        "setup_peak_rss_ratio_pp2": round(ratio["pp2"], 3),
+        "setup_peak_rss_ratio_pp4": round(ratio["pp4"], 3),
+        "setup_peak_rss_ratio_pp2_full_build": round(ratio["pp2_full_build"], 3),
+        "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4},
+        "activation_bytes_plain": plain,
+        "activation_bytes_checkpointed": ckpt,
+        "activation_bytes_ratio": round(ckpt / plain, 4),
+        "peak_reset": all(res["hwm_reset"] for res in runs.values()),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,596 @@
+"""Hugging Face causal language models on the pipeline (``pip install -e ".[hf]"``).
+
+:class:`HFCausalLM` turns a ``transformers`` causal LM into the pipeline protocol, one
+single-tensor layer per stage-able piece::
+
+    [HFEmbedding] + [HFDecoderLayer] * num_hidden_layers + [HFFinalNorm] + [HFHead]
+
+* :class:`HFEmbedding`: token embedding (GPT-2: plus learned positions, then dropout).
+* :class:`HFDecoderLayer` wraps one of the model's own decoder layers (``GPT2Block``,
+  ``LlamaDecoderLayer``, ``MistralDecoderLayer``), which take keyword arguments and (depending on
+  the ``transformers`` version) return a tuple. The wrapper maps one hidden-state tensor to the
+  next: it builds the position ids (``0..T-1``), the attention mask the model's own forward would
+  build (``transformers.masking_utils``: none for SDPA's causal kernel, a sliding-window mask for
+  Mistral when the sequence exceeds the window, a 4-D mask for eager attention), and, for
+  rotary models, the cos/sin from a copy of the model's rotary embedding it holds itself (so a
+  layer runs on any rank, alone).
+* :class:`HFFinalNorm` and :class:`HFHead`: the final norm and the LM head.
+
+The submodules are the model's own (same classes, same parameter names below the wrapper), so
+the numerics are those of ``AutoModelForCausalLM``'s forward, and the weights map one to one onto
+the Hugging Face names (:meth:`HFCausalLM.hf_state_dict`).
+
+**Tied embeddings.** GPT-2 (and some Llama checkpoints) tie the LM head to the token embedding.
+The pipeline puts them in different stages, so by default they are *untied*: the head starts as a
+copy of the embedding and the two train separately from then on (a warning says so once);
+:meth:`HFCausalLM.save_pretrained` then writes ``tie_word_embeddings=False`` and both matrices,
+which ``transformers`` loads as an untied model. ``untie_embeddings=False`` keeps them one
+parameter, for strategies that synchronise shared parameters (a real-device build only).
+
+**Loading.** ``HFCausalLM.from_pretrained(path)`` reads ``config.json`` and the weights
+(``model.safetensors``, sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``) from a
+local directory; no network access. The model is built on the meta device and each layer reads
+only its own tensors (:meth:`HFCausalLM.init_pipeline_layer`), so under
+``trainer.init_module(empty_init=True)`` with ``DynMoStrategy`` every rank reads and holds only the
+layers it owns. Every checkpoint tensor's shape is checked against the config up front (from the
+file headers, on every rank) and a mismatch is reported by name.
+
+Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``. Mixtral is
+not: ``transformers`` 5 fuses its experts at load time (a checkpoint-format conversion this
+adapter does not replicate), and its router loss would need the pipeline's auxiliary-loss path.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lightning_dynmo.models.gpt import WarmupCosine
+from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
+
+try:  # optional dependency: pip install -e ".[hf]"
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+except ImportError:  # pragma: no cover - exercised where transformers is missing
+    transformers = None
+    PretrainedConfig = Any  # type: ignore[misc,assignment]
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "HFCausalLM", "HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead",
+           "UnsupportedArchitectureError", "CheckpointMismatchError"]
+
+
+@dataclass(frozen=True)
+class _Arch:
+    embeddings: tuple[tuple[str, str], ...]  # (attribute on HFEmbedding, module path in the HF model)
+    layers: str  # the decoder ModuleList
+    norm: str
+    head: str = "lm_head"
+    rotary: str | None = None  # the model-level rotary embedding, copied into each decoder layer
+    embed_dropout: str | None = None  # config attribute with the embedding dropout
+    sliding_window: bool = False
+
+
+SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
+    "gpt2": _Arch(embeddings=(("wte", "transformer.wte"), ("wpe", "transformer.wpe")), layers="transformer.h",
+                  norm="transformer.ln_f", embed_dropout="embd_pdrop"),
+    "llama": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                   rotary="model.rotary_emb"),
+    "mistral": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                     rotary="model.rotary_emb", sliding_window=True),
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's ``model_type`` is not one the adapter can split into pipeline layers."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the shapes its config asks for (or some are missing)."""
+
+
+def _require_transformers() -> None:
+    if transformers is None:
+        raise ImportError(
+            "lightning_dynmo.models.hf needs the `transformers` package: pip install -e \".[hf]\" "
+            "(or pip install transformers)"
+        )
+
+
+def _get(module: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+# ------------------------------------------------------------------ pipeline layers
+class HFEmbedding(nn.Module):
+    """Layer 0: token ids ``[B, T]`` -> hidden states ``[B, T, C]`` (GPT-2: + learned positions)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], dropout: float = 0.0, max_positions: int | None = None):
+        super().__init__()
+        self.names = tuple(modules)
+        for name, m in modules.items():
+            setattr(self, name, m)
+        self.drop = nn.Dropout(dropout)
+        self.max_positions = max_positions
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.size(1)
+        if self.max_positions is not None and t > self.max_positions:
+            raise ValueError(f"sequence length {t} exceeds the model's {self.max_positions} positions")
+        h = getattr(self, self.names[0])(ids)
+        if len(self.names) > 1:  # learned absolute positions (GPT-2's wpe)
+            h = h + getattr(self, self.names[1])(torch.arange(t, device=ids.device))
+        return self.drop(h)
+
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer of the model as a single-tensor layer (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.config = config
+        self.sliding_window = bool(sliding_window and getattr(config, "sliding_window", None))
+
+    def _mask(self, h: torch.Tensor, position_ids: torch.Tensor):
+        """What the model's own forward passes its layers for a full, unpadded sequence."""
+        fn, embeds_name, wants_cache_position = _mask_function(self.sliding_window)
+        kwargs = {"config": self.config, embeds_name: h, "attention_mask": None, "past_key_values": None,
+                  "position_ids": position_ids}
+        if wants_cache_position:
+            kwargs["cache_position"] = position_ids[0]
+        return fn(**kwargs)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(h.size(1), device=h.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {"attention_mask": self._mask(h, position_ids), "position_ids": position_ids,
+                                  "use_cache": False}
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(h, position_ids)
+        out = self.layer(h, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_function(sliding_window: bool):
+    """``transformers.masking_utils``' mask builder and how it names its arguments (they changed
+    between releases)."""
+    from transformers import masking_utils
+
+    fn = masking_utils.create_sliding_window_causal_mask if sliding_window else masking_utils.create_causal_mask
+    params = inspect.signature(fn).parameters
+    return fn, "inputs_embeds" if "inputs_embeds" in params else "input_embeds", "cache_position" in params
+
+
+class HFFinalNorm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+
+class HFHead(nn.Module):
+    def __init__(self, lm_head: nn.Module):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+# ------------------------------------------------------------------ checkpoint files
+class _Checkpoint:
+    """Tensors of a local Hugging Face checkpoint directory, read one at a time."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.files: dict[str, Path] = {}
+        index = next((path / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                      if (path / n).exists()), None)
+        if index is not None:
+            for key, name in json.loads(index.read_text())["weight_map"].items():
+                self.files[key] = path / name
+        else:
+            single = next((path / n for n in ("model.safetensors", "pytorch_model.bin") if (path / n).exists()), None)
+            if single is None:
+                raise FileNotFoundError(
+                    f"{path} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+                )
+            for key in self._keys_of(single):
+                self.files[key] = single
+        self._bins: dict[Path, dict] = {}
+
+    def _keys_of(self, file: Path) -> list[str]:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt") as f:
+                return list(f.keys())
+        return list(self._bin(file))
+
+    def _bin(self, file: Path) -> dict:
+        if file not in self._bins:
+            self._bins[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        return self._bins[file]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        by_file: dict[Path, list[str]] = {}
+        for key, file in self.files.items():
+            by_file.setdefault(file, []).append(key)
+        for file, keys in by_file.items():
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as f:
+                    for k in keys:
+                        out[k] = tuple(f.get_slice(k).get_shape())
+            else:
+                sd = self._bin(file)
+                out.update({k: tuple(sd[k].shape) for k in keys})
+        return out
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        for file, ks in by_file.items():
+            if file.suffix == ".safetensors":
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="pt") as f:
+                    out.update({k: f.get_tensor(k) for k in ks})
+            else:
+                sd = self._bin(file)
+                out.update({k: sd[k] for k in ks})
+        return out
+
+
+# ------------------------------------------------------------------ the LightningModule
+class HFCausalLM(L.LightningModule):
+    """A ``transformers`` causal LM (GPT-2, Llama, Mistral) exposing the pipeline protocol.
+
+    Args:
+        model_path: local directory with ``config.json`` and weights (what ``save_pretrained``
+            writes); or ``None`` with ``config`` for a randomly initialised model.
+        config: a ``PretrainedConfig`` or a dict of its fields (``model_type`` included) when
+            ``model_path`` is ``None``; with it, a dict of overrides of the saved config (e.g.
+            ``{"resid_pdrop": 0.0}``).
+        seed: random init only: layer ``i`` is drawn from a generator seeded by ``(seed, i)``,
+            with the model's own ``_init_weights`` rules.
+        untie_embeddings: untie a tied LM head from the token embedding (see module docstring).
+        attn_implementation: ``"sdpa"`` (default), ``"eager"``, or any ``transformers`` backend.
+        lr, min_lr, warmup_steps, max_steps, weight_decay, betas, eps: AdamW with linear warmup
+            and cosine decay, as :class:`~lightning_dynmo.models.GPT`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike | None = None,
+        config: PretrainedConfig | Mapping | None = None,
+        lr: float = 3e-4,
+        min_lr: float | None = None,
+        warmup_steps: int = 0,
+        max_steps: int | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        seed: int = 0,
+        untie_embeddings: bool = True,
+        attn_implementation: str | None = "sdpa",
+    ):
+        _require_transformers()
+        super().__init__()
+        path = model_path = None if model_path is None else str(model_path)
+        overrides = None
+        if config is not None and not isinstance(config, Mapping):
+            overrides = config.to_dict()
+        elif config is not None:
+            overrides = dict(config)
+        betas = tuple(float(b) for b in betas)  # noqa: F841 - saved by save_hyperparameters
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = overrides
+        self.hf_config = self._load_config(path, overrides, attn_implementation)
+        cfg = self.hf_config
+        arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
+        self.arch = arch
+        self._checkpoint = _Checkpoint(Path(path)) if path is not None else None
+        self._init_seed = int(seed)
+        self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
+
+        real = torch.empty(0).device.type != "meta"  # the ambient device (meta under init_module(empty_init=True))
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(cfg)
+        rotary = _get(skeleton, arch.rotary) if arch.rotary else None
+        rotary_cls = type(rotary) if rotary is not None else None
+        embeds = {name: _get(skeleton, p) for name, p in arch.embeddings}
+        dropout = float(getattr(cfg, arch.embed_dropout, 0.0) or 0.0) if arch.embed_dropout else 0.0
+        max_positions = getattr(cfg, "n_positions", None) if len(embeds) > 1 else None
+        layers: list[nn.Module] = [HFEmbedding(embeds, dropout, max_positions)]
+        for block in _get(skeleton, arch.layers):
+            with torch.device("meta"):
+                rot = rotary_cls(cfg) if rotary_cls is not None else None
+            layers.append(HFDecoderLayer(block, cfg, rot, arch.sliding_window))
+        layers.append(HFFinalNorm(_get(skeleton, arch.norm)))
+        head = _get(skeleton, arch.head)
+        embedding = layers[0].get_submodule(arch.embeddings[0][0])
+        if head.weight is embedding.weight:
+            if untie_embeddings:
+                head.weight = nn.Parameter(torch.empty_like(head.weight, device="meta"))
+                _warn_untied(cfg)
+            elif not real:
+                raise ValueError("untie_embeddings=False keeps the LM head tied to the embedding, which a meta-device "
+                                 "build cannot materialise layer by layer; build the model on a real device")
+        layers.append(HFHead(head))
+        del skeleton
+        self.layers = nn.ModuleList(layers)
+        with torch.device("cpu"):  # a real tensor even under a meta-device build
+            self.val_loss_mean = MeanMetric()
+        if self._checkpoint is not None:
+            self._check_checkpoint()
+        if real:  # single process (or a build on a real device): initialise every layer now
+            for i, layer in enumerate(self.layers):
+                materialize_layer(self, i, layer, "cpu")
+            if self._tied and not untie_embeddings:
+                self.layers[-1].lm_head.weight = self.layers[0].get_submodule(arch.embeddings[0][0]).weight
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "HFCausalLM":
+        """The model saved in the local directory ``path`` (see :class:`HFCausalLM`)."""
+        return cls(model_path=path, **kwargs)
+
+    @staticmethod
+    def _load_config(path: str | None, overrides: dict | None, attn_implementation: str | None) -> PretrainedConfig:
+        if path is not None:
+            if not (Path(path) / "config.json").exists():
+                raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+            raw = json.loads((Path(path) / "config.json").read_text())
+            _check_architecture(raw.get("model_type"), f"{path}/config.json")
+            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+            for k, v in (overrides or {}).items():
+                setattr(cfg, k, v)
+        else:
+            if not overrides or "model_type" not in overrides:
+                raise ValueError("HFCausalLM needs a path, or a config with its model_type")
+            _check_architecture(overrides["model_type"], "config")
+            fields = {k: v for k, v in overrides.items() if k != "model_type"}
+            cfg = AutoConfig.for_model(overrides["model_type"], **fields)
+        if attn_implementation is not None:
+            cfg._attn_implementation = attn_implementation
+        return cfg
+
+    def _hf_key(self, index: int, name: str) -> str:
+        """The Hugging Face state-dict key of ``name`` inside pipeline layer ``index``."""
+        n = len(self.layers)
+        attr, _, rest = name.partition(".")
+        if index == 0:
+            return f"{dict(self.arch.embeddings)[attr]}.{rest}"
+        if index == n - 2:
+            return f"{self.arch.norm}.{rest}"
+        if index == n - 1:
+            return f"{self.arch.head}.{rest}"
+        return f"{self.arch.layers}.{index - 1}.{rest}"
+
+    def _layer_keys(self, index: int, layer: nn.Module) -> dict[str, str]:
+        """``{name in layer: HF key}`` of the persistent tensors of pipeline layer ``index``."""
+        return {name: self._hf_key(index, name) for name in layer.state_dict(keep_vars=True)}
+
+    def _resolve(self, key: str) -> str | None:
+        """The checkpoint's key for ``key`` (checkpoints of the bare base model lack its prefix; a
+        tied checkpoint may lack the head)."""
+        files = self._checkpoint.files
+        if key in files:
+            return key
+        short = key.split(".", 1)[1] if "." in key else key
+        if short in files and key.split(".", 1)[0] in ("transformer", "model"):
+            return short
+        if key == f"{self.arch.head}.weight" and self._tied:
+            return self._resolve(f"{self.arch.embeddings[0][1]}.weight")
+        return None
+
+    def _check_checkpoint(self) -> None:
+        """Every tensor this config needs is in the checkpoint, with the config's shape (read from
+        the file headers only)."""
+        shapes = self._checkpoint.shapes()
+        missing, wrong = [], []
+        for i, layer in enumerate(self.layers):
+            for name, t in layer.state_dict(keep_vars=True).items():
+                key = self._hf_key(i, name)
+                found = self._resolve(key)
+                if found is None:
+                    missing.append(key)
+                elif tuple(shapes[found]) != tuple(t.shape):
+                    wrong.append(f"{found}: checkpoint {list(shapes[found])}, config {list(t.shape)}")
+        if wrong or missing:
+            cfg = self.hf_config
+            sizes = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                   "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer",
+                                                   "n_positions") if hasattr(cfg, k)}
+            parts = []
+            if wrong:
+                parts.append(f"{len(wrong)} tensor(s) have other shapes than the config asks for: {wrong[:5]}")
+            if missing:
+                parts.append(f"{len(missing)} tensor(s) are missing: {missing[:5]}")
+            raise CheckpointMismatchError(
+                f"the checkpoint in {self._checkpoint.path} does not match its config ({sizes}): " + "; ".join(parts)
+                + ". Use the config.json saved with these weights"
+            )
+
+    # ------------------------------------------------------------------ layer init (meta-device protocol)
+    @torch.no_grad()
+    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
+        """Fill pipeline layer ``index`` from the checkpoint (only its own tensors are read), or,
+        without a checkpoint, with the model's ``_init_weights`` from a generator seeded by
+        ``(seed, index)``. Rotary buffers are recomputed from the config."""
+        if self._checkpoint is not None:
+            names = self._layer_keys(index, layer)
+            found = {name: self._resolve(key) for name, key in names.items()}
+            tensors = self._checkpoint.read(sorted(set(found.values())))
+            own = layer.state_dict(keep_vars=True)
+            for name, key in found.items():
+                own[name].copy_(tensors[key])
+        else:
+            host = self._init_host()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(layer_seed(self._init_seed, index))
+                for m in layer.modules():
+                    if m is not layer and not isinstance(m, (HFEmbedding, HFDecoderLayer, HFFinalNorm, HFHead)):
+                        host._init_weights(m)
+        if isinstance(layer, HFDecoderLayer) and layer.rotary is not None:
+            with torch.device("cpu"):
+                fresh = type(layer.rotary)(self.hf_config)
+            for name, buf in layer.rotary.named_buffers():
+                buf.copy_(fresh.get_buffer(name))
+
+    def _init_host(self):
+        """A tensor-free model of this config with no decoder layers: its ``_init_weights`` holds
+        the architecture's init rules (they read only the config)."""
+        host = self.__dict__.get("_hf_init_host")
+        if host is None:
+            cfg = copy.deepcopy(self.hf_config)
+            with torch.device("meta"):
+                host = AutoModelForCausalLM.from_config(cfg)
+            self.__dict__["_hf_init_host"] = host
+        return host
+
+    # ------------------------------------------------------------------ protocol
+    def pipeline_layers(self) -> nn.ModuleList:
+        return self.layers
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = ids
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
+        return loss
+
+    def on_pipeline_train_loss(self, loss, batch, batch_idx) -> None:
+        """Under DynMoStrategy (which logs ``train_loss`` itself): no other per-step logic."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.val_loss_mean.update(loss.detach(), weight=y.numel())
+        self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
+        return loss
+
+    def on_pipeline_eval_loss(self, stage: str, loss: torch.Tensor, tokens: int) -> None:
+        """DynMoStrategy's evaluation hook (identical on every rank): feeds ``val_ppl``."""
+        if stage == "val":
+            self.val_loss_mean.update(loss.detach(), weight=tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_loss_mean.update_count == 0:
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*was called before the ``update``.*")
+            mean = self.val_loss_mean.compute()  # collective: called on every rank
+        if torch.isfinite(mean):
+            self.log("val_ppl", torch.exp(mean), prog_bar=True)
+        self.val_loss_mean.reset()
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
+        )
+        steps = hp.max_steps if hp.max_steps else (self._trainer.max_steps if self._trainer is not None else -1)
+        schedule = WarmupCosine(hp.warmup_steps, steps if steps and steps > 0 else -1, hp.lr,
+                                hp.lr if hp.min_lr is None else hp.min_lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------ export
+    def hf_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The weights under their Hugging Face names, from ``state_dict`` (this module's format,
+        e.g. ``strategy.lightning_module_state_dict()`` on rank 0 or a Lightning checkpoint's
+        ``state_dict``) or from this module, which must then hold every layer."""
+        if state_dict is None:
+            from lightning_dynmo.protocol import RemoteLayer
+
+            remote = [i for i, layer in enumerate(self.layers) if isinstance(layer, RemoteLayer)]
+            if remote:
+                raise ValueError(
+                    f"this rank holds only part of the model (layers {remote} live on other ranks): pass the full "
+                    "state dict, e.g. trainer.strategy.lightning_module_state_dict() on rank 0, or a checkpoint's "
+                    "['state_dict']"
+                )
+            state_dict = self.state_dict()
+        attr = "layers."
+        out: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if not key.startswith(attr):
+                continue
+            index, _, name = key[len(attr):].partition(".")
+            out[self._hf_key(int(index), name)] = value.detach().cpu().contiguous()
+        return out
+
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` in the format ``from_pretrained`` (ours and
+        ``transformers.AutoModelForCausalLM``'s) reads. An untied model is saved with
+        ``tie_word_embeddings=False``."""
+        from safetensors.torch import save_file
+
+        tensors = self.hf_state_dict(state_dict)
+        embed_key = f"{self.arch.embeddings[0][1]}.weight"
+        head_key = f"{self.arch.head}.weight"
+        head, embed = tensors.get(head_key), tensors.get(embed_key)
+        tied = head is not None and embed is not None and head.data_ptr() == embed.data_ptr()
+        cfg = copy.deepcopy(self.hf_config)
+        cfg.tie_word_embeddings = tied
+        if tied:
+            del tensors[head_key]
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        cfg.save_pretrained(directory)
+        save_file({k: v.clone() for k, v in tensors.items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+def _check_architecture(model_type: str | None, where: str) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"HFCausalLM does not support model_type={model_type!r} (from {where}); supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Their decoder layers are split into pipeline layers "
+            "by lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES"
+        )
+
+
+def _warn_untied(cfg) -> None:
+    rank_zero_warn(
+        f"HFCausalLM: {cfg.model_type} ties its LM head to the token embedding; they are untied for the pipeline "
+        "(the head starts as a copy of the embedding and trains separately). save_pretrained writes "
+        "tie_word_embeddings=False. Pass untie_embeddings=False to keep them tied on a real-device build.",
+        category=UserWarning,
+    )

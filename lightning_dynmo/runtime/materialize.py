@@ -1,0 +1,233 @@
+"""Meta-device initialisation: each rank materialises only the pipeline layers it owns.
+
+Without it every rank builds the whole model and then drops the layers other ranks own, so setup
+needs the memory of the full model on every rank. With it the model is built on the ``meta``
+device (shapes and dtypes, no storage) and each rank allocates and initialises only its own layers:
+setup memory follows the rank's share of the model.
+
+**Opting in.** A LightningModule opts in with two things:
+
+1. it is built on the meta device, the Lightning way (the same idiom as ``ModelParallelStrategy``)::
+
+       with trainer.init_module(empty_init=True):   # DynMoStrategy: a torch.device("meta") context
+           model = GPT(config, seed=0)
+
+   (or plain ``with torch.device("meta"):``, or layers created in ``configure_model`` under either);
+2. it implements :class:`InitializesPipelineLayers`::
+
+       def init_pipeline_layer(self, index: int, layer: nn.Module) -> None
+
+   which fills *every* parameter and buffer of pipeline layer ``index`` (already allocated on the
+   CPU, with uninitialised memory) with exactly the values the same module gets when it is built
+   on a real device. Two ways to make that hold: draw the values from a generator seeded by
+   ``(seed, index)`` alone (:func:`layer_seed`; :class:`~lightning_dynmo.models.GPT` does this
+   for its normal construction too, so a single-process model and a pipeline agree bit for bit),
+   or read them from a checkpoint (:class:`~lightning_dynmo.models.hf.HFCausalLM` reads only the
+   tensors of the layer from the safetensors files). Writing must be in place (``copy_``,
+   ``normal_``, ``fill_``...); :func:`materialize_layer` checks, through each tensor's version
+   counter, that every parameter and buffer was written, and names those that were not.
+
+**Order in** ``DynMoStrategy.setup`` (every step works on meta tensors until the last):
+
+1. ``configure_optimizers`` runs on the full (meta) model, and :class:`OptimizerLayout` records
+   every parameter's optimizer, group and single-process position, exactly as for a real model;
+2. the initial partition is computed from parameter counts (``numel`` works on meta tensors);
+3. layers of other ranks become :class:`~lightning_dynmo.protocol.RemoteLayer` (never allocated);
+4. :func:`materialize_pipeline` allocates and initialises this rank's layers. Like
+   ``Module.to_empty`` it creates new ``Parameter`` objects, so the optimizers' groups are re-bound
+   to them (their state is still empty: nothing has stepped) and the recorded layout, which is by
+   name, stays valid;
+5. the module moves to the device; a ``ckpt_path`` restore then overwrites the values as usual.
+
+Tensors outside the pipeline layers (e.g. torchmetrics states) must be created on a real device;
+whatever is still on the meta device after step 4 is named in a :class:`MaterializationError`.
+Every rank runs the same checks on the same module, so a model that cannot be materialised fails
+on every rank with the same message.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "InitializesPipelineLayers",
+    "MaterializationError",
+    "MaterializeStats",
+    "has_meta_tensors",
+    "layer_seed",
+    "materialize_layer",
+    "materialize_pipeline",
+    "meta_init_context",
+    "rebind_optimizers",
+]
+
+
+class MaterializationError(RuntimeError):
+    """A module built on the meta device cannot be turned into real tensors."""
+
+
+@runtime_checkable
+class InitializesPipelineLayers(Protocol):
+    """A LightningModule that can initialise one pipeline layer on its own (see module docstring)."""
+
+    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
+        """Fill every parameter and buffer of pipeline layer ``index`` in place with the values
+        a single-process construction gives it."""
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for pipeline layer ``index`` of a model seeded with ``seed``: a SplitMix64
+    finaliser of both, so neighbouring seeds and layers get unrelated streams."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + (int(index) + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+@contextmanager
+def meta_init_context() -> Iterator[None]:
+    """Create tensors on the meta device (what ``trainer.init_module(empty_init=True)`` gives
+    under DynMoStrategy)."""
+    with torch.device("meta"):
+        yield
+
+
+def _tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """True when any parameter or buffer of ``module`` lives on the meta device."""
+    return any(t.is_meta for _, t in _tensors(module))
+
+
+def _meta_leftovers(module: nn.Module) -> list[str]:
+    """Names of meta tensors anywhere in ``module``: parameters, buffers and torchmetrics states
+    (metric states are plain attributes, which ``named_buffers`` does not list)."""
+    names = [n for n, t in _tensors(module) if t.is_meta]
+    for mod_name, m in module.named_modules():
+        defaults = getattr(m, "_defaults", None)  # torchmetrics.Metric
+        if isinstance(defaults, dict):
+            for state in defaults:
+                value = getattr(m, state, None)
+                values = value if isinstance(value, list) else [value]
+                if any(torch.is_tensor(v) and v.is_meta for v in values):
+                    names.append(f"{mod_name}.{state}" if mod_name else state)
+    return names
+
+
+def materialize_layer(module: nn.Module, index: int, layer: nn.Module,
+                      device: torch.device | str = "cpu") -> dict[nn.Parameter, nn.Parameter]:
+    """Allocate pipeline layer ``index`` of ``module`` on ``device`` and let the module initialise
+    it (``module.init_pipeline_layer(index, layer)``). Returns ``{old meta parameter: new
+    parameter}`` for re-binding optimizers. Raises :class:`MaterializationError` when the module
+    cannot initialise layers or leaves a tensor of the layer unwritten."""
+    init = getattr(module, "init_pipeline_layer", None)
+    if not callable(init):
+        raise MaterializationError(
+            f"{type(module).__name__} was built on the meta device but does not define "
+            "init_pipeline_layer(index, layer), so DynMoStrategy cannot initialise the layers this rank owns. "
+            "Implement it (fill every parameter and buffer of the layer with the values a single-process "
+            "construction gives it; see lightning_dynmo.runtime.materialize), or build the model on a real "
+            "device (without trainer.init_module(empty_init=True) / torch.device('meta'))"
+        )
+    mapping, fresh = _allocate_meta_tensors(layer, torch.device(device))
+    versions = {id(t): t._version for t in fresh}
+    with torch.no_grad():
+        init(index, layer)
+    missed = [name for name, t in _tensors(layer) if t.is_meta or versions.get(id(t)) == t._version]
+    if missed:
+        raise MaterializationError(
+            f"{type(module).__name__}.init_pipeline_layer({index}, ...) left {len(missed)} tensor(s) of layer {index} "
+            f"({type(layer).__name__}) uninitialised: {missed[:8]}. It must write every parameter and buffer of the "
+            "layer in place (copy_, normal_, fill_, ...); until it does, build this model on a real device"
+        )
+    return mapping
+
+
+def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter], list[torch.Tensor]]:
+    """Replace every meta parameter and buffer of ``layer`` by uninitialised storage on ``device``
+    (what ``Module.to_empty`` does, but tensors already real keep their values). A tensor used
+    under several names is allocated once. Returns ``{old parameter: new}`` and the new tensors."""
+    memo: dict[int, torch.Tensor] = {}
+    mapping: dict[nn.Parameter, nn.Parameter] = {}
+    for m in layer.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                mapping[p] = memo[id(p)]
+            m._parameters[name] = memo[id(p)]
+        for name, b in list(m._buffers.items()):
+            if b is None or not b.is_meta:
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = torch.empty_like(b, device=device)
+            m._buffers[name] = memo[id(b)]
+    return mapping, list(memo.values())
+
+
+def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], mapping: dict[nn.Parameter, nn.Parameter]) -> None:
+    """Replace parameters in every optimizer group (and state, if any) following ``mapping``
+    (``{old: new}``, keyed by identity); hyper-parameters and group order are kept."""
+    if not mapping:
+        return
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        for group in opt.param_groups:
+            group["params"] = [mapping.get(p, p) for p in group["params"]]
+        for p in [p for p in list(opt.state) if p in mapping]:
+            opt.state[mapping[p]] = opt.state.pop(p)
+
+
+@dataclass(frozen=True)
+class MaterializeStats:
+    layers: tuple[int, ...]  # global indices materialised on this rank
+    bytes: int  # bytes of parameters and buffers allocated
+    seconds: float
+
+
+def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iterable[int],
+                         optimizers: Iterable[torch.optim.Optimizer] = (),
+                         device: torch.device | str = "cpu") -> MaterializeStats | None:
+    """Materialise this rank's pipeline layers ``indices`` of a module built on the meta device
+    (the others must already be :class:`~lightning_dynmo.protocol.RemoteLayer`), re-bind the
+    optimizers to the new parameters and check that nothing is left on the meta device.
+    Returns ``None`` (and does nothing) for a module without meta tensors."""
+    if not has_meta_tensors(module) and not _meta_leftovers(module):
+        return None
+    t0 = time.perf_counter()
+    indices = tuple(indices)
+    owner: dict[int, int] = {}
+    for i in indices:
+        for p in layers[i].parameters():
+            if p.is_meta and owner.setdefault(id(p), i) != i:
+                raise MaterializationError(
+                    f"a meta parameter is shared by pipeline layers {owner[id(p)]} and {i} (tied weights); "
+                    "materialising layers one by one would untie it. Build this model on a real device, or untie "
+                    "the weights before building it on the meta device"
+                )
+    mapping: dict[nn.Parameter, nn.Parameter] = {}
+    nbytes = 0
+    for i in indices:
+        layer = layers[i]
+        if has_meta_tensors(layer):
+            mapping.update(materialize_layer(module, i, layer, device))
+            nbytes += sum(t.numel() * t.element_size() for _, t in _tensors(layer))
+    rebind_optimizers(optimizers, mapping)
+    leftovers = _meta_leftovers(module)
+    if leftovers:
+        raise MaterializationError(
+            f"{type(module).__name__} still has tensors on the meta device after its pipeline layers were "
+            f"materialised: {leftovers[:8]}. Only pipeline layers are materialised per rank; create everything "
+            "else (metrics, buffers outside pipeline_layers()) on a real device, e.g. under "
+            "`with torch.device('cpu'):`"
+        )
+    return MaterializeStats(indices, nbytes, time.perf_counter() - t0)

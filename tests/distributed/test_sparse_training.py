@@ -1,0 +1,74 @@
+"""Pruned layers in CSR storage and frozen layers under pp=2 x dp=2 (4 gloo ranks): a layer
+migration before every step moves CSR-stored layers (values, gradients, Adam moments, int32
+pattern); the data-parallel all-reduce carries exactly the trainable gradients (kept values of
+CSR layers, nothing of frozen layers); losses equal a single-process masked-dense run; the
+checkpoint is the dense single-process format and resumes on 4 stages (and in one process) on
+the same curve."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.multiproc import ROOT, run_worker
+from tests.support.workers.common import make_model
+
+pytestmark = pytest.mark.slow
+WORKER = ROOT / "tests" / "support" / "workers" / "sparse_worker.py"
+# prunes at steps 1 (0 %), 3 (78.75 %) and 5 (90 %); the embedding and block 1 freeze at step 4
+PRUNE = {"final_sparsity": 0.9, "start_step": 1, "n_steps": 2, "frequency": 2, "sparse_kernels": False}
+BASE = dict(steps=7, batch=8, n_layer=4, pruning=PRUNE, freezing={"schedule": {"4": 2}})
+MIGRATE = {"balancer": "test_shift", "rebalance": "every_n", "rebalance_interval": 1}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sparse")
+    ckpt = str(tmp / "pp2dp2.ckpt")
+    pipe = run_worker(tmp / "pipe", 4, [
+        dict(BASE, pp=2, save=ckpt, **MIGRATE),
+        dict(BASE, pp=4, steps=9, resume=ckpt),  # another stage count, dp=1
+    ], worker=WORKER, timeout=300)
+    ref = run_worker(tmp / "ref", None, [
+        dict(BASE, pruning=dict(PRUNE, storage_density=None), ref_dp=2),  # masked dense, global batch
+        dict(BASE, steps=9, resume=ckpt),
+    ], worker=WORKER, timeout=300)
+    return pipe, ref, torch.load(ckpt, weights_only=False)
+
+
+def test_csr_training_under_pp2_dp2_equals_masked_dense(results):
+    (a, _), (ref, _), _ = results
+    assert a["dp"] == 2 and sum(h["applied"] for h in a["history"]) >= 5  # layers moved before (almost) every step
+    assert sum(a["compressed_per_rank"]) == 2 * 16  # every pruned linear of both replicas is CSR-stored
+    torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    assert a["sparsity"] == pytest.approx(ref["sparsity"], abs=1e-4) and a["sparsity"] == pytest.approx(0.9, abs=2e-3)
+    assert a["memory"]["ratio"] < 0.15 and ref["memory"]["ratio"] == pytest.approx(1.0)
+
+
+def test_data_parallel_exchange_carries_only_trainable_kept_values(results):
+    (a, _), _, _ = results
+    sent, grads = a["sent"], a["grads"]
+    assert sent == grads  # exactly the gradients: CSR layers' kept values, no frozen parameters
+    assert a["frozen_with_grad"] == [0.0] * len(sent)
+    assert sent[3] < 0.5 * sent[0]  # 78.75 % sparse
+    assert sent[4] < sent[3]  # the embedding and block 1 froze: they left the exchange
+    assert sent[-1] / sent[0] < 0.2, sent
+
+
+def test_checkpoint_is_dense_and_resumes_on_four_stages(results):
+    (_, b), (_, ref_b), ckpt = results
+    sd = ckpt["state_dict"]
+    masks = [k for k in sd if k.endswith("weight_mask")]
+    assert len(masks) == 16
+    for k in masks:
+        w = sd[k[: -len("_mask")]]
+        assert w.shape == sd[k].shape and torch.all(w[~sd[k]] == 0)
+    model = make_model(BASE)  # single-process optimizer order: every moment has its dense parameter's shape
+    params = [p for g in model.configure_optimizers()["optimizer"].param_groups for p in g["params"]]
+    states = ckpt["optimizer_states"][0]["state"]
+    frozen = sum(1 for layer in model.pipeline_layers()[:2] for _ in layer.parameters())
+    assert len(states) == len(params) - frozen  # the frozen embedding and block 1 hold none
+    for i, st in states.items():
+        assert st["exp_avg"].shape == st["exp_avg_sq"].shape == params[i].shape
+    assert b["dp"] == 1 and b["compressed_per_rank"] and sum(b["compressed_per_rank"]) == 16
+    assert len(b["losses"]) == len(ref_b["losses"]) == 2
+    torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(ref_b["losses"]), rtol=1e-5, atol=0)

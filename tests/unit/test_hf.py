@@ -1,0 +1,171 @@
+"""The Hugging Face adapter (lightning_dynmo.models.hf): the pipeline layers compute exactly the
+``transformers`` model, weights load per layer from a local directory and save back to the same
+format, and bad checkpoints or architectures are refused by name. Tiny random models, no network."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_dynmo.models.hf import (  # noqa: E402
+    CheckpointMismatchError,
+    HFCausalLM,
+    HFDecoderLayer,
+    UnsupportedArchitectureError,
+)
+from lightning_dynmo.protocol import RemoteLayer, pipeline_layers_of  # noqa: E402
+from lightning_dynmo.runtime.materialize import materialize_pipeline  # noqa: E402
+
+SMALL = dict(vocab_size=64, bos_token_id=0, eos_token_id=0)
+
+
+def configs():
+    return {
+        "gpt2": transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=32, **SMALL),
+        "llama": transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          **SMALL),
+        # a window shorter than the sequence: the wrapper must build Mistral's sliding-window mask
+        "mistral": transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                              num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64, sliding_window=6, **SMALL),
+    }
+
+
+def saved(tmp_path, arch: str, **save_kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(configs()[arch]).eval()
+    path = tmp_path / arch
+    model.save_pretrained(path, **save_kw)
+    return model, path
+
+
+def load(path, **kw) -> HFCausalLM:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return HFCausalLM.from_pretrained(path, **kw)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
+    ref, path = saved(tmp_path, arch)
+    model = load(path).eval()
+    layers = pipeline_layers_of(model)
+    assert len(layers) == ref.config.num_hidden_layers + 3
+    assert all(isinstance(layers[i], HFDecoderLayer) for i in range(1, len(layers) - 2))
+    x = torch.randint(0, 64, (2, 16))
+    h = x
+    with torch.no_grad():
+        for layer in layers:  # one tensor in, one tensor out: what a pipeline stage passes on
+            h = layer(h)
+            assert isinstance(h, torch.Tensor)
+        assert torch.equal(h, ref(x).logits)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path, arch, monkeypatch):
+    _, path = saved(tmp_path, arch)
+    real = load(path).state_dict()
+    with torch.device("meta"):
+        model = load(path)
+    assert all(p.is_meta for p in model.parameters())
+    read = []
+    original = type(model._checkpoint).read
+    monkeypatch.setattr(type(model._checkpoint), "read", lambda self, keys: read.extend(keys) or original(self, keys))
+    layers = model.pipeline_layers()
+    own = [2, 3]  # the second decoder layer and the final norm (a tied GPT-2 head would read wte)
+    for i in range(len(layers)):
+        if i not in own:
+            layers[i] = RemoteLayer(i)
+    materialize_pipeline(model, layers, own)
+    state = model.state_dict()
+    assert set(state) == {k for k in real if int(k.split(".")[1]) in own}
+    assert all(torch.equal(v, real[k]) for k, v in state.items())
+    embed = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
+    assert embed not in read and not any(".0." in k for k in read), read  # layer 0 and block 0 are not ours
+
+
+def test_gpt2_tied_head_is_untied_with_a_warning_and_saves_untied(tmp_path):
+    ref, path = saved(tmp_path, "gpt2")
+    assert ref.config.tie_word_embeddings
+    with pytest.warns(UserWarning, match="untied for the pipeline"):
+        model = HFCausalLM.from_pretrained(path)
+    emb, head = model.layers[0].wte.weight, model.layers[-1].lm_head.weight
+    assert emb is not head and torch.equal(emb, head)
+    with torch.no_grad():
+        head.add_(1.0)  # trains separately from now on
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model.eval()(x))
+    kept = load(path, untie_embeddings=False)
+    assert kept.layers[0].wte.weight is kept.layers[-1].lm_head.weight
+    kept.save_pretrained(tmp_path / "tied")
+    assert json.loads((tmp_path / "tied" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("save_kw", [{"safe_serialization": False}, {"max_shard_size": "20KB"}],
+                         ids=["pytorch_model.bin", "sharded-safetensors"])
+def test_other_checkpoint_layouts_load(tmp_path, save_kw):
+    ref, path = saved(tmp_path, "llama", **save_kw)
+    model = load(path).eval()
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x).logits)
+
+
+def test_save_pretrained_of_a_pipeline_rank_needs_the_full_state(tmp_path):
+    _, path = saved(tmp_path, "llama")
+    model = load(path)
+    full = model.state_dict()
+    model.layers[1] = RemoteLayer(1)
+    with pytest.raises(ValueError, match="lightning_module_state_dict"):
+        model.save_pretrained(tmp_path / "part")
+    model.save_pretrained(tmp_path / "full", state_dict=full)  # e.g. rank 0's gathered state
+    assert torch.equal(load(tmp_path / "full").state_dict()["layers.1.layer.mlp.up_proj.weight"],
+                       full["layers.1.layer.mlp.up_proj.weight"])
+
+
+def test_unknown_architecture_names_the_supported_ones(tmp_path):
+    _, path = saved(tmp_path, "gpt2")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, llama, mistral"):
+        HFCausalLM.from_pretrained(path)
+    with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
+        HFCausalLM(config={"model_type": "bert"})
+
+
+def test_checkpoint_that_does_not_match_its_config_is_refused_by_name(tmp_path):
+    _, path = saved(tmp_path, "llama")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 40}))
+    with pytest.raises(CheckpointMismatchError, match=r"model.layers.0.mlp.gate_proj.weight: checkpoint \[48, 32\], "
+                                                      r"config \[40, 32\]"):
+        HFCausalLM.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(CheckpointMismatchError, match=r"missing: \['model.layers.2"):
+        HFCausalLM.from_pretrained(path)
+
+
+def test_random_init_from_a_config_is_per_layer_and_meta_safe():
+    cfg = {"model_type": "llama", **configs()["llama"].to_diff_dict()}
+    a = HFCausalLM(config=cfg, seed=1)
+    b = HFCausalLM(config=cfg, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with torch.device("meta"):
+        m = HFCausalLM(config=cfg, seed=1)
+    materialize_pipeline(m, m.pipeline_layers(), range(len(m.pipeline_layers())))
+    assert all(torch.equal(x, a.state_dict()[k]) for k, x in m.state_dict().items())
+    rotary = m.layers[1].rotary.inv_freq
+    assert torch.equal(rotary, a.layers[1].rotary.inv_freq) and not rotary.is_meta
+    norm = a.layers[1].layer.input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))  # the model's own init rules
+    assert not torch.equal(a.layers[1].layer.mlp.up_proj.weight, HFCausalLM(config=cfg, seed=2).layers[1].layer.mlp.up_proj.weight)

@@ -1,0 +1,328 @@
+"""Issue 16, the single-process parts: defaults, policy hysteresis and cooldown, plot throttling,
+checkpoint file checks, tied-parameter detection, the skipped-training_step warning and the
+recipe's checks before launch."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.plan.balancers import get_balancer
+from lightning_dynmo.plan.partition import Partition
+from lightning_dynmo.plan.policy import Decision, RebalancePolicy
+from lightning_dynmo.protocol import PipelineProtocolError
+from tests.support.workers.common import make_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------------------------- item 0
+def test_defaults_are_dynamic():
+    s = DynMoStrategy()
+    assert s.rebalancer.policy.mode == "auto"
+    assert s.rebalancer.balancer == "partition_time"
+    assert s.options.on_nonfinite == "error"
+
+
+def test_a_request_under_never_warns_once_naming_the_option():
+    s = DynMoStrategy(rebalance="never")
+    with pytest.warns(UserWarning, match=r"rebalance='never'.*rebalance='auto'"):
+        s.request_rebalance("LayerFreezing froze 3 layers")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.request_rebalance("again")  # once is enough
+
+
+def test_requests_under_other_modes_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DynMoStrategy(rebalance="on_event").request_rebalance("x")
+
+
+# ---------------------------------------------------------------------------------- item 11
+def _simulate(policy: RebalancePolicy, imbalances, applied_when=lambda step: False) -> list[int]:
+    """Drive the policy like the rebalancer: profile at step s, decide before step s+1."""
+    decisions, pending = [], None
+    for step, imb in enumerate(imbalances):
+        if pending is not None:
+            decisions.append(step)
+            policy.decided(step, applied=applied_when(step))
+            pending = None
+        if policy.profile_reason(step):
+            pending = step
+        policy.observe_busy([1.0 + imb / 2, 1.0 - imb / 2])  # imbalance (max - min) / mean = imb
+    return decisions
+
+
+def test_auto_near_the_threshold_decides_once_not_every_cooldown():
+    rng = random.Random(0)
+    hovering = [0.1 + rng.uniform(-0.02, 0.02) for _ in range(100)]
+    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=10)
+    decisions = _simulate(policy, hovering)
+    assert 1 <= len(decisions) <= 2, decisions
+
+
+def test_a_refused_decision_starts_the_cooldown():
+    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=10, hysteresis=0.0)
+    decisions = _simulate(policy, [0.5] * 40)
+    assert decisions and all(b - a >= 10 for a, b in zip(decisions, decisions[1:])), decisions
+
+
+def test_auto_rearms_after_the_imbalance_falls_and_fires_when_it_grows():
+    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=2, hysteresis=0.5)
+    trace = [0.12] * 20 + [0.01] * 20 + [0.12] * 20
+    decisions = _simulate(policy, trace)
+    assert len([d for d in decisions if d < 20]) == 1
+    assert len([d for d in decisions if d >= 40]) == 1, decisions  # re-armed below threshold x (1 - h)
+    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=2, hysteresis=0.5)
+    decisions = _simulate(policy, [0.12] * 20 + [0.4] * 20)
+    assert 1 <= len([d for d in decisions if d >= 20]) <= 2, decisions  # grew beyond refused x (1 + h)
+
+
+def test_applied_decisions_keep_the_plain_cooldown():
+    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=5)
+    decisions = _simulate(policy, [0.5] * 30, applied_when=lambda step: True)
+    assert len(decisions) >= 4 and all(b - a >= 5 for a, b in zip(decisions, decisions[1:])), decisions
+
+
+def test_events_still_trigger_at_once():
+    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=50)
+    policy.decided(3, applied=False)
+    policy.request("freeze")
+    assert policy.profile_reason(4).startswith("event")
+
+
+def test_hysteresis_is_validated():
+    with pytest.raises(ValueError, match="hysteresis"):
+        RebalancePolicy(hysteresis=-0.1)
+    with pytest.raises(ValueError, match="hysteresis"):
+        DynMoStrategy(rebalance_hysteresis=1.5)
+
+
+# ---------------------------------------------------------------------------------- item 12
+def test_plots_only_applied_decisions_at_most_once_per_interval(tmp_path, monkeypatch):
+    from lightning_dynmo import plotting
+    from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
+    from lightning_dynmo.strategy.recorder import DecisionRecorder
+
+    drawn = []
+    monkeypatch.setattr(plotting, "save_rebalance_figure", lambda path, *a, **k: drawn.append(os.path.basename(path)))
+
+    class Module:
+        def log(self, *a, **k):
+            pass
+
+    rec = DecisionRecorder(plot=True, plot_interval=10)
+    costs = LayerCosts.from_params([10, 20, 30, 40])
+    model = CostModel(microbatches=4)
+    p, q = Partition((0, 2, 4)), Partition((0, 3, 4))
+    events = [{"rank": 0, "stage": 0, "kind": "F", "mb": 0, "start": 0.0, "end": 1.0}]
+    for step in range(30):
+        applied = step % 3 != 1
+        d = Decision(step=step, reason="every 1 steps", before=str(p), applied=applied, why="")
+        rec.record(Module(), d, p, str(tmp_path), True, costs, model, events, p, q if applied else None)
+    assert drawn == ["rebalance_step000000.png", "rebalance_step000011.png", "rebalance_step000021.png"], drawn
+    assert len((tmp_path / "rebalance_history.jsonl").read_text().splitlines()) == 30  # every decision recorded
+
+
+def test_plot_interval_is_validated():
+    with pytest.raises(ValueError, match="plot_interval"):
+        DynMoStrategy(plot_interval=0)
+
+
+# ---------------------------------------------------------------------------------- items 3, 8
+def _tiny_checkpoint(path: Path, **edits) -> dict:
+    model = make_model({"n_layer": 2})
+    ck = {"state_dict": model.state_dict(), "optimizer_states": [], "epoch": 0, "global_step": 0,
+          "pytorch-lightning_version": L.__version__}
+    ck.update(edits)
+    torch.save(ck, path)
+    return ck
+
+
+def test_random_bytes_are_not_a_checkpoint(tmp_path):
+    path = tmp_path / "junk.ckpt"
+    path.write_bytes(os.urandom(2048))
+    with pytest.raises(Exception, match=r"junk.ckpt is not a checkpoint") as err:
+        DynMoStrategy().load_checkpoint(path)
+    assert "weights_only=False" not in str(err.value)
+
+
+def test_checkpoints_load_with_weights_only_true(tmp_path, monkeypatch):
+    path = tmp_path / "ok.ckpt"
+    _tiny_checkpoint(path)
+    seen = []
+    real = torch.load
+
+    def spy(*a, **k):
+        seen.append(k.get("weights_only"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "load", spy)
+    ck = DynMoStrategy().load_checkpoint(path)
+    assert seen == [True] and "state_dict" in ck
+
+
+def test_a_pickled_object_is_refused(tmp_path):
+    path = tmp_path / "code.ckpt"
+    torch.save({"state_dict": {}, "evil": Path("/")}, path)  # not a tensor/primitive: needs full unpickling
+    with pytest.raises(Exception, match="weights_only"):
+        DynMoStrategy().load_checkpoint(path)
+
+
+@pytest.mark.parametrize("where", ["state_dict", "optimizer"])
+def test_non_finite_checkpoint_tensors_are_refused_by_name(tmp_path, where):
+    path = tmp_path / "nan.ckpt"
+    sd = make_model({"n_layer": 2}).state_dict()
+    if where == "state_dict":
+        sd["layers.1.mlp.fc.weight"][0, 0] = float("inf")
+        _tiny_checkpoint(path, state_dict=sd)
+        name = "state_dict['layers.1.mlp.fc.weight']"
+    else:
+        opt = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.full((3,), float("nan"))}}, "param_groups": []}
+        _tiny_checkpoint(path, optimizer_states=[opt])
+        name = "optimizer_states[0]['state'][0]['exp_avg']"
+    with pytest.raises(Exception, match="non-finite") as err:
+        DynMoStrategy().load_checkpoint(path)
+    assert name in str(err.value)
+
+
+def test_nonfinite_option_is_validated():
+    for ok in ("error", "skip", "ignore"):
+        DynMoStrategy(on_nonfinite=ok)
+    with pytest.raises(ValueError, match="on_nonfinite"):
+        DynMoStrategy(on_nonfinite="maybe")
+
+
+def test_nonfinite_loss_check_names_the_step():
+    from lightning_dynmo.strategy.strategy import NonFiniteLossError, check_loss
+
+    assert check_loss(torch.tensor(1.5), 7, "error") is True
+    with pytest.raises(NonFiniteLossError, match=r"step 7.*on_nonfinite"):
+        check_loss(torch.tensor(float("nan")), 7, "error")
+    with pytest.warns(UserWarning, match="step 8"):
+        assert check_loss(torch.tensor(float("inf")), 8, "skip") is False
+    assert check_loss(torch.tensor(float("nan")), 9, "ignore") is True
+
+
+# ---------------------------------------------------------------------------------- item 1
+def test_tied_parameters_are_found_with_their_users():
+    from lightning_dynmo.runtime.tied import find_tied_parameters
+
+    model = make_model({"n_layer": 2, "tied": True})
+    tied = find_tied_parameters(model.pipeline_layers(), "layers")
+    assert len(tied) == 1
+    (t,) = tied
+    assert t.canonical == "layers.0.wte.weight"
+    assert t.fqns == ("layers.0.wte.weight", "layers.4.lm_head.weight")
+    assert t.layers == (0, 4)
+    assert find_tied_parameters(make_model({"n_layer": 2}).pipeline_layers(), "layers") == []
+
+
+def test_a_buffer_shared_by_two_layers_is_refused():
+    from lightning_dynmo.runtime.tied import find_tied_parameters
+
+    layers = nn.ModuleList([nn.BatchNorm1d(3), nn.BatchNorm1d(3)])
+    layers[1].running_mean = layers[0].running_mean
+    with pytest.raises(PipelineProtocolError, match="buffer.*running_mean"):
+        find_tied_parameters(layers, "layers")
+
+
+# ---------------------------------------------------------------------------------- item 9
+def test_training_step_with_logic_the_pipeline_skips_is_named():
+    from lightning_dynmo.strategy.options import skipped_training_step_warning
+
+    msg = skipped_training_step_warning(make_model({"n_layer": 2}))
+    assert msg and "GPT.training_step" in msg and "on_pipeline_train_loss" in msg and "self.log" in msg
+
+    class WithHook(type(make_model({"n_layer": 2}))):
+        def on_pipeline_train_loss(self, loss, batch, batch_idx):
+            pass
+
+    assert skipped_training_step_warning(WithHook({"n_layer": 2, "vocab_size": 64, "n_head": 2, "n_embd": 16})) is None
+
+    class NoTrainingStep(L.LightningModule):
+        pass
+
+    assert skipped_training_step_warning(NoTrainingStep()) is None
+
+
+# ---------------------------------------------------------------------------------- item 7
+def _recipe():
+    spec = importlib.util.spec_from_file_location("train_gpt_recipe", ROOT / "recipes" / "train_gpt.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train_gpt", overrides=overrides)
+
+
+def test_recipe_refuses_unknown_model_keys():
+    recipe = _recipe()
+    cfg = _compose(["model=tiny", "+model.n_layer=8"])
+    with pytest.raises(ValueError, match=r"unknown model key.*n_layer.*model.overrides.n_layer"):
+        recipe.check_config_keys(cfg)
+    cfg = _compose(["model=tiny", "+model.overrides.n_layers=8"])
+    with pytest.raises(ValueError, match=r"n_layers.*valid"):
+        recipe.check_config_keys(cfg)
+
+
+def test_recipe_refuses_more_stages_than_layers():
+    recipe = _recipe()
+    cfg = _compose(["model=tiny", "strategy.pipeline_parallel=8", "trainer.devices=8", "strategy.microbatches=8"])
+    model = recipe.build_model(cfg)
+    strategy = recipe.build_strategy(cfg)
+    with pytest.raises(ValueError, match="cannot split 7 layers into 8 pipeline stages"):
+        recipe.check_compatible(cfg, strategy, model)
+
+
+def test_recipe_warns_when_validation_has_no_batches():
+    recipe = _recipe()
+    cfg = _compose(["model=tiny", "data.block_size=32", "data.val_fraction=0.0002", "data.batch_size=8"])
+    model, data, strategy = recipe.build_model(cfg), recipe.build_data(cfg), recipe.build_strategy(cfg)
+    with pytest.warns(UserWarning, match="validation has zero batches"):
+        recipe.check_compatible(cfg, strategy, model, data)
+
+
+def test_recipe_uses_one_run_dir_per_torchrun_job(monkeypatch):
+    recipe = _recipe()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
+    assert recipe.run_stamp() == "torchrun-abc123"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert recipe.run_stamp() != "torchrun-abc123"
+
+
+# ---------------------------------------------------------------------------------- item 9b
+def test_one_replica_keeps_the_loader_and_seeds_a_global_rng_shuffle(monkeypatch):
+    from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
+
+    from lightning_dynmo.strategy.launcher import seeded_loader_for_one_replica
+
+    ds = TensorDataset(torch.arange(32))
+    plain = DataLoader(ds, batch_size=4, shuffle=False)
+    assert seeded_loader_for_one_replica(plain) is plain
+    own = DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    assert seeded_loader_for_one_replica(own) is own  # its own generator: the same order on every rank
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    orders = []
+    for _ in range(2):  # two "ranks" whose global RNGs differ
+        torch.manual_seed(len(orders))
+        loader = seeded_loader_for_one_replica(DataLoader(ds, batch_size=4, shuffle=True))
+        assert isinstance(loader.sampler, RandomSampler) and loader.sampler.generator is not None
+        orders.append([b[0].tolist() for b in loader])
+    assert orders[0] == orders[1] and orders[0] != [b[0].tolist() for b in plain]
+    assert isinstance(plain.sampler, SequentialSampler)
