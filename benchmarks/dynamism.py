@@ -1,6 +1,6 @@
 """Static vs dynamic pipeline balancing for one dynamic-model case, side by side.
 
-    python benchmarks/dynamism.py --case freezing|early_exit|pruning|mod|moe [--quick]
+    python benchmarks/dynamism.py --case freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
 
 Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each) and trains the
 same model, data and dynamism callback three times in one job:
@@ -180,7 +180,7 @@ def _summarise(case: str, quick: bool, rounds: dict) -> dict:
         res["dynmo_rebalances"] = [f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
                                    for h in dyn.get("rebalances", [])]
     for key, val in (dyn or {}).get("extra", {}).items():
-        res[key] = [None if x != x else round(x, 3) for x in val] if isinstance(val, list) else val
+        res[key] = [None if x is None or x != x else round(x, 3) for x in val] if isinstance(val, list) else val
     return res
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-CASES = ("freezing", "early_exit", "pruning", "mod", "moe")
+CASES = ("freezing", "early_exit", "pruning", "mod", "moe", "sparse_attention")
 
 
 def load(case: str):

@@ -34,3 +34,7 @@ __all__ += ["MoEBlock", "MoEConfig", "MoEGPT", "MoELayer"]
 from lightning_dynmo.models.mod import MoDBlock, MoDConfig, MoDGPT
 
 __all__ += ["MoDBlock", "MoDConfig", "MoDGPT"]
+
+from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock
+
+__all__ += ["HashSparseSelfAttention", "SparseAttentionBlock"]
