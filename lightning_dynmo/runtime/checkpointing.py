@@ -54,16 +54,14 @@ __all__ = [
     "saved_activation_bytes",
 ]
 
-MODES = (False, True, "auto")
 _state = threading.local()
 
 
 def check_activation_checkpointing(mode, memory_capacity) -> bool | str:
     """Validate the option (``True``, ``False`` or ``"auto"``; ``"auto"`` needs a capacity)."""
-    if isinstance(mode, str):
-        mode = mode.lower()
-        mode = {"true": True, "false": False}.get(mode, mode)
-    if not any(mode is m or (isinstance(m, str) and mode == m) for m in MODES):
+    if isinstance(mode, str):  # from a config file or the command line
+        mode = {"true": True, "false": False}.get(mode.lower(), mode.lower())
+    if not (mode is True or mode is False or mode == "auto"):
         raise ValueError(f"activation_checkpointing must be True, False or 'auto', got {mode!r}")
     if mode == "auto" and memory_capacity is None:
         raise ValueError(

@@ -235,7 +235,8 @@ class DynMoStrategy(ParallelStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin) -> None:
-        """Whatever precision the user picks clips by the norm of the whole pipeline."""
+        """Whatever precision the user picks clips by the norm of the whole pipeline, and a grad
+        scaler's inf checks agree across the pipeline's ranks (runtime/precision.py)."""
         self._precision_plugin = plugin
         if plugin is not None:
             install_global_norm_clipping(plugin, lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt), lambda: self.pipeline_group,
