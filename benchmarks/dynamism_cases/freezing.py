@@ -39,9 +39,8 @@ def build(cfg, plan: dict):
 
 
 def dynmo_strategy(plan: dict) -> dict:
-    # events (each freeze) always profile and decide; "auto" also re-decides when the measured
-    # busy-time imbalance stays above 10 % (a single profiled step on a loaded machine can mislead)
-    return dict(balancer="partition_time", rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=8)
+    # DynMo's Algorithm 1: each freeze requests a profiled rebalance
+    return dict(balancer="partition_time", rebalance="on_event")
 
 
 def extra(model, callbacks, strategy) -> dict:

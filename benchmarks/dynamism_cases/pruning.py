@@ -57,10 +57,9 @@ def build(cfg, plan: dict):
 
 
 def dynmo_strategy(plan: dict) -> dict:
-    # events (each pruning step) always profile and decide; "auto" also re-decides when the measured
-    # busy-time imbalance stays above 10 % (a single profiled step on a loaded machine can mislead)
-    return dict(balancer="partition_time", rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=8,
-                repack="auto", partition=UNIFORM)
+    # DynMo's Algorithm 1: each pruning step requests a profiled rebalance (no periodic or automatic
+    # re-decisions: on this loaded machine two near-equal partitions would trade places on noise)
+    return dict(balancer="partition_time", rebalance="on_event", repack="auto", partition=UNIFORM)
 
 
 def extra(model, callbacks, strategy) -> dict:

@@ -227,3 +227,27 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
         for case, pattern in expected.items():
             assert errors[case] is not None, f"{case} did not fail on rank {rank}"
             assert re.search(pattern, errors[case], re.S), f"rank {rank} {case}: {errors[case]}"
+
+
+# ------------------------------------------------------------------ recipe
+def test_recipe_trains_a_hugging_face_model_from_a_local_directory(tmp_path):
+    """``python recipes/train_gpt.py model=hf model.path=...`` on the default 2-rank pipeline."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    import sys
+
+    args = [f"model.path={tmp_path / 'gpt2'}", "model=hf", "data.block_size=32", "data.batch_size=8",
+            "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
+            "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "checkpoint.enabled=false",
+            "logger=none", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = worker_env(HYDRA_FULL_ERROR="1")
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "RANK"):
+        env.pop(k, None)
+    proc = run([sys.executable, str(ROOT / "recipes" / "train_gpt.py"), *args], 240, tmp_path / "recipe.log", env)
+    assert proc.returncode == 0, proc.output[-4000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model"] == "hf:gpt2" and summary["pipeline_parallel"] == 2
+    assert 0 < summary["train_loss"] < 10 and summary["val_ppl"] is not None

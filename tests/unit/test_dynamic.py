@@ -92,6 +92,7 @@ def _spawn_and_join(fn, args, nprocs: int, timeout: float) -> None:
                 p.join()
 
 
+@pytest.mark.slow  # two spawned processes (~20 s): outside the fast loop
 def test_threshold_two_gloo_ranks_equals_single_process(tmp_path):
     g = torch.Generator().manual_seed(7)
     shards = [
