@@ -16,6 +16,24 @@ from ..dynamic.freezing import freeze_layer, layer_grad_norm, plasticity, snapsh
 
 log = logging.getLogger(__name__)
 
+_REFERENCE = "_dynmo_egeria_reference"
+
+
+def reference_of(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The Egeria reference copy riding on ``layer``. It is kept in the layer's ``__dict__`` inside
+    a tuple: not a submodule (no parameters, no state-dict entries), but part of the layer object,
+    so a migration (which ships a deep copy of the layer's structure) carries it to the layer's
+    new rank and a freshly received layer is evaluated at once rather than an interval later."""
+    held = layer.__dict__.get(_REFERENCE)
+    return held[0] if held else None
+
+
+def set_reference(layer: torch.nn.Module, reference: torch.nn.Module | None) -> None:
+    if reference is None:
+        layer.__dict__.pop(_REFERENCE, None)
+    else:
+        layer.__dict__[_REFERENCE] = (reference,)
+
 
 class LayerFreezing(Callback):
     """Freeze a growing prefix of ``pl_module.pipeline_layers()`` while training.
@@ -27,7 +45,7 @@ class LayerFreezing(Callback):
       every ``interval`` optimizer steps, each of the ``lookahead`` front-most trainable layers is
       compared with a **reference copy** of itself taken at the previous evaluation (held on
       ``reference_device``, CPU by default, as Egeria keeps it; under a pipeline each rank copies
-      only its own layers). Its *plasticity* is ``||f(x) - f_ref(x)|| / ||f_ref(x)||`` on a probe
+      only its own layers, and a layer that migrates takes its reference along). Its *plasticity* is ``||f(x) - f_ref(x)|| / ||f_ref(x)||`` on a probe
       input ``x`` (the layer's input in the first micro-batch of the evaluation step, captured by
       a global forward pre-hook, so no hook ever sits on a layer that might migrate): how much
       the layer's function moved over the last interval. A layer is *converged* when its
@@ -100,8 +118,8 @@ class LayerFreezing(Callback):
         self._last_step_seen = -1
         self.plasticity: dict[int, list[float]] = {}  # layer -> plasticity at each evaluation
         self._last_eval = -1
-        # Egeria reference (not saved: rebuilt at the first evaluation after a resume)
-        self._references: dict[int, torch.nn.Module] = {}
+        # Egeria references ride on their layers (see reference_of); not saved: rebuilt at the
+        # first evaluation after a resume
         self._probe: dict[int, torch.Tensor] = {}
         self._capture_ids: dict[int, int] | None = None
         self._hook = None
@@ -254,8 +272,8 @@ class LayerFreezing(Callback):
             return
         self._stop_capture()
         local = dict(local_layers(pl_module))
-        measured = {i: plasticity(local[i], self._references[i], x, self.eps)
-                    for i, x in self._probe.items() if i in local and i in self._references}
+        measured = {i: plasticity(local[i], reference_of(local[i]), x, self.eps)
+                    for i, x in self._probe.items() if i in local and reference_of(local[i]) is not None}
         self._probe = {}
         agreed = self._agree(trainer, pl_module, measured)
         for i in self._window_indices(pl_module):
@@ -270,8 +288,15 @@ class LayerFreezing(Callback):
             self._apply(trainer, pl_module, n, f"plasticity plateau {recent} (threshold {self.threshold})")
         # refresh the references of the (new) window's local layers; forget the rest
         window = set(self._window_indices(pl_module))
-        self._references = {i: snapshot_layer(layer, self.reference_device) for i, layer in local.items()
-                            if i in window}
+        for i, layer in local.items():
+            set_reference(layer, None)
+            if i in window:
+                set_reference(layer, snapshot_layer(layer, self.reference_device))
+
+    @staticmethod
+    def references(pl_module) -> dict[int, torch.nn.Module]:
+        """This rank's reference copies by layer index."""
+        return {i: ref for i, layer in local_layers(pl_module) if (ref := reference_of(layer)) is not None}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -102,7 +102,7 @@ def test_help_lists_groups_and_overrides(tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     for needle in (
-        "model: gpt2, gpt2_medium, small_cpu, tiny",
+        "model: gpt2, gpt2_medium, hf, small_cpu, tiny",
         "strategy: dynmo, single",
         "trainer: cpu, gpu",
         "data: pydoc, text",

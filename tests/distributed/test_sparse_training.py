@@ -18,6 +18,10 @@ WORKER = ROOT / "tests" / "support" / "workers" / "sparse_worker.py"
 PRUNE = {"final_sparsity": 0.9, "start_step": 1, "n_steps": 2, "frequency": 2, "sparse_kernels": False}
 BASE = dict(steps=7, batch=8, n_layer=4, pruning=PRUNE, freezing={"schedule": {"4": 2}})
 MIGRATE = {"balancer": "test_shift", "rebalance": "every_n", "rebalance_interval": 1}
+# Egeria-style: every 2 steps, plateau always reached: the embedding freezes after step 4, then
+# one layer per evaluation; references ride with migrating layers, replicas agree on plasticity
+EGERIA = dict(steps=9, batch=8, n_layer=4, pruning=None,
+              freezing={"criterion": "reference", "threshold": 1e9, "interval": 2, "max_frozen": 4, "max_per_event": 1})
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +31,18 @@ def results(tmp_path_factory):
     pipe = run_worker(tmp / "pipe", 4, [
         dict(BASE, pp=2, save=ckpt, **MIGRATE),
         dict(BASE, pp=4, steps=9, resume=ckpt),  # another stage count, dp=1
+        dict(EGERIA, pp=2, **MIGRATE),
     ], worker=WORKER, timeout=300)
     ref = run_worker(tmp / "ref", None, [
         dict(BASE, pruning=dict(PRUNE, storage_density=None), ref_dp=2),  # masked dense, global batch
         dict(BASE, steps=9, resume=ckpt),
+        dict(EGERIA, ref_dp=2),
     ], worker=WORKER, timeout=300)
     return pipe, ref, torch.load(ckpt, weights_only=False)
 
 
 def test_csr_training_under_pp2_dp2_equals_masked_dense(results):
-    (a, _), (ref, _), _ = results
+    (a, _, _), (ref, _, _), _ = results
     assert a["dp"] == 2 and sum(h["applied"] for h in a["history"]) >= 5  # layers moved before (almost) every step
     assert sum(a["compressed_per_rank"]) == 2 * 16  # every pruned linear of both replicas is CSR-stored
     torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
@@ -45,7 +51,7 @@ def test_csr_training_under_pp2_dp2_equals_masked_dense(results):
 
 
 def test_data_parallel_exchange_carries_only_trainable_kept_values(results):
-    (a, _), _, _ = results
+    (a, _, _), _, _ = results
     sent, grads = a["sent"], a["grads"]
     assert sent == grads  # exactly the gradients: CSR layers' kept values, no frozen parameters
     assert a["frozen_with_grad"] == [0.0] * len(sent)
@@ -55,7 +61,7 @@ def test_data_parallel_exchange_carries_only_trainable_kept_values(results):
 
 
 def test_checkpoint_is_dense_and_resumes_on_four_stages(results):
-    (_, b), (_, ref_b), ckpt = results
+    (_, b, _), (_, ref_b, _), ckpt = results
     sd = ckpt["state_dict"]
     masks = [k for k in sd if k.endswith("weight_mask")]
     assert len(masks) == 16
@@ -72,3 +78,11 @@ def test_checkpoint_is_dense_and_resumes_on_four_stages(results):
     assert b["dp"] == 1 and b["compressed_per_rank"] and sum(b["compressed_per_rank"]) == 16
     assert len(b["losses"]) == len(ref_b["losses"]) == 2
     torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(ref_b["losses"]), rtol=1e-5, atol=0)
+
+
+def test_egeria_freezing_with_migrations_decides_as_one_process(results):
+    (_, _, c), (_, _, ref_c), _ = results
+    assert c["freezing"] == ref_c["freezing"] == [[5, 1], [7, 2], [9, 3]]
+    assert sum(h["applied"] for h in c["history"]) >= 5  # layers (and their references) moved meanwhile
+    assert c["sent"] == c["grads"] and c["sent"][-1] < c["sent"][5] < c["sent"][0]  # frozen layers leave the exchange
+    torch.testing.assert_close(torch.tensor(c["losses"]), torch.tensor(ref_c["losses"]), rtol=1e-5, atol=0)

@@ -229,8 +229,10 @@ def test_reference_criterion_freezes_front_to_back_progressively(tmp_path):
         [False] * 3 + [True] * 2
     assert all(len(v) >= 2 for k, v in cb.plasticity.items() if k < 3)
     assert not torch.nn.modules.module._global_forward_pre_hooks  # the capture hook is gone
-    assert set(cb._references) <= {3, 4}  # only the window's layers are copied
-    assert all(p.device.type == "cpu" and not p.requires_grad for r in cb._references.values() for p in r.parameters())
+    refs = cb.references(model)
+    assert set(refs) <= {3, 4}  # only the window's layers are copied
+    assert all(p.device.type == "cpu" and not p.requires_grad for r in refs.values() for p in r.parameters())
+    assert all(not any(n.startswith("_dynmo") for n in layer.state_dict()) for layer in model.pipeline_layers())
 
     strict = LayerFreezing(criterion="reference", threshold=1e-9, interval=2)  # nothing plateaus
     fit(tmp_path, 8, [strict])

@@ -93,6 +93,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if cfg.get("save"):
         trainer.save_checkpoint(cfg["save"])
     result = {"losses": rec.losses, "dp": dp}
+    if "freezing" in cbs:
+        result["freezing"] = [(h["step"], h["n_frozen"]) for h in cbs["freezing"].history]
     if "pruning" in cbs:
         result["memory"] = cbs["pruning"].state_bytes(trainer, model)
         result["sparsity"] = cbs["pruning"].sparsity
