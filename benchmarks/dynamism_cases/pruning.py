@@ -8,12 +8,12 @@ pruning leaves them (reported per layer); below 50 % density a layer is CSR-stor
 weight is the kept values: gradients and Adam moments shrink with it) and the sparse kernel
 computes it where the measured crossover says it is faster.
 
-The LM head is a real weight in GPT pipelines (GPT-2 small: ~5 blocks of compute; the paper's
-hidden-1024 GPT: ~4); here it costs about two blocks (vocabulary 4608, hidden 192), which makes
-Megatron's layer-count split (embedding + 5 blocks | 3 blocks + norm + head) the best static
-partition of the *dense* model, and the dynamic run starts from it too. Pruning makes the blocks
-cheaper but not the head: the static partitions fall out of balance -- the imbalance DynMo
-removes. (Global magnitude pruning of weights trained for a few dozen CPU steps keeps the eight
+The LM head is heavy in GPT pipelines (GPT-2 small: ~5 blocks of compute; the paper's
+hidden-1024 GPT: ~4). Here vocabulary 4608 and hidden 192 give a head of about 1.7 dense blocks
+(forward + backward + cross-entropy, measured alone), so Megatron's layer-count split (embedding
++ 5 blocks | 3 blocks + norm + head) is the best static partition of the *dense* model, and the
+dynamic run starts from it too. Pruning makes the blocks cheaper but not the head or the
+embedding. (Global magnitude pruning of weights trained for a few dozen CPU steps keeps the eight
 equal blocks at nearly equal densities; they are reported, not set.)
 
 The measurement window is the whole dynamic phase: from the first pruning step (52 %) to the

@@ -213,7 +213,6 @@ class LayerFreezing(Callback):
         if n > self.n_frozen:
             self._apply(trainer, pl_module, n, f"converged, relative grad-norm change {changes} < {self.threshold}")
 
-
     # ------------------------------------------------------------------ Egeria reference criterion
     def _evaluation_due(self, trainer) -> bool:
         return self._last_eval < 0 or trainer.global_step - self._last_eval >= self.interval

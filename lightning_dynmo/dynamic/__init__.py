@@ -1,14 +1,17 @@
 """Model-side dynamism mechanisms (the callbacks in :mod:`lightning_dynmo.callbacks` decide when).
 
 * :mod:`.pruning`: ``global_magnitude_threshold`` (exact k-th |w| over pipeline ranks without
-  gathering weights), the Zhu & Gupta cubic schedule, ``PrunableLinear`` (mask buffer, optional
-  sparse kernel).
+  gathering weights), the Zhu & Gupta cubic schedule, ``PrunableLinear`` (dense storage with a
+  mask buffer, or CSR storage whose master weight is the kept values; optional sparse kernel),
+  ``ParamSwap`` (a storage change for the optimizer re-map).
 * :mod:`.early_exit`: ``EarlyExitGPT`` whose blocks compute only on still-active tokens.
-* :mod:`.freezing`: freezing a layer for real (no grad, optimizer state freed).
+* :mod:`.freezing`: freezing a layer for real (no grad, optimizer state freed); Egeria's reference
+  copy (``snapshot_layer``) and ``plasticity``.
 """
 from ..models.early_exit import EarlyExitGPT, ExitBlock, ExitEmbedding, ExitFinalNorm, active_mask_of
-from .freezing import freeze_layer, is_frozen, layer_grad_norm
+from .freezing import freeze_layer, is_frozen, layer_grad_norm, plasticity, snapshot_layer
 from .pruning import (
+    ParamSwap,
     PrunableLinear,
     cubic_sparsity,
     global_magnitude_threshold,
@@ -26,6 +29,9 @@ __all__ = [
     "freeze_layer",
     "is_frozen",
     "layer_grad_norm",
+    "plasticity",
+    "snapshot_layer",
+    "ParamSwap",
     "PrunableLinear",
     "cubic_sparsity",
     "global_magnitude_threshold",
