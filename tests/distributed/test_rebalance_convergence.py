@@ -1,10 +1,13 @@
 """Live rebalancing on real, unequal layers: a block 16x wider than the others makes the
-Megatron-style uniform partition lopsided; the strategy measures it and moves to the partition that
-is optimal for the layers' FLOPs. (What that buys in measured throughput is a performance claim:
-``benchmarks/rebalance.py`` reports it; no test asserts wall-clock ratios.)"""
+Megatron-style uniform partition lopsided; the strategy measures it and moves to the best split of
+what it measured, which is (nearly) the split that is optimal for the layers' FLOPs. (What that buys
+in measured throughput is a performance claim: ``benchmarks/rebalance.py`` reports it; no test
+asserts wall-clock ratios.)"""
 from __future__ import annotations
 
+import json
 from itertools import combinations
+from pathlib import Path
 
 import pytest
 
@@ -57,20 +60,28 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["auto", "every_n"])
-def test_rebalance_converges_to_the_flop_optimal_partition(results, mode):
+def test_rebalance_moves_to_the_measured_optimum(results, mode):
     cfg, res = RUNS[mode], results[mode]
     applied = [h for h in res["history"] if h.get("applied")]
     assert applied, res["history"]
     loads = flops_per_layer(cfg["n_embd"], cfg["block"], 64)
     opt = best_max_load(loads, 2)
-    # the first move, on the first measurement of the lopsided start, reaches the partition that is
-    # optimal for the layers' real work (within 10 %); later decisions re-measure on a shared machine
-    # and may trade near-equal partitions, but never stray far from it
-    # (10 % on an idle machine; per-layer times measured next to other busy processes skew it)
+    # Every applied move is the best split of the per-layer costs measured for it (cost_trace.jsonl):
+    # the decision follows the measurement exactly. What the measurement says is the machine's: on
+    # a loaded 2-core machine small blocks carry relatively more overhead than their FLOPs, so the
+    # measured optimum may put one light block next to the wide one (1.19x the FLOP optimum).
+    traces = {t["step"]: t for t in map(json.loads, open(Path(res["root_dir"]) / "cost_trace.jsonl"))}
+    for h in applied:
+        t = traces[h["step"]]
+        time = [f + b for f, b in zip(t["forward"], t["backward"])]
+        assert t["partition"] == [int(x) for x in h["before"].replace("|", "-").split("-")[::2]] + [len(time)]
+        best = min(max(sum(time[:c]), sum(time[c:])) for c in range(1, len(time)))
+        assert max_load(time, h["after"]) <= best * (1 + 1e-9), (h, t)
+    # ... and measurement and FLOPs agree on the essentials: the first move, from the lopsided start
+    # (1.57x the FLOP optimum), takes the bottleneck to within 1.25x of the FLOP optimum
     move = applied[0]
+    assert max_load(loads, move["before"]) > 1.5 * opt
     assert max_load(loads, move["after"]) <= 1.25 * opt, (move, res["history"])
-    for h in applied[1:]:
-        assert max_load(loads, h["after"]) <= 1.25 * opt, (h, res["history"])
     # that move was taken because the cost model, on the measured costs, predicted it to help
     assert move["before"] == "0-4|5-8" and move["reason"].startswith("auto:" if mode == "auto" else "every 4")
     assert move["predicted_step_after"] < move["predicted_step_before"]

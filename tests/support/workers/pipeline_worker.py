@@ -142,7 +142,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         val_check_interval=cfg["steps"] if evaluate else None,
         gradient_clip_val=cfg.get("clip"),
         callbacks=callbacks,
-        default_root_dir=out_dir,
+        default_root_dir=os.path.join(out_dir, f"run{idx}"),  # each run's rebalance_history / cost_trace
     )
     val = eval_loader(cfg, cfg["batch"]) if evaluate else None
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), val_dataloaders=val, ckpt_path=cfg.get("resume"))
@@ -164,7 +164,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "released_hook": released_hook.ranks, "optim_tensors_per_rank": [x[4] for x in per_rank],
               "released_hook_per_rank": [x[5] for x in per_rank], "saved_tensors_per_rank": [x[6] for x in per_rank],
               "grad_norms": probe.grad_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
-              "log_dir": trainer.log_dir}
+              "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
