@@ -45,6 +45,7 @@ __all__ = [
     "WarmupCosine",
     "HashSparseSelfAttention",
     "SparseAttentionBlock",
+    "set_hash_step",
     "ATTENTION_KINDS",
 ]
 
@@ -68,8 +69,8 @@ class GPTConfig:
     # "dense" | "hash_sparse" for every block, or a tuple with one entry per block.
     attention: str | tuple = "dense"
     attention_block: int = 64  # layout block size of hash_sparse attention (kernels: 16/32/64/128)
-    nb_hash: int = 4  # hash buckets per head (density ~ 1 / nb_hash)
-    hash_redraw: bool = False  # new hash rotations every training forward (default: fixed per layer)
+    nb_hash: int | tuple = 4  # hash buckets per head (density ~ 1 / nb_hash), or one entry per block
+    hash_redraw: bool = False  # new hash rotations every training step (default: fixed per layer)
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -85,8 +86,13 @@ class GPTConfig:
         for kind in (self.attention,) if isinstance(self.attention, str) else self.attention:
             if kind not in ATTENTION_KINDS:
                 raise ValueError(f"attention must be one of {ATTENTION_KINDS} (or a per-layer tuple), got {kind!r}")
-        if int(self.nb_hash) != self.nb_hash or self.nb_hash < 1:
-            raise ValueError(f"nb_hash must be an integer >= 1, got {self.nb_hash!r}")
+        if not isinstance(self.nb_hash, (int, float)):
+            self.nb_hash = tuple(self.nb_hash)  # lists from YAML/OmegaConf become tuples
+            if len(self.nb_hash) != self.n_layer:
+                raise ValueError(f"nb_hash has {len(self.nb_hash)} entries but n_layer={self.n_layer}")
+        for nb in (self.nb_hash,) if isinstance(self.nb_hash, (int, float)) else self.nb_hash:
+            if int(nb) != nb or nb < 1:
+                raise ValueError(f"nb_hash must be an integer >= 1 (or a per-layer tuple of them), got {nb!r}")
         if int(self.attention_block) != self.attention_block or self.attention_block < 1:
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if self.n_embd % self.n_head != 0:
@@ -101,6 +107,9 @@ class GPTConfig:
     def layer_attention(self, i: int) -> str:
         return self.attention if isinstance(self.attention, str) else self.attention[i]
 
+    def layer_nb_hash(self, i: int) -> int:
+        return int(self.nb_hash if isinstance(self.nb_hash, (int, float)) else self.nb_hash[i])
+
     def to_dict(self) -> dict:
         """Plain dict (tuples -> lists) so checkpoints/hparams.yaml stay portable."""
         d = dataclasses.asdict(self)
@@ -108,6 +117,8 @@ class GPTConfig:
             d["mlp_ratios"] = list(d["mlp_ratios"])
         if not isinstance(d["attention"], str):
             d["attention"] = list(d["attention"])
+        if isinstance(d["nb_hash"], tuple):
+            d["nb_hash"] = list(d["nb_hash"])
         return d
 
     @classmethod
@@ -208,17 +219,20 @@ class HashSparseSelfAttention(CausalSelfAttention):
 
     The rotations are a buffer (they move and checkpoint with the layer), drawn from a
     generator seeded by the layer index, so weights drawn from the global RNG are the same as
-    in a dense model. ``hash_redraw``: rotations are redrawn at every training forward from
-    ``(layer seed, hash_step)``, ``hash_step`` being a buffer too. Attention-probability dropout
-    is not applied (the residual dropout is). ``load_factor()`` (the ReportsLoad protocol) is the
-    mean block density (active / causal block pairs) of the training forwards since
-    ``reset_load()``.
+    in a dense model. ``hash_redraw``: training forwards use rotations drawn from
+    ``(layer seed, hash_step)``, ``hash_step`` being a buffer holding the optimizer step, which
+    ``GPT`` sets at the start of every training batch (:func:`set_hash_step`). The draw is thus a
+    function of (layer, step) alone -- not of the rank, the micro-batch or how many forwards ran
+    -- so a pipeline equals one process, and a forward changes no state (activation
+    checkpointing recomputes it exactly). Attention-probability dropout is not applied (the
+    residual dropout is). ``load_factor()`` (the ReportsLoad protocol) is the mean block density
+    (active / causal block pairs) of the training forwards since ``reset_load()``.
     """
 
     def __init__(self, config: GPTConfig, layer_index: int = 0):
         super().__init__(config)
         self.block = int(config.attention_block)
-        self.nb_hash = int(config.nb_hash)
+        self.nb_hash = config.layer_nb_hash(layer_index)
         self.redraw = bool(config.hash_redraw)
         self._seed = 0x5EED0000 + 7919 * int(layer_index)
         head_dim = config.n_embd // config.n_head
@@ -228,6 +242,7 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.register_buffer("rotations", rotations.to(torch.empty(0).device))
         self.register_buffer("hash_step", torch.zeros((), dtype=torch.long))
         self.last_density: float | None = None
+        self._drawn: tuple | None = None  # ((step, device, dtype), rotations) of hash_redraw
         self.reset_load()
 
     @torch.no_grad()
@@ -238,16 +253,22 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.rotations.copy_(rotations)
         self.hash_step.zero_()
 
+    def current_rotations(self) -> torch.Tensor:
+        """The rotations a forward uses: the fixed buffer, or with ``hash_redraw`` in training
+        those of step ``hash_step`` (drawn once per step and cached)."""
+        if not (self.redraw and self.training):
+            return self.rotations
+        key = (int(self.hash_step), self.rotations.device, self.rotations.dtype)
+        if self._drawn is None or self._drawn[0] != key:
+            gen = torch.Generator().manual_seed(self._seed + 1_000_003 * key[0])
+            self._drawn = (key, draw_rotations(*self.rotations.shape[:2], self.nb_hash, gen, key[1], key[2]))
+        return self._drawn[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        rotations = self.rotations
-        if self.redraw and self.training:
-            gen = torch.Generator().manual_seed(self._seed + 1_000_003 * int(self.hash_step))
-            rotations = draw_rotations(*rotations.shape[:2], self.nb_hash, gen, rotations.device, rotations.dtype)
-            self.hash_step += 1
-        y, plan = hash_sparse_attention(q, k, v, rotations, self.nb_hash, self.block)
+        y, plan = hash_sparse_attention(q, k, v, self.current_rotations(), self.nb_hash, self.block)
         self.last_density = plan.density
         if self.training and torch.is_grad_enabled():
             self._density_sum += plan.density
@@ -315,6 +336,16 @@ class SparseAttentionBlock(Block):
     def reset_load(self) -> None:
         self._fixed_macs = self._attn_macs = self._full_attn_macs = 0
         self.attn.reset_load()
+
+
+@torch.no_grad()
+def set_hash_step(module: nn.Module, step: int) -> None:
+    """Make every :class:`HashSparseSelfAttention` in ``module`` draw the rotations of optimizer
+    step ``step`` (``hash_redraw``). ``GPT`` calls it at the start of each training batch on
+    whatever layers the rank holds; a hand-written training loop calls it once per step."""
+    for m in module.modules():
+        if isinstance(m, HashSparseSelfAttention):
+            m.hash_step.fill_(int(step))
 
 
 class FinalNorm(nn.Module):
@@ -469,6 +500,10 @@ class GPT(L.LightningModule):
         return x
 
     # ------------------------------------------------------------------ lightning hooks
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        # before the strategy's hook (which may migrate layers): every rank sets its own layers
+        set_hash_step(self, self.global_step)
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = self.pipeline_loss(self(x), y)

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from lightning_dynmo import sparse
 from lightning_dynmo.models import GPT, Block, GPTConfig
-from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock
+from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.protocol import ReportsLoad
 from lightning_dynmo.sparse import _ops
 from lightning_dynmo.sparse.attention import BlockLayout, block_attention_op, block_sparse_attention
@@ -477,10 +477,54 @@ def test_hash_rotations_are_layer_state():
     assert torch.equal(other.eval()(x), m.eval()(x))
 
 
-def test_hash_redraw_is_deterministic_per_step():
+def test_hash_redraw_is_a_function_of_layer_and_step():
+    """Rotations follow (layer, optimizer step) only: forwards within a step (micro-batches,
+    recomputation) agree and change no state; another step draws new ones; the model's fixed
+    rotations serve evaluation."""
     a, b = sparse_tiny(hash_redraw=True).train(), sparse_tiny(hash_redraw=True).train()
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
-    ya1, ya2 = a(x), a(x)
-    assert int(a.layers[1].attn.hash_step) == 2
+    state = {k: v.clone() for k, v in a.state_dict().items()}
+    ya1, ya1_again = a(x), a(x)
+    assert torch.equal(ya1, ya1_again)  # one step, one draw
+    assert all(torch.equal(v, state[k]) for k, v in a.state_dict().items())  # forward changes no state
+    set_hash_step(a, 1)
+    assert int(a.layers[1].attn.hash_step) == 1
+    ya2 = a(x)
     assert not torch.equal(ya1, ya2)  # new rotations, new buckets
-    assert torch.equal(b(x), ya1) and torch.equal(b(x), ya2)  # same step -> same rotations
+    assert torch.equal(b(x), ya1)
+    set_hash_step(b, 1)
+    assert torch.equal(b(x), ya2)  # same step -> same rotations, whatever ran before
+    assert not torch.equal(a.layers[1].attn.current_rotations(), a.layers[2].attn.current_rotations())
+    a.eval()
+    assert a.layers[1].attn.current_rotations() is a.layers[1].attn.rotations
+
+
+def test_lightning_sets_the_hash_step_each_batch():
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    seen = []
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(int(pl_module.layers[1].attn.hash_step))
+
+    data = torch.randint(0, 256, (6, 33), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Probe()])
+    trainer.fit(sparse_tiny(hash_redraw=True), loader)
+    assert seen == [0, 1, 2]
+
+
+def test_per_layer_nb_hash():
+    cfg = GPTConfig.preset("tiny", attention="hash_sparse", attention_block=16, nb_hash=[1, 2, 4, 8])
+    assert cfg.nb_hash == (1, 2, 4, 8) and cfg.to_dict()["nb_hash"] == [1, 2, 4, 8]
+    assert GPTConfig.from_any(cfg.to_dict()) == cfg
+    m = GPT(cfg, seed=0)
+    assert [m.layers[i + 1].attn.nb_hash for i in range(4)] == [1, 2, 4, 8]
+    assert [tuple(m.layers[i + 1].attn.rotations.shape) for i in range(4)] == [(2, 16, 1), (2, 16, 1), (2, 16, 2),
+                                                                             (2, 16, 4)]
+    for bad, match in [([1, 2], "entries"), ([1, 0, 2, 2], "nb_hash"), ([1, 1.5, 2, 2], "nb_hash")]:
+        with pytest.raises(ValueError, match=match):
+            GPTConfig.preset("tiny", nb_hash=bad)
