@@ -17,8 +17,9 @@ from lightning_dynmo.models import GPT, GPTConfig
 
 
 def make_model(cfg: dict, cls: type = GPT) -> GPT:
-    """The test GPT; ``cfg["tied"]``: the LM head shares the token embedding's weight (GPT-2's
-    tying), so the parameter is used by the first and the last pipeline layer."""
+    """The test GPT; ``cfg["gpt"]``: further GPTConfig fields; ``cfg["tied"]``: the LM head shares
+    the token embedding's weight (GPT-2's tying), so the parameter is used by the first and the
+    last pipeline layer."""
     n_layer = cfg.get("n_layer", 6)
     config = GPTConfig(
         vocab_size=64,
@@ -29,6 +30,7 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         dropout=0.0,
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
+        **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
     model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
     if cfg.get("tied"):
