@@ -51,14 +51,15 @@ from ..plan.policy import RebalancePolicy
 from ..plan.layout import PipelineLayout
 from ..plan.schedules import choose_microbatches
 from ..plan.topology import Topology
-from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
+from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.engine import EngineCache, Placement
+from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
 from ..runtime.batches import check_same_batch
 from ..runtime.groups import build_groups
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
-from ..runtime.placement import collect_load_factors, drop_remote_layers
+from ..runtime.placement import check_local_layers_present, collect_load_factors, drop_remote_layers
 from ..runtime.profiler import PipelineProfiler
 from ..runtime.step_stats import exchange_step_stats, share_eval_loss
 from ..runtime.tied import TiedParameters, find_tied_parameters
@@ -137,6 +138,10 @@ class DynMoStrategy(ParallelStrategy):
             (``torch.utils.checkpoint`` per layer), ``"auto"`` only the layers needed for each stage
             to fit ``memory_capacity``, ``False`` none (see
             :mod:`lightning_dynmo.runtime.checkpointing`).
+        expert_parallel: split each MoE layer's experts over this many data-parallel replicas
+            of its stage (must divide the replica count and every layer's ``num_experts``);
+            tokens travel to their expert's owner by ``all_to_all`` (see
+            :mod:`lightning_dynmo.runtime.expert_parallel`). 1: every replica holds every expert.
 
     A model built under ``trainer.init_module(empty_init=True)`` (the meta device) is materialised
     layer by layer: each rank allocates and initialises only the layers it owns (see
@@ -166,6 +171,7 @@ class DynMoStrategy(ParallelStrategy):
         plot_interval: int = 50,
         on_nonfinite: Literal["error", "skip", "ignore"] = "error",
         activation_checkpointing: bool | Literal["auto"] = False,
+        expert_parallel: int = 1,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -183,7 +189,7 @@ class DynMoStrategy(ParallelStrategy):
             virtual_stages=virtual_stages, balancer=balancer, partition=partition, memory_capacity=memory_capacity,
             repack=repack, repack_tolerance=repack_tolerance, plot=plot, timeout=timeout, start_method=start_method,
             process_group_backend=process_group_backend, plot_interval=plot_interval, on_nonfinite=on_nonfinite,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel,
         )
         policy = RebalancePolicy(mode=rebalance, interval=rebalance_interval, threshold=imbalance_threshold,
                                  horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis)
@@ -210,6 +216,7 @@ class DynMoStrategy(ParallelStrategy):
         self._apply_step = True
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
+        self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -240,7 +247,7 @@ class DynMoStrategy(ParallelStrategy):
         self._precision_plugin = plugin
         if plugin is not None:
             install_global_norm_clipping(plugin, lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt), lambda: self.pipeline_group,
-                                         lambda: not self.released)
+                                         lambda: not self.released, self.expert_shards)
             install_found_inf_agreement(plugin, lambda: self.pipeline_group, lambda: not self.released,
                                         lambda: self.root_device)
 
@@ -280,7 +287,13 @@ class DynMoStrategy(ParallelStrategy):
         return True  # layers are placed first, then each rank loads its own part
 
     def _world_topology(self) -> Topology:
-        return Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
+        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
+        check_expert_parallel(self.options.expert_parallel, topo.dp)
+        return topo
+
+    def expert_shards(self) -> ExpertShards | None:
+        """This rank's expert-shard parameters and groups (None without expert parallelism)."""
+        return self.expert_parallel.shards(self.lightning_module) if self.expert_parallel else None
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -301,8 +314,9 @@ class DynMoStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self.layout = PipelineLayout(self._world_topology(), self.options.schedule, self.options.virtual_stages,
-                                     self.global_rank)
+        if self.layout is None:  # a later trainer stage (test/validate after fit) keeps where the layers now live
+            self.layout = PipelineLayout(self._world_topology(), self.options.schedule, self.options.virtual_stages,
+                                         self.global_rank)
         o = self.options
         backend = o.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         kwargs: dict[str, Any] = {"timeout": o.timeout}
@@ -318,6 +332,7 @@ class DynMoStrategy(ParallelStrategy):
         self.pipeline_group, self.data_parallel_group, self.replica_pipeline_groups = build_groups(
             self.layout.topology, self.global_rank, o.timeout
         )
+        self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
 
     def teardown(self) -> None:
         """Free the built stages and profiling hooks, then Lightning's teardown. The process group
@@ -378,7 +393,7 @@ class DynMoStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel, self.options.virtual_stages,
-                     self.options.activation_checkpointing)
+                     self.options.activation_checkpointing, self.options.expert_parallel)
         check_precision(self.precision_plugin)
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
@@ -386,6 +401,12 @@ class DynMoStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and any(isinstance(layer, RemoteLayer) for layer in layers):
+            raise RuntimeError(
+                f"rank {self.global_rank}: this module was already split across the pipeline by an earlier fit; "
+                "its optimizer cannot be rebuilt from the local layers alone. Build a fresh module and resume with "
+                "trainer.fit(model, ckpt_path=...) (checkpoints load under any partition)."
+            )
         if fitting:
             message = skipped_training_step_warning(module)
             if message:
@@ -395,8 +416,10 @@ class DynMoStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             self.optimizer_layout = OptimizerLayout.record(module, self.optimizers, self.tied.aliases)
             check_precision(self.precision_plugin, self.optimizers)
-        self.layout.partition = self.rebalancer.initial_partition(layers)
+        if self.layout.partition is None:
+            self.layout.partition = self.rebalancer.initial_partition(layers)
         drop_remote_layers(layers, self.layout)
+        check_local_layers_present(layers, self.local_layer_indices(), self.global_rank)
         self.tied.update(self.layout, self.options.timeout)
         if self.topology.dp == 1:
             # One replica: every rank already loads the same batches; Lightning's injected
@@ -406,6 +429,8 @@ class DynMoStrategy(ParallelStrategy):
             OptimizerLayout.keep_only_local(module, self.optimizers)
         # a model built on the meta device: allocate and initialise this rank's layers only
         materialize_pipeline(module, layers, self.local_layer_indices(), self.optimizers if fitting else ())
+        if self.expert_parallel:  # keep this rank's expert shard (the optimizers hold the shards instead)
+            self.expert_parallel.shard_module(module, self.optimizers if fitting else (), self.optimizer_layout)
         self.model_to_device()
         self.tied.align(layers, self.optimizers if fitting else ())  # tied copies: one object per rank, equal values
         self.profiler = PipelineProfiler(self.root_device)
@@ -474,7 +499,9 @@ class DynMoStrategy(ParallelStrategy):
         self.last_batch_size = int(inputs.shape[0])
         losses, busy, wall, loads = None, 0.0, 0.0, {}
         self._held_grads.clear()
-        if not self.released:  # a released rank computes nothing; it only joins the step's collective
+        if self.released:
+            self.profiler.begin_step()  # its timeline is empty, not its last active step's
+        else:  # a released rank computes nothing; it only joins the step's collective
             with self.precision_plugin.train_step_context():
                 engine = self._engine_for(inputs, targets, train=True)
                 for p in module.parameters():
@@ -509,7 +536,7 @@ class DynMoStrategy(ParallelStrategy):
             self._held_grads.restore()
             if not self.released:
                 self.tied.sync_gradients(self._layers)
-            average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp)
+            average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp, self.expert_shards())
         else:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
             self._held_grads.clear()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)

@@ -312,11 +312,6 @@ def test_validation_and_trainer_test_equal_single_process(two_rank_results):
     check_evaluation(res, cfg)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug: a second Trainer stage (trainer.test/validate after fit) re-runs DynMoStrategy.setup, "
-    "which resets the partition to the initial one (Rebalancer.initial_partition) although the layers "
-    "were migrated; a rank then runs a RemoteLayer ('layer 2 lives on pipeline rank 0, not on this rank') "
-    "and its peer waits for the collective timeout"))
 def test_trainer_test_after_a_rebalanced_fit(tmp_path):
     cfg = base(steps=3, schedule="1f1b", rebalance="every_n", balancer="test_cycle", evaluate=VALIDATE_AND_TEST,
                timeout=5)

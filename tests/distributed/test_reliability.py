@@ -122,6 +122,7 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
         dict(case="order", n_layer=2, steps=4, n_samples=64),
+        dict(case="fit_twice", n_layer=2, steps=2),
         dict(RESTART, case="restart_reference", resume=None),
     ]
     runs += [dict(case=f"ckpt_{name}", n_layer=4, steps=2, resume=checkpoints[name]) for name, _ in BAD_CHECKPOINTS]
@@ -196,6 +197,12 @@ def test_skipped_training_step_warns_once_and_the_loss_hook_runs(cases):
 
 
 # ---------------------------------------------------------------------------------- item 0
+def test_a_second_fit_on_the_split_module_refuses_on_every_rank(cases):
+    res = cases["fit_twice"]
+    assert all(r["global_step"] == 2 for r in res["per_rank"]), res  # the first fit trained
+    _assert_fails_everywhere(res, "already split", "fresh module", "ckpt_path")
+
+
 def test_a_request_under_never_warns_once_naming_the_option(cases):
     res = cases["request_under_never"]
     assert _errors(res) == [None, None]

@@ -200,7 +200,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            trainer.fit(model, train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=cfg.get("resume"))
+            for _ in range(2 if cfg["case"] == "fit_twice" else 1):  # a second fit on the split module must refuse
+                trainer.fit(model, train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=cfg.get("resume"))
         except Exception as err:  # noqa: BLE001 - recorded and compared by the test
             error = f"{type(err).__name__}: {err}"
     local = {
