@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..runtime.expert_parallel import ExpertShard, active_expert_parallel, run_sharded_experts
+
 
 @functools.cache
 def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
@@ -44,12 +46,18 @@ class GroupedExperts(nn.Module):
     runs all experts as one grouped GEMM per weight (``torch._grouped_mm``) when this torch build
     has it for the device and dtype and every row stride is a multiple of 16 bytes; otherwise it
     loops over experts. Both compute the same function.
+
+    Expert parallelism (:mod:`lightning_dynmo.runtime.expert_parallel`): after
+    ``shard_experts(shard)`` the module holds only its shard's experts (``w1 [E / ep, C, H]``...)
+    while ``num_experts`` stays the layer's total; ``forward`` still takes tokens sorted by global
+    expert with ``[num_experts]`` counts and exchanges them with the replicas owning the others.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, grouped_mm: bool | None = None):
         super().__init__()
         self.dim, self.hidden, self.num_experts = dim, hidden, num_experts
         self.grouped_mm = grouped_mm
+        self.expert_shard: ExpertShard | None = None
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
@@ -70,7 +78,30 @@ class GroupedExperts(nn.Module):
             )
         return runs and aligned
 
+    def shard_experts(self, shard: ExpertShard) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        """Keep only ``shard``'s experts; returns ``[(name, old, new)]`` parameters ([] if already held)."""
+        if self.expert_shard == shard:
+            return []
+        if self.expert_shard is not None:
+            raise RuntimeError(f"experts already hold shard {self.expert_shard}, cannot re-shard to {shard}")
+        if self.num_experts % shard.size:
+            raise ValueError(f"num_experts={self.num_experts} cannot be split into expert_parallel={shard.size} shards")
+        replaced = []
+        for name in ("w1", "w3", "w2"):
+            old = getattr(self, name)
+            new = nn.Parameter(shard.take(old.detach()).clone(), requires_grad=old.requires_grad)
+            setattr(self, name, new)
+            replaced.append((name, old, new))
+        self.expert_shard = shard
+        return replaced
+
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        if self.expert_shard is not None:
+            return run_sharded_experts(self._local, x, counts, active_expert_parallel())
+        return self._local(x, counts)
+
+    def _local(self, x: Tensor, counts: Tensor) -> Tensor:
+        """The experts this module holds on tokens sorted by them (``counts[e]`` rows each)."""
         device_type = x.device.type
         # under autocast, compute in the autocast dtype like nn.Linear would
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .expert_parallel import ExpertShards
+
 #: ``optimizer -> (this rank's [(single-process position, parameter)], total parameter count)``
 PositionsFn = Callable[[object], tuple[list[tuple[int, nn.Parameter]], int]]
 
@@ -43,23 +45,51 @@ class HeldGradients:
         self._held = []
 
 
-def average_over_replicas(params: Iterable[nn.Parameter], group, replicas: int) -> None:
-    """Mean of each gradient over the data-parallel group, as one flat all-reduce."""
-    if replicas == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
+def _mean_over(grads: list[torch.Tensor], group, divisor: int) -> None:
+    """Sum ``grads`` over ``group`` (``None``: no one else) as one flat all-reduce, then divide."""
     if not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat /= replicas
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    flat /= divisor
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 
 
-def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, group) -> None:
+def average_over_replicas(params: Iterable[nn.Parameter], group, replicas: int,
+                          experts: ExpertShards | None = None) -> None:
+    """Mean of each gradient over the data-parallel group; expert shards (``experts.params``) are
+    summed over the replicas holding the same shard instead (see the module docstring)."""
+    if replicas == 1:
+        return
+    shard_ids = experts.params if experts is not None else frozenset()
+    with_grad = [p for p in params if p.grad is not None]
+    _mean_over([p.grad for p in with_grad if id(p) not in shard_ids], group, replicas)
+    if shard_ids:
+        _mean_over([p.grad for p in with_grad if id(p) in shard_ids], experts.same_shard, replicas)
+
+
+def _whole_expert_norms(slots: list, local: list[torch.Tensor], experts: ExpertShards | None) -> list[torch.Tensor]:
+    """Norms of whole expert parameters from this rank's shards (one all-reduce over the peers
+    holding the other shards, which hold the same parameters); others unchanged."""
+    if experts is None:
+        return local
+    which = [k for k, (_, p) in enumerate(slots) if id(p) in experts.params]
+    if not which:
+        return local
+    squares = torch.stack([local[k].float() for k in which]).square()
+    dist.all_reduce(squares, group=experts.peers)
+    local = list(local)
+    for k, sq in zip(which, squares.sqrt()):
+        local[k] = sq
+    return local
+
+
+def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, group,
+                        experts: ExpertShards | None = None) -> None:
     """Scale this rank's gradients of ``optimizer`` so the whole model's norm is <= ``clip_val``
-    (collective over the pipeline ``group``)."""
+    (collective over the pipeline ``group``, and over the expert peers when ``experts`` is given)."""
     opt = getattr(optimizer, "_optimizer", optimizer)
     slots, total = positions(opt)
     slots = [(i, p) for i, p in slots if p.grad is not None]
@@ -70,7 +100,7 @@ def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, grou
     norms = torch.zeros(total, dtype=torch.float32, device=device)
     present = torch.zeros(total, dtype=torch.float32, device=device)
     if grads:
-        local = torch._foreach_norm(grads, 2.0)
+        local = _whole_expert_norms(slots, torch._foreach_norm(grads, 2.0), experts)
         idx = torch.tensor([i for i, _ in slots], device=device)
         norms[idx] = torch.stack([n.to(device, torch.float32) for n in local])
         present[idx] = 1.0
@@ -85,14 +115,16 @@ def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, grou
 
 
 def install_global_norm_clipping(plugin, positions: PositionsFn, group: Callable[[], object],
-                                 active: Callable[[], bool]) -> None:
+                                 active: Callable[[], bool],
+                                 experts: Callable[[], ExpertShards | None] = lambda: None) -> None:
     """Give ``plugin`` (any Lightning precision plugin) a ``clip_grad_by_norm`` that clips by the
-    global norm over the pipeline group ``group()``; a rank where ``active()`` is False (released
-    by re-packing) holds no gradients and skips it. The plugin's class is left as it is: only this
-    instance's method is replaced, so any precision a user picks keeps its behaviour."""
+    global norm over the pipeline group ``group()`` (expert shards from ``experts()`` counted
+    once); a rank where ``active()`` is False (released by re-packing) holds no gradients and
+    skips it. The plugin's class is left as it is: only this instance's method is replaced, so
+    any precision a user picks keeps its behaviour."""
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
         if active():
-            clip_by_global_norm(optimizer, clip_val, positions, group())
+            clip_by_global_norm(optimizer, clip_val, positions, group(), experts())
 
     plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)

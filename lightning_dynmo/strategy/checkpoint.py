@@ -14,6 +14,11 @@ fails on every rank with the same message before any collective:
   unexpected keys, as ``nn.Module.load_state_dict`` does), and shapes must always match;
 * the optimizer state must have the module's optimizer's groups, parameter counts and, for every
   per-parameter tensor, its parameter's shape.
+
+Expert parallelism: a rank holds one shard of each expert parameter (dim 0 split over its expert
+peers). Saving gathers the shards (and their optimizer state) into whole tensors over the peers
+first; loading slices each whole tensor to the rank's shard. The file is the same as without
+expert parallelism, so a run resumes under any ``expert_parallel`` or ``pipeline_parallel``.
 """
 from __future__ import annotations
 
@@ -134,9 +139,46 @@ def gather_to_zero(strategy: "DynMoStrategy", obj: Any) -> list[Any] | None:
     return out
 
 
+def _whole_experts(strategy: "DynMoStrategy", tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` with every expert shard among them replaced by the whole tensor (collective
+    over the expert peers; without expert parallelism ``tensors`` as they are)."""
+    ep = strategy.expert_parallel
+    if ep is None:
+        return tensors
+    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    return {**tensors, **ep.gather({k: v for k, v in tensors.items() if k in sharded}, strategy.root_device)}
+
+
+def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (whole tensors by parameter name) with expert parameters cut to this rank's shard."""
+    ep = strategy.expert_parallel
+    if ep is None:
+        return state
+    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    return {k: (ep.shard.take(v) if k in sharded else v) for k, v in state.items()}
+
+
+def _own_optimizer_shards(strategy: "DynMoStrategy", o: int, sd: dict) -> dict:
+    """Optimizer ``o``'s single-process state dict with the per-parameter tensors of expert
+    parameters cut to this rank's shard (the file's dict is left as it is)."""
+    ep = strategy.expert_parallel
+    if ep is None:
+        return sd
+    layout, shapes = strategy.optimizer_layout, strategy.full_state_shapes
+    state = dict(sd["state"])
+    for name in ep.sharded_parameters(strategy.lightning_module):
+        slot = layout.slot(name)
+        if slot is None or slot.optimizer != o or slot.index not in state:
+            continue
+        state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == tuple(shapes[name]) else v)
+                             for k, v in state[slot.index].items()}
+    return {**sd, "state": state}
+
+
 def full_model_state_dict(strategy: "DynMoStrategy") -> dict[str, Any]:
     """The whole model's state dict on rank 0; empty elsewhere. Collective."""
     local = {k: v.detach().cpu() for k, v in strategy.lightning_module.state_dict().items()}
+    local = _whole_experts(strategy, local)
     parts = gather_to_zero(strategy, local)
     full: dict[str, Any] = {}
     for part in parts or []:
@@ -150,6 +192,13 @@ def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]
     o = OptimizerLayout.index_of(strategy.optimizers, opt)
     layout = strategy.optimizer_layout
     states = layout.local_states(strategy.lightning_module, strategy.optimizers, o)
+    ep = strategy.expert_parallel
+    if ep is not None:  # the per-parameter tensors (Adam's moments) of expert shards, made whole
+        sharded = set(ep.sharded_parameters(strategy.lightning_module))
+        shards = {(name, key): v for name, st in states.items() if name in sharded
+                  for key, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+        for (name, key), v in ep.gather(shards, strategy.root_device).items():
+            states[name][key] = v
     parts = gather_to_zero(strategy, states)
     if not parts:
         return {}
@@ -164,7 +213,8 @@ def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: 
     module = strategy.lightning_module
     check_model_state(strategy.full_state_shapes, checkpoint["state_dict"], strict, type(module).__name__)
     own = module.state_dict()
-    module.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k in own}, strict=False)
+    state = _own_shards(strategy, {k: v for k, v in checkpoint["state_dict"].items() if k in own})
+    module.load_state_dict(state, strict=False)
 
 
 def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> None:
@@ -181,5 +231,5 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
             + " (was it saved from a different model or configure_optimizers()?)"
         )
     for o, (opt, sd) in enumerate(zip(optimizers, states)):
-        strategy.optimizer_layout.load_local(strategy.lightning_module, opt, o, sd)
+        strategy.optimizer_layout.load_local(strategy.lightning_module, opt, o, _own_optimizer_shards(strategy, o, sd))
     _optimizers_to_device(optimizers, strategy.root_device)

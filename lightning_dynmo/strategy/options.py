@@ -15,6 +15,7 @@ from ..plan.schedules import ScheduleSpec, get_schedule
 from ..plan.validation import positive_int
 from ..protocol import PipelineProtocolError, pipeline_layers_of
 from ..runtime.checkpointing import check_activation_checkpointing
+from ..runtime.expert_parallel import check_expert_parallel_model
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -39,13 +40,15 @@ class PipelineOptions:
     start_method: str
     process_group_backend: str | None
     activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/checkpointing.py)
+    expert_parallel: int = 1  # replicas each stage's experts are split over (runtime/expert_parallel.py)
 
     @classmethod
     def validate(cls, *, pipeline_parallel, schedule, microbatches, virtual_stages, balancer, partition,
                  memory_capacity, repack, repack_tolerance, plot, timeout, start_method,
                  process_group_backend, plot_interval=50, on_nonfinite="error",
-                 activation_checkpointing=False) -> "PipelineOptions":
+                 activation_checkpointing=False, expert_parallel=1) -> "PipelineOptions":
         pp = positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
+        positive_int("expert_parallel", expert_parallel)
         spec = get_schedule(schedule)
         virtual = spec.virtual_stages(virtual_stages)
         mb = positive_int("microbatches", microbatches, allow=(None,))
@@ -80,12 +83,14 @@ class PipelineOptions:
             memory_capacity=memory_capacity, repack=repack, repack_tolerance=float(repack_tolerance),
             plot=bool(plot), plot_interval=plot_interval, on_nonfinite=on_nonfinite, timeout=timeout or DEFAULT_TIMEOUT, start_method=start_method,
             process_group_backend=process_group_backend, activation_checkpointing=activation_checkpointing,
+            expert_parallel=expert_parallel,
         )
 
 
 def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline_parallel: int, virtual: int,
-                 activation_checkpointing: bool | str = False) -> None:
+                 activation_checkpointing: bool | str = False, expert_parallel: int = 1) -> None:
     """What the pipeline needs of the LightningModule and the Trainer, checked at setup."""
+    check_expert_parallel_model(module, expert_parallel)
     if activation_checkpointing is not False:
         try:
             pipeline_layers_of(module)

@@ -3,10 +3,13 @@ tests compare.
 
 Usage: torchrun --nproc-per-node N tests/support/workers/moe_worker.py SPEC.json
        python tests/support/workers/moe_worker.py SPEC.json          (single process, no strategy)
-SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch, moe (MoEConfig fields),
-pp (absent: single process), schedule, microbatches, balancer, rebalance, rebalance_interval.
-Rank 0 writes {"runs": [...]} with the losses, the state dict path, the rebalance history and the
-MoELoadMonitor's last per-layer statistics.
+SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch (per replica), moe (MoEConfig
+fields), pp (absent: single process), schedule, microbatches, balancer, rebalance,
+rebalance_interval, expert_parallel, save_ckpt (a Lightning checkpoint at the last step), dp (single
+process only: train on the global batch of that many replicas, in their sampler's order).
+Rank 0 writes {"runs": [...]} with the losses, the state dict and optimizer state paths, the
+rebalance history, the MoELoadMonitor's last per-layer statistics and, per rank, the expert rows
+each local MoE layer holds.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             balancer=cfg.get("balancer", "uniform"),
             rebalance=cfg.get("rebalance", "never"),
             rebalance_interval=cfg.get("rebalance_interval", 1),
+            expert_parallel=cfg.get("expert_parallel", 1),
             plot=False,
             timeout=120,
         )
@@ -49,23 +53,38 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     else:
         kw = dict(devices=1)
     rec, monitor = LossRecorder(), MoELoadMonitor()
+    callbacks = [rec, monitor]
+    ckpt_dir = os.path.join(out_dir, f"moe_ckpt{idx}")
+    if cfg.get("save_ckpt"):
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
+                                                             every_n_train_steps=cfg["steps"]))
     model = build_model(cfg)
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
+        accelerator="cpu", max_steps=cfg["steps"], logger=False, enable_checkpointing=bool(cfg.get("save_ckpt")),
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        gradient_clip_val=cfg.get("clip"), callbacks=[rec, monitor], default_root_dir=out_dir, **kw,
+        gradient_clip_val=cfg.get("clip"), callbacks=callbacks, default_root_dir=out_dir, **kw,
     )
-    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"], reference=not pipeline))
+    dp = 1 if pipeline else cfg.get("dp", 1)
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp))
+    expert_rows = {i: int(block.mlp.experts.w1.shape[0]) for i, block in model.moe_blocks()}
     if pipeline:
         state = trainer.strategy.lightning_module_state_dict()
+        optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
         history = trainer.strategy.rebalance_history
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, expert_rows)
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        history = []
-    result = {"losses": rec.losses, "history": history, "load": monitor.last_stats}
+        optim = trainer.optimizers[0].state_dict()
+        history, per_rank = [], [expert_rows]
+    result = {"losses": rec.losses, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"moe_state{idx}.pt")
+        result["optim"] = os.path.join(out_dir, f"moe_optim{idx}.pt")
         torch.save(state, result["state"])
+        torch.save(optim, result["optim"])
+        if cfg.get("save_ckpt"):
+            result["ckpt"] = os.path.join(ckpt_dir, "last.ckpt")
     return result
 
 

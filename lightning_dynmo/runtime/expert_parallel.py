@@ -1,0 +1,255 @@
+"""Expert parallelism across the data-parallel replicas of a pipeline stage.
+
+``DynMoStrategy(expert_parallel=ep)``: the ``dp`` replicas of each stage (the ranks that hold the
+same layers in different pipelines) form ``dp / ep`` *expert-parallel groups* of ``ep`` adjacent
+replicas (by data-parallel index). Replica ``d`` holds shard ``d % ep`` of every expert layer it
+owns: experts ``[k n, (k + 1) n)`` with ``n = num_experts / ep``.
+
+Forward of a sharded expert layer (:func:`run_sharded_experts`), per micro-batch:
+
+1. each replica routes its own tokens and sorts them by expert (as without sharding);
+2. tokens-per-expert counts are exchanged (one ``all_to_all_single`` of ``[num_experts]``), so
+   every replica knows how many rows it sends to and receives from each peer;
+3. tokens go to their expert's owner (``all_to_all_single`` with uneven splits, gloo and NCCL),
+   are regrouped by local expert, run through the local experts, and come back the same way.
+
+Both token exchanges are :class:`_AllToAll`, whose backward is the reverse exchange, so the
+gradient of every expert output reaches the owner and the gradient of every input its sender.
+All replicas of a stage run the same schedule over the same layers, so these collectives line
+up in the same order on every member of a group, in forward and in backward.
+
+Gradients: an expert shard's owner receives the summed gradient of the ``ep`` replicas of its
+group; averaging over the data-parallel group would mix different experts, so expert shards are
+instead summed over the ``dp / ep`` replicas holding the *same* shard and divided by ``dp``
+(:class:`ExpertShards`), which is the data-parallel mean of single-process training.
+
+Layer migration moves a layer from replica ``d`` of one stage to replica ``d`` of another (each
+replica's pipeline migrates on its own), so a shard keeps its index and moves with its
+optimizer state like any parameter. Checkpoints are gathered to whole ``[num_experts, ...]``
+tensors on save and sliced on load (``strategy/checkpoint.py``), so they stay in single-process
+format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, NamedTuple, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..plan.topology import Topology
+from .optimizer_layout import OptimizerLayout
+
+__all__ = [
+    "ExpertParallel",
+    "ExpertShard",
+    "ExpertShards",
+    "ShardsExperts",
+    "active_expert_parallel",
+    "check_expert_parallel",
+    "check_expert_parallel_model",
+    "expert_modules",
+    "run_sharded_experts",
+]
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Shard ``rank`` of ``size``: the ``rank``-th of ``size`` equal slices of the experts (dim 0)."""
+
+    rank: int
+    size: int
+
+    def take(self, full: Tensor) -> Tensor:
+        """This shard's rows of a whole ``[num_experts, ...]`` tensor (a view)."""
+        n = full.shape[0] // self.size
+        return full.narrow(0, self.rank * n, n)
+
+
+@runtime_checkable
+class ShardsExperts(Protocol):
+    """A module whose parameters stack ``num_experts`` experts along dim 0 and that can keep only
+    a shard of them (:class:`~lightning_dynmo.models.moe.GroupedExperts`).
+
+    ``shard_experts(shard)`` replaces each stacked parameter by its shard (new ``Parameter``
+    objects) and returns ``[(name, old, new)]``; a module already holding ``shard`` returns ``[]``.
+    While ``expert_shard`` is set, its forward takes tokens sorted by *global* expert with
+    ``[num_experts]`` counts and dispatches them with :func:`run_sharded_experts`."""
+
+    num_experts: int
+    expert_shard: ExpertShard | None
+
+    def shard_experts(self, shard: ExpertShard) -> list[tuple[str, nn.Parameter, nn.Parameter]]: ...
+
+
+def expert_modules(module: nn.Module) -> list[tuple[str, ShardsExperts]]:
+    """``(qualified name, module)`` of every expert module inside ``module``."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, ShardsExperts)]
+
+
+def check_expert_parallel(ep: int, dp: int) -> None:
+    """``ep`` must divide the data-parallel size (raises naming the fix)."""
+    if ep > 1 and dp % ep:
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ValueError(
+            f"expert_parallel={ep} must divide the {dp} data-parallel replicas (devices x num_nodes / "
+            f"pipeline_parallel): each stage's experts are split over groups of expert_parallel replicas. "
+            f"Use expert_parallel in {divisors}, or change devices/pipeline_parallel"
+        )
+
+
+def check_expert_parallel_model(module: nn.Module, ep: int) -> None:
+    """With ``ep > 1`` the model must have expert layers whose expert count ``ep`` divides."""
+    if ep == 1:
+        return
+    found = expert_modules(module)
+    if not found:
+        raise ValueError(
+            f"expert_parallel={ep}, but {type(module).__name__} has no expert layers (modules like GroupedExperts "
+            "that implement ShardsExperts) to shard; use expert_parallel=1 or an MoE model"
+        )
+    bad = sorted({m.num_experts for _, m in found if m.num_experts % ep})
+    if bad:
+        raise ValueError(
+            f"expert_parallel={ep} must divide the number of experts of every MoE layer, but layers have "
+            f"num_experts={bad}; use an expert_parallel that divides {bad[0]}"
+        )
+
+
+class ExpertShards(NamedTuple):
+    """What gradient averaging and clipping need about this rank's expert shards: the shard
+    parameters (by id), the group of the replicas holding the other shards of the same layers
+    (``peers``), and the group of those holding the same shard (``same_shard``, ``None`` when it
+    is this rank alone)."""
+
+    params: frozenset[int]
+    peers: object
+    same_shard: object
+
+
+def _groups_of_stage(topo: Topology, ep: int, stage: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Global ranks of the expert-parallel groups (blocks of ``ep`` adjacent replicas) of
+    ``stage`` and of its same-shard groups (every ``ep``-th replica)."""
+    replicas = topo.replica_ranks(stage)
+    peers = [replicas[b * ep:(b + 1) * ep] for b in range(topo.dp // ep)]
+    same = [replicas[k::ep] for k in range(ep)]
+    return peers, same
+
+
+class ExpertParallel:
+    """This rank's expert-parallel setting: its shard and its two process groups (see the module
+    docstring). :meth:`build` creates every group of the world (all ranks call it in the same
+    order) and makes this the process's active setting, which sharded expert layers read in
+    forward (a layer does not own a process group: it may migrate to another stage)."""
+
+    def __init__(self, shard: ExpertShard, peers, same_shard, same_shard_size: int) -> None:
+        self.shard = shard
+        self.peers = peers
+        self.same_shard = same_shard if same_shard_size > 1 else None
+
+    @classmethod
+    def build(cls, topo: Topology, ep: int, rank: int, timeout: timedelta) -> "ExpertParallel | None":
+        global _ACTIVE
+        check_expert_parallel(ep, topo.dp)
+        if ep == 1:
+            _ACTIVE = None
+            return None
+        mine = None
+        for stage in range(topo.pp):
+            peers, same = _groups_of_stage(topo, ep, stage)
+            peer_groups = [dist.new_group(r, timeout=timeout) for r in peers]
+            same_groups = [dist.new_group(r, timeout=timeout) if len(r) > 1 else None for r in same]
+            if topo.pp_rank(rank) == stage:
+                d = topo.dp_rank(rank)
+                mine = cls(ExpertShard(d % ep, ep), peer_groups[d // ep], same_groups[d % ep], topo.dp // ep)
+        _ACTIVE = mine
+        return mine
+
+    @property
+    def size(self) -> int:
+        return self.shard.size
+
+    def sharded_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        """``{qualified name: parameter}`` of the expert shards ``module`` holds, in name order."""
+        out = {}
+        for prefix, m in expert_modules(module):
+            if m.expert_shard is not None:
+                for name, p in m.named_parameters(recurse=False):
+                    out[f"{prefix}.{name}" if prefix else name] = p
+        return dict(sorted(out.items()))
+
+    def shards(self, module: nn.Module) -> ExpertShards:
+        params = frozenset(id(p) for p in self.sharded_parameters(module).values())
+        return ExpertShards(params, self.peers, self.same_shard)
+
+    def shard_module(self, module: nn.Module, optimizers=(), layout: OptimizerLayout | None = None) -> None:
+        """Keep only this rank's shard in every expert module of ``module`` (idempotent); the
+        ``optimizers`` (placed by ``layout``) then hold the shards in place of the whole parameters."""
+        for prefix, m in expert_modules(module):
+            for name, old, new in m.shard_experts(self.shard):
+                if optimizers:
+                    layout.replace_param(optimizers, f"{prefix}.{name}" if prefix else name, old, new)
+
+    def gather(self, tensors: dict, device: torch.device) -> dict:
+        """Whole ``[num_experts, ...]`` CPU tensors from every peer's shard of ``tensors``
+        (collective over the peers; every peer passes the same names and shapes)."""
+        out = {}
+        for name in sorted(tensors):
+            local = tensors[name].detach().to(device).contiguous()
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.all_gather(parts, local, group=self.peers)
+            out[name] = torch.cat(parts).cpu()
+        return out
+
+
+_ACTIVE: ExpertParallel | None = None
+
+
+def active_expert_parallel() -> ExpertParallel:
+    """The process's expert-parallel setting (sharded expert layers need one to run)."""
+    if _ACTIVE is None:
+        raise RuntimeError(
+            "an expert layer holds a shard of its experts, but this process has no expert-parallel group; "
+            "sharded layers run only under DynMoStrategy(expert_parallel=...)"
+        )
+    return _ACTIVE
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits whose backward sends gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def run_sharded_experts(local: Callable[[Tensor, Tensor], Tensor], x: Tensor, counts: Tensor,
+                        ep: ExpertParallel) -> Tensor:
+    """Experts of a sharded layer on tokens ``x`` sorted by global expert (``counts [E]`` rows
+    each): dispatch to the owners, ``local(tokens, local_counts)`` on this rank's experts
+    (tokens sorted by local expert), combine back. Returns ``x``'s rows' outputs in ``x``'s order."""
+    size = ep.size
+    n = counts.numel() // size
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=ep.peers)  # block j: peer j's rows per local expert
+    received = received.view(size, n)
+    send = counts.view(size, n).sum(1).tolist()
+    recv = received.sum(1).tolist()
+    tokens = _AllToAll.apply(x, recv, send, ep.peers)
+    # rows arrive by source peer, then local expert; the experts want them by local expert, then source
+    key = torch.arange(n, device=x.device).mul(size).view(1, n) + torch.arange(size, device=x.device).view(size, 1)
+    order = torch.argsort(torch.repeat_interleave(key.reshape(-1), received.reshape(-1)), stable=True)
+    y = local(tokens[order], received.sum(0))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return _AllToAll.apply(y[inverse], send, recv, ep.peers)

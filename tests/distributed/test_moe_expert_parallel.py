@@ -1,0 +1,65 @@
+"""Expert parallelism: an MoE GPT on pp=2 x dp=2 with expert_parallel=2 (each replica of a stage
+holds half the experts of every MoE layer it owns; tokens travel by all_to_all) and a layer
+migration before every step equals single-process training on the global batch; its checkpoint is
+the single-process format."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dynmo.models import MoEGPT
+from tests.distributed.test_moe_pipeline import MOE, PIPELINE, RUN, RTOL, _launch
+
+STEPS = RUN["steps"]
+EP_RUN = dict(RUN, **PIPELINE, expert_parallel=2, save_ckpt=True)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_ep")
+    (ep,) = _launch(tmp / "ep2", [EP_RUN], nproc=4)
+    (ref,) = _launch(tmp / "ref", [dict(RUN, dp=2)], nproc=None)
+    return ep, ref
+
+
+def test_each_replica_holds_half_of_the_experts(results):
+    ep, ref = results
+    rows = ep["expert_rows_per_rank"]  # rank g: stage g % 2 of replica g // 2
+    assert all(n == MOE["num_experts"] // 2 for r in rows for n in r.values())
+    assert rows[0] == rows[2] and rows[1] == rows[3]  # replicas of a stage hold the same layers
+    assert sorted(int(i) for r in rows[:2] for i in r) == sorted(int(i) for i in ref["expert_rows_per_rank"][0])
+    assert all(n == MOE["num_experts"] for n in ref["expert_rows_per_rank"][0].values())
+
+
+def test_expert_parallel_with_migration_every_step_matches_single_process(results):
+    ep, ref = results
+    assert len(ep["history"]) >= STEPS - 1 and all(h["applied"] for h in ep["history"])
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+    se, sr = torch.load(ep["state"]), torch.load(ref["state"])
+    assert se.keys() == sr.keys()
+    for k in sr:
+        assert se[k].shape == sr[k].shape, k  # whole experts, gathered from both replicas
+        torch.testing.assert_close(se[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)
+    oe, orf = torch.load(ep["optim"]), torch.load(ref["optim"])
+    assert oe["param_groups"] == orf["param_groups"] and oe["state"].keys() == orf["state"].keys()
+    for i, st in orf["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = st[key].abs().max().item()
+            torch.testing.assert_close(oe["state"][i][key], st[key], rtol=1e-3, atol=1e-3 * scale, msg=f"{i} {key}")
+
+
+def test_checkpoint_saved_under_expert_parallel_loads_into_one_process(results):
+    ep, _ = results
+    ckpt = torch.load(ep["ckpt"], weights_only=False)
+    final = torch.load(ep["state"])
+    model = MoEGPT(**ckpt["hyper_parameters"])
+    model.load_state_dict(ckpt["state_dict"])  # strict: every key, whole-expert shapes
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, final[k]), k
+    opt = model.configure_optimizers()["optimizer"]
+    opt.load_state_dict(ckpt["optimizer_states"][0])  # whole-expert moments fit the whole parameters
+    saved = torch.load(ep["optim"])["state"]
+    loaded = opt.state_dict()["state"]
+    assert loaded.keys() == saved.keys()
+    for i, st in saved.items():
+        assert all(torch.equal(loaded[i][k], v) for k, v in st.items()), i
