@@ -377,8 +377,6 @@ def _quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     # the strategy logs val/test loss already all-reduced across ranks, so sync_dist is not needed
     warnings.filterwarnings("ignore", message=r".*self.log\('(val|test)_loss', \.\.\., sync_dist=True\).*")
-    # GPT.training_step only logs train_loss, which the pipeline logs itself
-    warnings.filterwarnings("ignore", message=r"GPT\.training_step is not called under DynMoStrategy.*")
     # torch/lightning version skew inside Lightning itself
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
     # Hydra already logs to the console (and to <run dir>/<job>.log) from the root logger; Lightning's

@@ -46,19 +46,16 @@ import functools
 import inspect
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric
 
-from lightning_dynmo.models.gpt import WarmupCosine
+from lightning_dynmo.models._lm import CausalLMModule
 from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
 
 try:  # optional dependency: pip install -e ".[hf]"
@@ -265,7 +262,7 @@ class _Checkpoint:
 
 
 # ------------------------------------------------------------------ the LightningModule
-class HFCausalLM(L.LightningModule):
+class HFCausalLM(CausalLMModule):
     """A ``transformers`` causal LM (GPT-2, Llama, Mistral) exposing the pipeline protocol.
 
     Args:
@@ -342,8 +339,7 @@ class HFCausalLM(L.LightningModule):
         layers.append(HFHead(head))
         del skeleton
         self.layers = nn.ModuleList(layers)
-        with torch.device("cpu"):  # a real tensor even under a meta-device build
-            self.val_loss_mean = MeanMetric()
+        self._init_eval_metric()
         if self._checkpoint is not None:
             self._check_checkpoint()
         if real:  # single process (or a build on a real device): initialise every layer now
@@ -484,52 +480,6 @@ class HFCausalLM(L.LightningModule):
         for layer in self.layers:
             h = layer(h)
         return h
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
-        return loss
-
-    def on_pipeline_train_loss(self, loss, batch, batch_idx) -> None:
-        """Under DynMoStrategy (which logs ``train_loss`` itself): no other per-step logic."""
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.val_loss_mean.update(loss.detach(), weight=y.numel())
-        self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
-        return loss
-
-    def on_pipeline_eval_loss(self, stage: str, loss: torch.Tensor, tokens: int) -> None:
-        """DynMoStrategy's evaluation hook (identical on every rank): feeds ``val_ppl``."""
-        if stage == "val":
-            self.val_loss_mean.update(loss.detach(), weight=tokens)
-
-    def on_validation_epoch_end(self) -> None:
-        if self.val_loss_mean.update_count == 0:
-            return
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*was called before the ``update``.*")
-            mean = self.val_loss_mean.compute()  # collective: called on every rank
-        if torch.isfinite(mean):
-            self.log("val_ppl", torch.exp(mean), prog_bar=True)
-        self.val_loss_mean.reset()
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
-        )
-        steps = hp.max_steps if hp.max_steps else (self._trainer.max_steps if self._trainer is not None else -1)
-        schedule = WarmupCosine(hp.warmup_steps, steps if steps and steps > 0 else -1, hp.lr,
-                                hp.lr if hp.min_lr is None else hp.min_lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
 
     # ------------------------------------------------------------------ export
     def hf_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

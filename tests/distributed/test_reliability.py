@@ -118,7 +118,7 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="balancer_later", n_layer=2, steps=3, balancer="rank_dependent_later", rebalance="every_n",
              rebalance_interval=1),
         dict(case="vector_loss", model="vector_loss", n_layer=2, steps=2),
-        dict(case="warn_training_step", n_layer=2, steps=2),
+        dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
         dict(case="order", n_layer=2, steps=4, n_samples=64),
@@ -187,7 +187,7 @@ def test_a_non_scalar_pipeline_loss_names_the_fix(cases):
 # ---------------------------------------------------------------------------------- item 9
 def test_skipped_training_step_warns_once_and_the_loss_hook_runs(cases):
     warned = [w for w in cases["warn_training_step"]["per_rank"][0]["warnings"] if "training_step" in w]
-    assert len(warned) == 1 and "on_pipeline_train_loss" in warned[0], warned
+    assert len(warned) == 1 and "on_pipeline_train_loss" in warned[0] and "self.log" in warned[0], warned
     hook = cases["hook"]
     assert _errors(hook) == [None, None]
     for rank in hook["per_rank"]:

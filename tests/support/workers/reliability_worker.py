@@ -80,6 +80,17 @@ class VectorLossGPT(GPT):
         return F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
 
 
+class StepLoggingGPT(GPT):
+    """A user model as many are written: logging in ``training_step`` and no pipeline loss hook."""
+
+    on_pipeline_train_loss = None
+
+    def training_step(self, batch, batch_idx):
+        loss = self.pipeline_loss(self(batch[0]), batch[1])
+        self.log("my_metric", loss.detach())
+        return loss
+
+
 class HookGPT(GPT):
     """Defines the documented per-step loss hook (so the skipped-training_step warning is silent)."""
 
@@ -154,7 +165,7 @@ class WritePidsAndCrawl(L.Callback):
 # ---------------------------------------------------------------------------------- runs
 def build(cfg: dict, out_dir: str, idx: int):
     case = cfg["case"]
-    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "hook": HookGPT}.get(cfg.get("model"), GPT)
+    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
     model = view_model(cfg) if cfg.get("model") == "view" else make_model(cfg, cls=model_cls)
     callbacks: list = []
     if case == "request_under_never":
