@@ -10,7 +10,8 @@ from .plan.balancers import (
     get_balancer,
     register_balancer,
 )
-from .callbacks import EarlyExit, GradualPruning, LayerFreezing, MixtureOfDepths, MoELoadMonitor
+from .callbacks import EarlyExit, GradualPruning, LayerFreezing, MixtureOfDepths, MoELoadMonitor, \
+    SparseAttentionMonitor
 from .plan.cost_model import CostModel, LayerCosts
 from .plan.partition import Partition
 from .plan.policy import Decision
@@ -36,6 +37,7 @@ __all__ = [
     "PipelineProtocolError",
     "RemoteLayer",
     "ReportsLoad",
+    "SparseAttentionMonitor",
     "available_balancers",
     "available_schedules",
     "get_balancer",

@@ -9,5 +9,7 @@ from .freezing import LayerFreezing
 from .mod import MixtureOfDepths
 from .moe import MoELoadMonitor
 from .pruning import GradualPruning
+from .sparse_attention import SparseAttentionMonitor
 
-__all__ = ["EarlyExit", "GradualPruning", "LayerFreezing", "MixtureOfDepths", "MoELoadMonitor"]
+__all__ = ["EarlyExit", "GradualPruning", "LayerFreezing", "MixtureOfDepths", "MoELoadMonitor",
+           "SparseAttentionMonitor"]

@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric
 
 from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
+from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
 from lightning_dynmo.runtime.materialize import layer_seed
 
 __all__ = [
@@ -213,6 +211,26 @@ class MLP(nn.Module):
         return self.drop(self.proj(self.act(self.fc(x))))
 
 
+class RunningMean:
+    """Mean of the values added since :meth:`reset` (``None`` before the first)."""
+
+    __slots__ = ("total", "count")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def add(self, value: float) -> None:
+        self.total += value
+        self.count += 1
+
+    def reset(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count else None
+
+
 class HashSparseSelfAttention(CausalSelfAttention):
     """``CausalSelfAttention`` (same parameters) whose attention is hash-bucketed block-sparse:
     token i sees token j <= i of its own bucket (``lightning_dynmo.sparse.hash_layout``).
@@ -243,7 +261,9 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.register_buffer("hash_step", torch.zeros((), dtype=torch.long))
         self.last_density: float | None = None
         self._drawn: tuple | None = None  # ((step, device, dtype), rotations) of hash_redraw
-        self.reset_load()
+        # mean density of the training forwards: one window the strategy resets every step
+        # (ReportsLoad), one a monitoring callback resets (SparseAttentionMonitor)
+        self.load_window, self.monitor_window = RunningMean(), RunningMean()
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
@@ -271,16 +291,16 @@ class HashSparseSelfAttention(CausalSelfAttention):
         y, plan = hash_sparse_attention(q, k, v, self.current_rotations(), self.nb_hash, self.block)
         self.last_density = plan.density
         if self.training and torch.is_grad_enabled():
-            self._density_sum += plan.density
-            self._forwards += 1
+            self.load_window.add(plan.density)
+            self.monitor_window.add(plan.density)
         y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.resid_drop(self.proj(y))
 
     def load_factor(self) -> float | None:
-        return self._density_sum / self._forwards if self._forwards else None
+        return self.load_window.mean
 
     def reset_load(self) -> None:
-        self._density_sum, self._forwards = 0.0, 0
+        self.load_window.reset()
 
 
 class Block(nn.Module):
@@ -310,23 +330,45 @@ class SparseAttentionBlock(Block):
 
     def __init__(self, config: GPTConfig, mlp_ratio: float | None = None, layer_index: int = 0):
         super().__init__(config, mlp_ratio, attn=HashSparseSelfAttention(config, layer_index))
+        self._last_macs: tuple[int, int] | None = None
         self.reset_load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.training and torch.is_grad_enabled():
-            b, t, c = x.shape
-            bs = self.attn.block
-            n = -(-t // bs)
-            hidden = self.mlp.fc.out_features
-            self._fixed_macs += b * t * (4 * c * c + 2 * c * hidden)
-            # QK^T and PV over every causal block pair at density 1, all heads.
-            self._full_attn_macs += b * n * (n + 1) // 2 * bs * bs * 2 * c
-            self._attn_macs += self.attn.last_density * b * n * (n + 1) // 2 * bs * bs * 2 * c
+            fixed, full = self._macs(*x.shape)
+            self._last_macs = (fixed, full)
+            self._fixed_macs += fixed
+            self._full_attn_macs += full
+            self._attn_macs += self.attn.last_density * full
         return y
+
+    def _macs(self, b: int, t: int, c: int) -> tuple[int, int]:
+        """(F, A) of one forward: the density-independent work and the attention's at density 1."""
+        bs = self.attn.block
+        n = -(-t // bs)
+        hidden = self.mlp.fc.out_features
+        # QK^T and PV over every causal block pair at density 1, all heads.
+        return b * t * (4 * c * c + 2 * c * hidden), b * n * (n + 1) // 2 * bs * bs * 2 * c
+
+    def relative_work(self, density: float) -> float | None:
+        """``(F + d A) / (F + A)`` at block density ``d`` for the shape of the last training
+        forward (``None`` before one)."""
+        if self._last_macs is None:
+            return None
+        fixed, full = self._last_macs
+        return (fixed + density * full) / (fixed + full)
 
     def attention_density(self) -> float | None:
         return self.attn.load_factor()
+
+    def density_stats(self) -> float | None:
+        """Mean block density of the training forwards since :meth:`reset_density_stats`, a
+        window of its own for monitoring callbacks (the strategy resets the load window)."""
+        return self.attn.monitor_window.mean
+
+    def reset_density_stats(self) -> None:
+        self.attn.monitor_window.reset()
 
     def load_factor(self) -> float | None:
         if self._full_attn_macs == 0:
@@ -370,41 +412,9 @@ class Head(nn.Module):
         return self.lm_head(x)
 
 
-class WarmupCosine:
-    """LR multiplier: linear warmup to ``lr``, cosine decay to ``min_lr`` at ``max_steps``.
-
-    A callable object (not a lambda) so ``LambdaLR.state_dict()`` saves its fields.
-    ``max_steps <= 0`` means unknown length: constant ``lr`` after warmup.
-    """
-
-    def __init__(self, warmup_steps: int, max_steps: int, lr: float, min_lr: float):
-        self.warmup_steps = int(warmup_steps)
-        self.max_steps = int(max_steps)
-        self.lr = float(lr)
-        self.min_lr = float(min_lr)
-
-    def lr_at(self, step: int) -> float:
-        if self.warmup_steps > 0 and step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.max_steps <= 0:
-            return self.lr
-        if step >= self.max_steps:
-            return self.min_lr
-        span = max(1, self.max_steps - self.warmup_steps)
-        ratio = (step - self.warmup_steps) / span
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
-
-    def __call__(self, step: int) -> float:
-        return self.lr_at(step) / self.lr if self.lr > 0 else 0.0
-
-
-class GPT(L.LightningModule):
-    """Byte/token-level GPT exposing the dynmo pipeline protocol (see module docstring).
-
-    ``val_ppl`` = exp of the token-weighted epoch-mean validation loss (a torchmetrics
-    ``MeanMetric``; sum-based, so it syncs correctly across ranks even where some ranks never
-    updated it).
-    """
+class GPT(CausalLMModule):
+    """Byte/token-level GPT exposing the dynmo pipeline protocol (see module docstring); training,
+    evaluation and optimizer hooks from :class:`CausalLMModule`."""
 
     def __init__(
         self,
@@ -441,8 +451,7 @@ class GPT(L.LightningModule):
             self.layers = nn.ModuleList(layers)
         self._init_weights()
 
-        with torch.device("cpu"):  # a real tensor even when the layers are built on the meta device
-            self.val_loss_mean = MeanMetric()
+        self._init_eval_metric()
 
     # ------------------------------------------------------------------ init
     def _init_weights(self) -> None:
@@ -503,69 +512,6 @@ class GPT(L.LightningModule):
     def on_train_batch_start(self, batch, batch_idx) -> None:
         # before the strategy's hook (which may migrate layers): every rank sets its own layers
         set_hash_step(self, self.global_step)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.val_loss_mean.update(loss.detach(), weight=y.numel())
-        self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
-        return loss
-
-    def on_pipeline_eval_loss(self, stage: str, loss: torch.Tensor, tokens: int) -> None:
-        """Called by DynMoStrategy, which evaluates through the pipeline instead of calling
-        ``validation_step``, with each batch's loss (identical on every rank)."""
-        if stage == "val":
-            self.val_loss_mean.update(loss.detach(), weight=tokens)
-
-    def on_validation_epoch_end(self) -> None:
-        if self.val_loss_mean.update_count == 0:
-            return  # no validation batch ran on any rank: nothing to reduce
-        # Called unconditionally on every rank: compute() all-reduces the metric state, so
-        # branching on rank-local "did I update?" could deadlock. Ranks that never ran
-        # validation_step (e.g. non-last pipeline stages) contribute zero weight.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*was called before the ``update``.*")
-            mean = self.val_loss_mean.compute()
-        if torch.isfinite(mean):
-            self.log("val_ppl", torch.exp(mean), prog_bar=True)
-        self.val_loss_mean.reset()
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]  # matmul weights and embeddings
-        no_decay = [p for p in params if p.ndim < 2]  # biases and LayerNorm gains
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": hp.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
-            eps=hp.eps,
-        )
-        schedule = WarmupCosine(hp.warmup_steps, self._schedule_steps(), hp.lr, hp.min_lr)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
-        }
-
-    def _schedule_steps(self) -> int:
-        """hparam ``max_steps``, else ``trainer.max_steps``; <= 0 means constant after warmup."""
-        steps = self.hparams.max_steps
-        if steps is not None and steps > 0:
-            return int(steps)
-        trainer = self._trainer
-        if trainer is not None and trainer.max_steps is not None and trainer.max_steps > 0:
-            return int(trainer.max_steps)
-        return -1
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()

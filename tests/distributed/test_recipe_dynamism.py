@@ -20,6 +20,7 @@ CASES = {  # case -> (model class in the log line, callback, metric prefix the c
     "pruning": ("lightning_dynmo.models.GPT", "GradualPruning", None),  # prunes from step 90 (conf/dynamism/pruning.yaml)
     "moe": ("lightning_dynmo.models.MoEGPT", "MoELoadMonitor", "moe/"),
     "mod": ("lightning_dynmo.models.MoDGPT", "MixtureOfDepths", "mod/"),
+    "sparse_attention": ("lightning_dynmo.models.GPT", "SparseAttentionMonitor", "attn/block_density_L"),
 }
 TINY = [
     "model=tiny", "data.block_size=32", "data.batch_size=8", "trainer.max_steps=4", "trainer.val_check_interval=4",

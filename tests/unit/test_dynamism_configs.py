@@ -16,6 +16,7 @@ CASES = {
     "pruning": ("GPT", ["GradualPruning"]),
     "moe": ("MoEGPT", ["MoELoadMonitor"]),
     "mod": ("MoDGPT", ["MixtureOfDepths"]),
+    "sparse_attention": ("GPT", ["SparseAttentionMonitor"]),
 }
 
 
@@ -55,3 +56,15 @@ def test_overrides_reach_the_callbacks_and_bad_input_is_named():
         model_class(_cfg("dynamism=moe", "dynamism.model_class=lightning_dynmo.models.NoSuchGPT"))
     with pytest.raises(ValueError, match="unknown dynamism key"):
         model_class(_cfg("dynamism=moe", "+dynamism.bogus=1"))
+
+
+@pytest.mark.parametrize("group", ["dynamism", "experiment"])
+def test_sparse_attention_config_builds_a_hash_sparse_gpt(group):
+    from lightning_dynmo.models import SparseAttentionBlock
+    from recipes.train_gpt import build_model
+
+    cfg = _cfg(f"{group}=sparse_attention", "model=tiny")
+    model = build_model(cfg)
+    blocks = model.pipeline_layers()[1:-2]
+    assert blocks and all(isinstance(b, SparseAttentionBlock) for b in blocks)
+    assert model.config.hash_redraw and model.config.block_size == cfg.data.block_size

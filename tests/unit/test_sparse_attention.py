@@ -460,7 +460,7 @@ def test_sparse_block_reports_load():
     lf = sparse_block.load_factor()
     assert 0 < lf and (lf < 1) == (d < 1)
     m(x)
-    assert sparse_block.attn._forwards == 2
+    assert sparse_block.attn.load_window.count == 2
     sparse_block.reset_load()
     assert sparse_block.load_factor() is None and sparse_block.attention_density() is None
 

@@ -125,6 +125,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if cfg.get("request_repack"):
         step, target = cfg["request_repack"]
         callbacks.append(RepackRequest(int(step), target))
+    monitor = None
+    if cfg.get("sparse_monitor") is not None:  # SparseAttentionMonitor kwargs
+        from lightning_dynmo import SparseAttentionMonitor
+
+        monitor = SparseAttentionMonitor(**cfg["sparse_monitor"])
+        callbacks.append(monitor)
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=cfg["steps"]))
     trainer = L.Trainer(
@@ -164,7 +170,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "released_hook": released_hook.ranks, "optim_tensors_per_rank": [x[4] for x in per_rank],
               "released_hook_per_rank": [x[5] for x in per_rank], "saved_tensors_per_rank": [x[6] for x in per_rank],
               "grad_norms": probe.grad_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
-              "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir}
+              "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
+              "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
