@@ -35,9 +35,36 @@ only its own tensors (:meth:`HFCausalLM.init_pipeline_layer`), so under
 layers it owns. Every checkpoint tensor's shape is checked against the config up front (from the
 file headers, on every rank) and a mismatch is reported by name.
 
-Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``. Mixtral is
-not: ``transformers`` 5 fuses its experts at load time (a checkpoint-format conversion this
-adapter does not replicate), and its router loss would need the pipeline's auxiliary-loss path.
+Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``, ``mixtral``.
+Mixtral is Mistral with a sparse MoE block (``MixtralSparseMoeBlock``: top-k router + fused
+experts) in every decoder layer; its published files store the experts per expert, which
+:mod:`~lightning_dynmo.models.hf_checkpoint` fuses per layer on load and splits on save.
+
+**Mixtral's router loss under the pipeline.** ``MixtralForCausalLM.forward`` records every
+layer's router logits and computes one Switch load-balancing loss from all of them at once
+(``load_balancing_loss_func``: expert fractions and mean probabilities pooled over all layers and
+all tokens of the batch), which no pipeline stage can compute. The adapter uses the per-layer
+form of Megatron-Core and of :mod:`~lightning_dynmo.models.moe` instead: each decoder layer computes
+the loss from its own router logits, per sequence, and attaches it to its output in backward
+(:func:`~lightning_dynmo.models._aux_loss.attach_aux_loss`), so the gradients are those of::
+
+    CE + router_aux_loss_coef * mean over layers l of mean over rows b of
+         E * sum_i f_lbi * P_lbi        (f: share of the row's top-k slots routed to expert i,
+                                         P: the row's mean router probability of expert i)
+
+Each term is HF's loss of one layer and one row (``k`` for uniform routing, like HF's), so for a
+single layer and a single sequence the two agree exactly; in general HF's pooled value is
+``E * sum_i mean(f_i) * mean(P_i)`` over layers and rows, which differs from the mean of the
+products by ``E * sum_i cov(f_i, P_i)``, and is not a sum of per-layer terms. Per row (not pooled
+over the batch) the loss is the same whatever the micro-batching, so pipeline training equals
+single-process training. It is on when ``router_aux_loss_coef > 0`` and ``router_aux_loss=True``,
+or with ``router_aux_loss=None`` (default) when the config says ``output_router_logits=True``
+(HF's own switch for adding the loss in training). ``pipeline_loss`` and the logged loss stay
+plain cross-entropy. ``router_jitter_noise > 0`` draws random numbers per forward, so a pipeline
+run then differs from a single-process one, as with dropout.
+
+Mixtral's block is dropless: every token goes through exactly ``k`` experts, so a layer's work
+does not change with the routing and its layers do not report a load factor (``ReportsLoad``).
 """
 from __future__ import annotations
 
@@ -55,7 +82,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dynmo.models._aux_loss import attach_aux_loss, set_aux_loss_scale
 from lightning_dynmo.models._lm import CausalLMModule
+from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
+from lightning_dynmo.models.moe_router import load_balancing_loss
 from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
 
 try:  # optional dependency: pip install -e ".[hf]"
@@ -66,7 +96,7 @@ except ImportError:  # pragma: no cover - exercised where transformers is missin
     PretrainedConfig = Any  # type: ignore[misc,assignment]
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "HFCausalLM", "HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead",
-           "UnsupportedArchitectureError", "CheckpointMismatchError"]
+           "UnsupportedArchitectureError", "CheckpointMismatchError", "router_balance_loss"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,7 @@ class _Arch:
     rotary: str | None = None  # the model-level rotary embedding, copied into each decoder layer
     embed_dropout: str | None = None  # config attribute with the embedding dropout
     sliding_window: bool = False
+    router: str | None = None  # a decoder layer's top-k MoE router, returning (logits, weights, experts)
 
 
 SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
@@ -87,6 +118,8 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
                    rotary="model.rotary_emb"),
     "mistral": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                      rotary="model.rotary_emb", sliding_window=True),
+    "mixtral": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                     rotary="model.rotary_emb", sliding_window=True, router="mlp.gate"),
 }
 
 
@@ -134,15 +167,32 @@ class HFEmbedding(nn.Module):
         return self.drop(h)
 
 
-class HFDecoderLayer(nn.Module):
-    """One decoder layer of the model as a single-tensor layer (see the module docstring)."""
+def router_balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mixtral's Switch loss of one layer, per sequence, then the mean over rows: for each row of
+    ``logits [B, T, E]``, ``load_balancing_loss_func`` of that layer and row alone (see the module
+    docstring). Our MoE's sequence-wise loss is the same statistic normalised to 1 instead of
+    ``top_k`` for uniform routing."""
+    probs = logits.float().softmax(dim=-1)
+    experts = probs.topk(top_k, dim=-1).indices
+    return top_k * load_balancing_loss(probs, experts, logits.size(-1))
 
-    def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool):
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer of the model as a single-tensor layer (see the module docstring).
+
+    ``router``: path of the layer's MoE router (Mixtral); with ``aux_loss_coeff > 0`` a training
+    forward attaches ``aux_loss_coeff * router_balance_loss`` of its logits to the output. A
+    plain attribute, so a callback may schedule it."""
+
+    def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool,
+                 router: str | None = None, aux_loss_coeff: float = 0.0):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
         self.config = config
         self.sliding_window = bool(sliding_window and getattr(config, "sliding_window", None))
+        self.router = router
+        self.aux_loss_coeff = float(aux_loss_coeff)
 
     def _mask(self, h: torch.Tensor, position_ids: torch.Tensor):
         """What the model's own forward passes its layers for a full, unpadded sequence."""
@@ -159,8 +209,23 @@ class HFDecoderLayer(nn.Module):
                                   "use_cache": False}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(h, position_ids)
-        out = self.layer(h, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        if not (self.router and self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled()):
+            return _first(self.layer(h, **kwargs))
+        # the router's logits, captured for this call only (a hook that outlives the call would
+        # have to survive the deep copies and pickling of layer migration)
+        logits: list[torch.Tensor] = []
+        handle = self.layer.get_submodule(self.router).register_forward_hook(lambda m, i, o: logits.append(o[0]))
+        try:
+            out = _first(self.layer(h, **kwargs))
+        finally:
+            handle.remove()
+        aux = router_balance_loss(logits[0].view(h.size(0), h.size(1), -1), self.config.num_experts_per_tok)
+        return attach_aux_loss(out, aux, self.aux_loss_coeff)
+
+
+def _first(out):
+    """Decoder layers return a tensor or (depending on the ``transformers`` version) a tuple."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,78 +257,9 @@ class HFHead(nn.Module):
         return self.lm_head(h)
 
 
-# ------------------------------------------------------------------ checkpoint files
-class _Checkpoint:
-    """Tensors of a local Hugging Face checkpoint directory, read one at a time."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.files: dict[str, Path] = {}
-        index = next((path / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-                      if (path / n).exists()), None)
-        if index is not None:
-            for key, name in json.loads(index.read_text())["weight_map"].items():
-                self.files[key] = path / name
-        else:
-            single = next((path / n for n in ("model.safetensors", "pytorch_model.bin") if (path / n).exists()), None)
-            if single is None:
-                raise FileNotFoundError(
-                    f"{path} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
-                )
-            for key in self._keys_of(single):
-                self.files[key] = single
-        self._bins: dict[Path, dict] = {}
-
-    def _keys_of(self, file: Path) -> list[str]:
-        if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
-                return list(f.keys())
-        return list(self._bin(file))
-
-    def _bin(self, file: Path) -> dict:
-        if file not in self._bins:
-            self._bins[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-        return self._bins[file]
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        out: dict[str, tuple[int, ...]] = {}
-        by_file: dict[Path, list[str]] = {}
-        for key, file in self.files.items():
-            by_file.setdefault(file, []).append(key)
-        for file, keys in by_file.items():
-            if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
-                    for k in keys:
-                        out[k] = tuple(f.get_slice(k).get_shape())
-            else:
-                sd = self._bin(file)
-                out.update({k: tuple(sd[k].shape) for k in keys})
-        return out
-
-    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.files[k], []).append(k)
-        for file, ks in by_file.items():
-            if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
-                    out.update({k: f.get_tensor(k) for k in ks})
-            else:
-                sd = self._bin(file)
-                out.update({k: sd[k] for k in ks})
-        return out
-
-
 # ------------------------------------------------------------------ the LightningModule
 class HFCausalLM(CausalLMModule):
-    """A ``transformers`` causal LM (GPT-2, Llama, Mistral) exposing the pipeline protocol.
+    """A ``transformers`` causal LM (GPT-2, Llama, Mistral, Mixtral) exposing the pipeline protocol.
 
     Args:
         model_path: local directory with ``config.json`` and weights (what ``save_pretrained``
@@ -275,6 +271,9 @@ class HFCausalLM(CausalLMModule):
             with the model's own ``_init_weights`` rules.
         untie_embeddings: untie a tied LM head from the token embedding (see module docstring).
         attn_implementation: ``"sdpa"`` (default), ``"eager"``, or any ``transformers`` backend.
+        router_aux_loss: MoE models (Mixtral): train with the per-layer router load-balancing loss
+            weighted by the config's ``router_aux_loss_coef`` (see the module docstring); ``None``
+            follows the config's ``output_router_logits``.
         lr, min_lr, warmup_steps, max_steps, weight_decay, betas, eps: AdamW with linear warmup
             and cosine decay, as :class:`~lightning_dynmo.models.GPT`.
     """
@@ -293,6 +292,7 @@ class HFCausalLM(CausalLMModule):
         seed: int = 0,
         untie_embeddings: bool = True,
         attn_implementation: str | None = "sdpa",
+        router_aux_loss: bool | None = None,
     ):
         _require_transformers()
         super().__init__()
@@ -309,9 +309,12 @@ class HFCausalLM(CausalLMModule):
         cfg = self.hf_config
         arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
         self.arch = arch
-        self._checkpoint = _Checkpoint(Path(path)) if path is not None else None
         self._init_seed = int(seed)
         self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self._checkpoint = None if path is None else CheckpointReader(
+            Path(path), DISK_LAYOUTS.get(cfg.model_type),
+            tied_head=(f"{arch.head}.weight", f"{arch.embeddings[0][1]}.weight") if self._tied else None)
+        aux_coeff = self._router_aux_coeff(router_aux_loss)
 
         real = torch.empty(0).device.type != "meta"  # the ambient device (meta under init_module(empty_init=True))
         with torch.device("meta"):
@@ -325,7 +328,7 @@ class HFCausalLM(CausalLMModule):
         for block in _get(skeleton, arch.layers):
             with torch.device("meta"):
                 rot = rotary_cls(cfg) if rotary_cls is not None else None
-            layers.append(HFDecoderLayer(block, cfg, rot, arch.sliding_window))
+            layers.append(HFDecoderLayer(block, cfg, rot, arch.sliding_window, arch.router, aux_coeff))
         layers.append(HFFinalNorm(_get(skeleton, arch.norm)))
         head = _get(skeleton, arch.head)
         embedding = layers[0].get_submodule(arch.embeddings[0][0])
@@ -347,6 +350,25 @@ class HFCausalLM(CausalLMModule):
                 materialize_layer(self, i, layer, "cpu")
             if self._tied and not untie_embeddings:
                 self.layers[-1].lm_head.weight = self.layers[0].get_submodule(arch.embeddings[0][0]).weight
+
+    def _router_aux_coeff(self, enabled: bool | None) -> float:
+        """Each MoE layer's weight of its router loss: ``router_aux_loss_coef / num_hidden_layers``
+        (the mean over layers), or 0 when off."""
+        cfg = self.hf_config
+        if self.arch.router is None:
+            if enabled:
+                raise ValueError(f"router_aux_loss=True needs an MoE model; {cfg.model_type} has no router")
+            return 0.0
+        on = bool(getattr(cfg, "output_router_logits", False)) if enabled is None else bool(enabled)
+        coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
+        if coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 (0 turns the router loss off), got {coef}")
+        return coef / cfg.num_hidden_layers if on else 0.0
+
+    def on_train_start(self) -> None:
+        # Lightning divides the loss by accumulate_grad_batches before backward; the router loss
+        # enters in backward and must be scaled the same way (see models/_aux_loss.py)
+        set_aux_loss_scale(1.0 / self.trainer.accumulate_grad_batches)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -386,41 +408,20 @@ class HFCausalLM(CausalLMModule):
             return f"{self.arch.head}.{rest}"
         return f"{self.arch.layers}.{index - 1}.{rest}"
 
-    def _layer_keys(self, index: int, layer: nn.Module) -> dict[str, str]:
-        """``{name in layer: HF key}`` of the persistent tensors of pipeline layer ``index``."""
-        return {name: self._hf_key(index, name) for name in layer.state_dict(keep_vars=True)}
-
-    def _resolve(self, key: str) -> str | None:
-        """The checkpoint's key for ``key`` (checkpoints of the bare base model lack its prefix; a
-        tied checkpoint may lack the head)."""
-        files = self._checkpoint.files
-        if key in files:
-            return key
-        short = key.split(".", 1)[1] if "." in key else key
-        if short in files and key.split(".", 1)[0] in ("transformer", "model"):
-            return short
-        if key == f"{self.arch.head}.weight" and self._tied:
-            return self._resolve(f"{self.arch.embeddings[0][1]}.weight")
-        return None
+    def _layer_shapes(self, index: int, layer: nn.Module) -> dict[str, tuple[int, ...]]:
+        """``{HF key: shape}`` of the persistent tensors of pipeline layer ``index``."""
+        return {self._hf_key(index, name): tuple(t.shape) for name, t in layer.state_dict(keep_vars=True).items()}
 
     def _check_checkpoint(self) -> None:
         """Every tensor this config needs is in the checkpoint, with the config's shape (read from
         the file headers only)."""
-        shapes = self._checkpoint.shapes()
-        missing, wrong = [], []
-        for i, layer in enumerate(self.layers):
-            for name, t in layer.state_dict(keep_vars=True).items():
-                key = self._hf_key(i, name)
-                found = self._resolve(key)
-                if found is None:
-                    missing.append(key)
-                elif tuple(shapes[found]) != tuple(t.shape):
-                    wrong.append(f"{found}: checkpoint {list(shapes[found])}, config {list(t.shape)}")
+        expected = {k: s for i, layer in enumerate(self.layers) for k, s in self._layer_shapes(i, layer).items()}
+        missing, wrong = self._checkpoint.mismatches(expected)
         if wrong or missing:
             cfg = self.hf_config
             sizes = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                   "num_attention_heads", "num_key_value_heads", "n_embd", "n_layer",
-                                                   "n_positions") if hasattr(cfg, k)}
+                                                   "num_attention_heads", "num_key_value_heads", "num_local_experts",
+                                                   "n_embd", "n_layer", "n_positions") if hasattr(cfg, k)}
             parts = []
             if wrong:
                 parts.append(f"{len(wrong)} tensor(s) have other shapes than the config asks for: {wrong[:5]}")
@@ -438,12 +439,9 @@ class HFCausalLM(CausalLMModule):
         without a checkpoint, with the model's ``_init_weights`` from a generator seeded by
         ``(seed, index)``. Rotary buffers are recomputed from the config."""
         if self._checkpoint is not None:
-            names = self._layer_keys(index, layer)
-            found = {name: self._resolve(key) for name, key in names.items()}
-            tensors = self._checkpoint.read(sorted(set(found.values())))
-            own = layer.state_dict(keep_vars=True)
-            for name, key in found.items():
-                own[name].copy_(tensors[key])
+            tensors = self._checkpoint.load(self._layer_shapes(index, layer))
+            for name, t in layer.state_dict(keep_vars=True).items():
+                t.copy_(tensors[self._hf_key(index, name)])
         else:
             host = self._init_host()
             with torch.random.fork_rng(devices=[]):
@@ -524,6 +522,9 @@ class HFCausalLM(CausalLMModule):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         cfg.save_pretrained(directory)
+        layout = DISK_LAYOUTS.get(cfg.model_type)
+        if layout is not None:  # the published format (what transformers' own save_pretrained writes)
+            tensors = layout.to_disk(tensors)
         save_file({k: v.clone() for k, v in tensors.items()}, str(directory / "model.safetensors"),
                   metadata={"format": "pt"})
 

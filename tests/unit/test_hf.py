@@ -4,6 +4,7 @@ format, and bad checkpoints or architectures are refused by name. Tiny random mo
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from lightning_dynmo.models.hf import (  # noqa: E402
     HFCausalLM,
     HFDecoderLayer,
     UnsupportedArchitectureError,
+    router_balance_loss,
 )
 from lightning_dynmo.protocol import RemoteLayer, pipeline_layers_of  # noqa: E402
 from lightning_dynmo.runtime.materialize import materialize_pipeline  # noqa: E402
@@ -33,6 +35,11 @@ def configs():
         "mistral": transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                                               num_attention_heads=4, num_key_value_heads=2,
                                               max_position_embeddings=64, sliding_window=6, **SMALL),
+        # Mistral + a top-2 of 4 experts MoE block in every layer
+        "mixtral": transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                              num_experts_per_tok=2, max_position_embeddings=64, sliding_window=6,
+                                              **SMALL),
     }
 
 
@@ -50,7 +57,7 @@ def load(path, **kw) -> HFCausalLM:
         return HFCausalLM.from_pretrained(path, **kw)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral"])
 def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
     ref, path = saved(tmp_path, arch)
     model = load(path).eval()
@@ -66,7 +73,7 @@ def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
         assert torch.equal(h, ref(x).logits)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
 def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path, arch, monkeypatch):
     _, path = saved(tmp_path, arch)
     real = load(path).state_dict()
@@ -86,7 +93,7 @@ def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path
     assert set(state) == {k for k in real if int(k.split(".")[1]) in own}
     assert all(torch.equal(v, real[k]) for k, v in state.items())
     embed = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
-    assert embed not in read and not any(".0." in k for k in read), read  # layer 0 and block 0 are not ours
+    assert read and embed not in read and not any(re.search(r"\.(h|layers)\.0\.", k) for k in read), read  # not ours
 
 
 def test_gpt2_tied_head_is_untied_with_a_warning_and_saves_untied(tmp_path):
@@ -137,7 +144,7 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     _, path = saved(tmp_path, "gpt2")
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, llama, mistral"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, llama, mistral, mixtral"):
         HFCausalLM.from_pretrained(path)
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})
@@ -169,3 +176,104 @@ def test_random_init_from_a_config_is_per_layer_and_meta_safe():
     norm = a.layers[1].layer.input_layernorm.weight
     assert torch.equal(norm, torch.ones_like(norm))  # the model's own init rules
     assert not torch.equal(a.layers[1].layer.mlp.up_proj.weight, HFCausalLM(config=cfg, seed=2).layers[1].layer.mlp.up_proj.weight)
+
+
+# ------------------------------------------------------------------ Mixtral
+def test_mixtral_round_trip_through_the_published_per_expert_format(tmp_path):
+    """transformers 5 fuses Mixtral's experts in its modules but stores them per expert (w1/w3/w2
+    under block_sparse_moe): the adapter reads that format, writes it back (the same tensor names
+    transformers writes), and also reads a file of fused module tensors."""
+    ref, path = saved(tmp_path, "mixtral")
+    model = load(path)
+    with torch.no_grad():  # trained weights: every expert tensor differs from the saved one
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(path / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys())
+        assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in set(f.keys())
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ours = model.hf_state_dict()
+    theirs = back.state_dict()
+    assert set(theirs) == set(ours) and all(torch.equal(theirs[k], v) for k, v in ours.items())
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model.eval()(x))
+    fused = tmp_path / "fused"  # a file of module tensors (e.g. a raw state_dict dump)
+    ref.config.save_pretrained(fused)
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(fused / "model.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(load(fused).eval()(x), ref(x).logits)
+
+
+def test_mixtral_expert_shapes_are_checked_per_stored_tensor(tmp_path):
+    _, path = saved(tmp_path, "mixtral")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 40}))
+    with pytest.raises(CheckpointMismatchError, match=r"model.layers.0.block_sparse_moe.experts.0.w1.weight: "
+                                                      r"checkpoint \[48, 32\], config \[40, 32\]"):
+        HFCausalLM.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 5}))
+    with pytest.raises(CheckpointMismatchError, match=r"missing: \['model.layers.0.mlp.experts.gate_up_proj"):
+        HFCausalLM.from_pretrained(path)
+
+
+def test_router_balance_loss_is_transformers_loss_of_one_layer_and_one_row():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    logits = torch.randn(3, 16, 4)
+    per_row = [load_balancing_loss_func((row,), 4, 2) for row in logits]
+    assert torch.allclose(router_balance_loss(logits, 2), torch.stack(per_row).mean(), rtol=1e-6)
+    # HF pools layers (and rows) before multiplying: the mean of per-layer products differs from it
+    # by E * sum_i cov_l(f_i, P_i), the documented relation
+    layers = torch.randn(3, 16, 4)
+    pooled = load_balancing_loss_func(tuple(layers), 4, 2)
+    probs = layers.softmax(-1)
+    f = torch.zeros_like(probs).scatter_(2, probs.topk(2, -1).indices, 1.0).mean(1)  # [L, E]
+    p = probs.mean(1)
+    cov = ((f - f.mean(0)) * (p - p.mean(0))).mean(0)
+    per_layer = torch.stack([router_balance_loss(layer[None], 2) for layer in layers]).mean()
+    assert torch.allclose(per_layer, pooled + 4 * cov.sum(), rtol=1e-5)
+    assert not torch.allclose(per_layer, pooled, rtol=1e-3)
+
+
+def _mixtral_grads(model, x, y):
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    return {model._hf_key(int(n.split(".")[1]), n.split(".", 2)[2]): p.grad for n, p in model.named_parameters()}
+
+
+def test_mixtral_router_loss_gradients_are_the_mean_of_transformers_per_layer_per_row_losses(tmp_path):
+    """Training gradients of the adapter = those of CE + coef * mean over layers and rows of
+    ``load_balancing_loss_func`` on that layer's and row's router logits (from transformers' own
+    model, output_router_logits=True); off by default, as transformers' own (the config's
+    output_router_logits=False)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    ref, path = saved(tmp_path, "mixtral")
+    coef = 0.5
+    x, y = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
+    ref.train()
+    out = ref(x, output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+    aux = torch.stack([load_balancing_loss_func((row,), 4, 2) for layer in out.router_logits
+                       for row in layer.view(3, 16, 4)]).mean()
+    ref.zero_grad()
+    (ce + coef * aux).backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    model = load(path, config={"router_aux_loss_coef": coef}, router_aux_loss=True).train()
+    got = _mixtral_grads(model, x, y)
+    assert set(got) == set(want)
+    for k, g in got.items():
+        assert torch.allclose(g, want[k], rtol=1e-4, atol=1e-7), k
+    router = "model.layers.1.mlp.gate.weight"
+    off = _mixtral_grads(load(path, config={"router_aux_loss_coef": coef}).train(), x, y)
+    assert not torch.allclose(off[router], got[router], rtol=1e-3)  # the default is off...
+    on = _mixtral_grads(load(path, config={"router_aux_loss_coef": coef, "output_router_logits": True}).train(), x, y)
+    assert torch.equal(on[router], got[router])  # ...and follows output_router_logits
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        load(saved(tmp_path, "llama")[1], router_aux_loss=True)
