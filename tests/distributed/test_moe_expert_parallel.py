@@ -11,14 +11,15 @@ from lightning_dynmo.models import MoEGPT
 from tests.distributed.test_moe_pipeline import MOE, PIPELINE, RUN, RTOL, _launch
 
 STEPS = RUN["steps"]
-EP_RUN = dict(RUN, **PIPELINE, expert_parallel=2, save_ckpt=True)
+CLIP = 0.3  # below the gradient norm (~0.5), so clipping acts: each expert shard must count once
+EP_RUN = dict(RUN, **PIPELINE, clip=CLIP, expert_parallel=2, save_ckpt=True)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ep")
     (ep,) = _launch(tmp / "ep2", [EP_RUN], nproc=4)
-    (ref,) = _launch(tmp / "ref", [dict(RUN, dp=2)], nproc=None)
+    (ref,) = _launch(tmp / "ref", [dict(RUN, clip=CLIP, dp=2)], nproc=None)
     return ep, ref
 
 
@@ -35,6 +36,10 @@ def test_expert_parallel_with_migration_every_step_matches_single_process(result
     ep, ref = results
     assert len(ep["history"]) >= STEPS - 1 and all(h["applied"] for h in ep["history"])
     torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+    # the whole model's gradient (every expert from its owner) before and after clipping
+    assert min(ref["grad_norms"]) > CLIP
+    for key in ("grad_norms", "clipped_grad_norms"):
+        torch.testing.assert_close(torch.tensor(ep[key]), torch.tensor(ref[key]), rtol=RTOL, atol=0, msg=key)
     se, sr = torch.load(ep["state"]), torch.load(ref["state"])
     assert se.keys() == sr.keys()
     for k in sr:

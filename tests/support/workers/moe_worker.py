@@ -7,7 +7,8 @@ SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch (per replica)
 fields), pp (absent: single process), schedule, microbatches, balancer, rebalance,
 rebalance_interval, expert_parallel, save_ckpt (a Lightning checkpoint at the last step), dp (single
 process only: train on the global batch of that many replicas, in their sampler's order).
-Rank 0 writes {"runs": [...]} with the losses, the state dict and optimizer state paths, the
+Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
+state dict and optimizer state paths, the
 rebalance history, the MoELoadMonitor's last per-layer statistics and, per rank, the expert rows
 each local MoE layer holds.
 """
@@ -26,6 +27,36 @@ from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models import MoEGPT
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+
+
+class GradNorms(L.Callback):
+    """The whole model's gradient norm per step, before clipping and after it (what the optimizer
+    stepped on; gradients stay until the next step's zero_grad). Under the pipeline every rank
+    holds a part: replicated gradients count once per stage (summed over the world, divided by
+    the replicas), an expert shard once per shard (a shard is on dp / expert_parallel replicas)."""
+
+    def __init__(self) -> None:
+        self.before: list[float] = []
+        self.after: list[float] = []
+
+    @staticmethod
+    def _norm(trainer, module) -> float:
+        sq = torch.zeros(2, dtype=torch.float64)
+        for name, p in module.named_parameters():
+            if p.grad is not None:
+                sq[int("experts." in name)] += p.grad.double().square().sum()
+        if not torch.distributed.is_initialized():
+            return float(sq.sum().sqrt())
+        torch.distributed.all_reduce(sq)
+        s = trainer.strategy
+        dp, ep = s.topology.dp, s.options.expert_parallel
+        return float((sq[0] / dp + sq[1] * ep / dp).sqrt())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before.append(self._norm(trainer, pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after.append(self._norm(trainer, pl_module))
 
 
 def build_model(cfg: dict) -> MoEGPT:
@@ -52,8 +83,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         kw = dict(strategy=strategy, devices=world)
     else:
         kw = dict(devices=1)
-    rec, monitor = LossRecorder(), MoELoadMonitor()
-    callbacks = [rec, monitor]
+    rec, monitor, norms = LossRecorder(), MoELoadMonitor(), GradNorms()
+    callbacks = [rec, monitor, norms]
     ckpt_dir = os.path.join(out_dir, f"moe_ckpt{idx}")
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
@@ -77,7 +108,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         optim = trainer.optimizers[0].state_dict()
         history, per_rank = [], [expert_rows]
-    result = {"losses": rec.losses, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank}
+    result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"moe_state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"moe_optim{idx}.pt")
