@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cpu_dispatch.h"
+#include "sparse_checks.h"
 
 namespace ldsparse {
 
@@ -117,12 +118,13 @@ int64_t row_chunks(int64_t rows, int64_t ntiles, int threads) {
   return std::max<int64_t>(1, std::min(chunks, rows));
 }
 
-void check_csr(const at::Tensor& crow, const at::Tensor& col) {
-  TORCH_CHECK(crow.scalar_type() == at::kInt && col.scalar_type() == at::kInt,
-              "ldsparse: crow_indices/col_indices must be int32");
-  TORCH_CHECK(crow.dim() == 1 && crow.numel() >= 1 && col.dim() == 1,
-              "ldsparse: bad CSR index shapes");
-  TORCH_CHECK(crow.is_contiguous() && col.is_contiguous(), "ldsparse: CSR indices must be contiguous");
+// The O(1) part of CSR validity the kernels rely on to stay in bounds, read on the host (the
+// CUDA op skips it: reading device memory would sync and break CUDA-graph capture).
+void check_csr_ends(const at::Tensor& crow, const at::Tensor& col, const char* op) {
+  const int32_t* cr = crow.data_ptr<int32_t>();
+  const int64_t rows = crow.numel() - 1;
+  TORCH_CHECK(cr[0] == 0 && cr[rows] == col.numel(), op, ": crow_indices must start at 0 and end at "
+              "the number of non-zeros (", col.numel(), "), got ", cr[0], " and ", cr[rows]);
 }
 
 struct Scratch {  // 64-byte aligned per-thread tile buffer
@@ -214,12 +216,11 @@ void sddmm_cpu_typed(const at::Tensor& crow, const at::Tensor& col, const at::Te
 
 }  // namespace
 
-at::Tensor spmm_cpu(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& values,
+at::Tensor spmm_cpu(const at::Tensor& crow_in, const at::Tensor& col_in, const at::Tensor& values,
                     const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in) {
-  check_csr(crow, col);
-  TORCH_CHECK(x_in.dim() == 2, "ldsparse.spmm: x must be 2-D [tokens, in_features]");
-  TORCH_CHECK(values.scalar_type() == x_in.scalar_type(), "ldsparse.spmm: dtype mismatch");
-  TORCH_CHECK(values.numel() == col.numel(), "ldsparse.spmm: values/col_indices size mismatch");
+  check_spmm(crow_in, col_in, values, x_in, bias_in);
+  const auto crow = crow_in.contiguous(), col = col_in.contiguous();
+  check_csr_ends(crow, col, "ldsparse.spmm");
   const auto x = x_in.contiguous();
   const auto vals = values.contiguous();
   c10::optional<at::Tensor> bias;
@@ -235,13 +236,11 @@ at::Tensor spmm_cpu(const at::Tensor& crow, const at::Tensor& col, const at::Ten
   return y;
 }
 
-at::Tensor sddmm_cpu(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& g_in,
+at::Tensor sddmm_cpu(const at::Tensor& crow_in, const at::Tensor& col_in, const at::Tensor& g_in,
                      const at::Tensor& x_in) {
-  check_csr(crow, col);
-  TORCH_CHECK(g_in.dim() == 2 && x_in.dim() == 2 && g_in.size(0) == x_in.size(0),
-              "ldsparse.sddmm: g [tokens, rows] and x [tokens, cols] expected");
-  TORCH_CHECK(g_in.size(1) == crow.numel() - 1, "ldsparse.sddmm: g has wrong row count");
-  TORCH_CHECK(g_in.scalar_type() == x_in.scalar_type(), "ldsparse.sddmm: dtype mismatch");
+  check_sddmm(crow_in, col_in, g_in, x_in);
+  const auto crow = crow_in.contiguous(), col = col_in.contiguous();
+  check_csr_ends(crow, col, "ldsparse.sddmm");
   const auto g = g_in.contiguous();
   const auto x = x_in.contiguous();
   auto out = at::zeros({col.numel()}, x.options());
@@ -258,8 +257,11 @@ at::Tensor sddmm_cpu(const at::Tensor& crow, const at::Tensor& col, const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_transpose_cpu(const at::Tensor& crow_in,
                                                                  const at::Tensor& col_in,
                                                                  int64_t n_cols) {
-  check_csr(crow_in, col_in);
-  const auto crow = crow_in.cpu(), col = col_in.cpu();
+  check_csr(crow_in, col_in, "ldsparse.csr_transpose");
+  TORCH_CHECK(n_cols >= 0, "ldsparse.csr_transpose: n_cols must be >= 0, got ", n_cols);
+  check_fits_int(n_cols, "n_cols", "ldsparse.csr_transpose");
+  const auto crow = crow_in.cpu().contiguous(), col = col_in.cpu().contiguous();
+  check_csr_ends(crow, col, "ldsparse.csr_transpose");
   const int64_t rows = crow.numel() - 1, nnz = col.numel();
   auto opts = crow.options();
   auto crow_t = at::zeros({n_cols + 1}, opts);
@@ -269,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_transpose_cpu(const at::Tenso
   const int32_t* ci = col.data_ptr<int32_t>();
   int32_t* ct = crow_t.data_ptr<int32_t>();
   for (int64_t j = 0; j < nnz; ++j) {
-    TORCH_CHECK(ci[j] >= 0 && ci[j] < n_cols, "ldsparse.csr_transpose: column index out of range");
+    TORCH_CHECK(ci[j] >= 0 && ci[j] < n_cols, "ldsparse.csr_transpose: col_indices[", j, "] = ", ci[j],
+                " is outside [0, n_cols = ", n_cols, ")");
     ++ct[ci[j] + 1];
   }
   for (int64_t c = 0; c < n_cols; ++c) ct[c + 1] += ct[c];

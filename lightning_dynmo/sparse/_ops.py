@@ -87,21 +87,63 @@ elif not _C.has_cuda():
     _lib.impl("sddmm", ref_sddmm, "CUDA")
 
 
-def _kernel_covers(x: Tensor) -> bool:
-    """CPU kernels are fp32/fp64; other dtypes (e.g. bf16 on CPU) take the reference path."""
-    return x.device.type != "cpu" or x.dtype in (torch.float32, torch.float64)
+# Dtypes each device's compiled kernels are instantiated for (cpp/csrc/sparse_cpu.cpp, cuda/).
+KERNEL_DTYPES = {"cpu": (torch.float32, torch.float64), "cuda": (torch.float32, torch.bfloat16)}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def kernel_dtype(device_type: str, dtype: torch.dtype, kernels: dict) -> Optional[torch.dtype]:
+    """The dtype to run the compiled kernel in for ``dtype`` inputs on ``device_type``, or None
+    for the reference path; ``kernels`` maps device type -> kernel dtypes (what is built).
+
+    A half type the device's kernel lacks (float16 on CUDA, both half types on CPU) runs upcast
+    to float32 and is cast back: the upcast is exact and the kernels accumulate in float32 and
+    round once, which is what a native half kernel does (the bf16 CUDA kernel included), and the
+    cost stays O(nnz) where the reference path would densify the weight.  Anything else without
+    a kernel (float64 on CUDA, a CPU-only build, no build) takes the exact reference path.
+    """
+    if device_type == "meta":
+        return dtype  # shapes only: the ops' fake kernels take any dtype
+    native = kernels.get(device_type, ())
+    if dtype in native:
+        return dtype
+    if dtype in _HALF and torch.float32 in native:
+        return torch.float32
+    return None
+
+
+def _built_kernels() -> dict:
+    if _C is None:
+        return {}
+    return {d: KERNEL_DTYPES[d] for d in (("cpu", "cuda") if _C.has_cuda() else ("cpu",))}
+
+
+_KERNELS = _built_kernels()
+
+
+def _route(x: Tensor, *others: Optional[Tensor]):
+    """(kernel dtype or None, the inputs cast to it): one dispatch decision for spmm and sddmm."""
+    dtype = kernel_dtype(x.device.type, x.dtype, _KERNELS)
+    if dtype is None or dtype == x.dtype:
+        return dtype, (x, *others)
+    mixed = [t.dtype for t in others if t is not None and t.dtype != x.dtype]
+    if mixed:  # casting would hide the mismatch the kernels reject
+        raise TypeError(f"ldsparse: inputs must share x's dtype {x.dtype}, got {mixed}; cast them first")
+    return dtype, tuple(t.to(dtype) if t is not None else None for t in (x, *others))
 
 
 def spmm(crow: Tensor, col: Tensor, values: Tensor, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    if _kernel_covers(x):
-        return torch.ops.ldsparse.spmm(crow, col, values, x, bias)
-    return ref_spmm(crow, col, values, x, bias)
+    dtype, (xk, vk, bk) = _route(x, values, bias)
+    if dtype is None:
+        return ref_spmm(crow, col, values, x, bias)
+    return torch.ops.ldsparse.spmm(crow, col, vk, xk, bk).to(x.dtype)
 
 
 def sddmm(crow: Tensor, col: Tensor, g: Tensor, x: Tensor) -> Tensor:
-    if _kernel_covers(x):
-        return torch.ops.ldsparse.sddmm(crow, col, g, x)
-    return ref_sddmm(crow, col, g, x)
+    dtype, (xk, gk) = _route(x, g)
+    if dtype is None:
+        return ref_sddmm(crow, col, g, x)
+    return torch.ops.ldsparse.sddmm(crow, col, gk, xk).to(x.dtype)
 
 
 def csr_transpose(crow: Tensor, col: Tensor, n_cols: int):

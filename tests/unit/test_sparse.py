@@ -236,3 +236,159 @@ def test_package_works_without_extension():
     env = {k: v for k, v in os.environ.items() if k != "LDSPARSE_CROSSOVER"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- kernel dispatch
+F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+_FULL = {"cpu": _ops.KERNEL_DTYPES["cpu"], "cuda": _ops.KERNEL_DTYPES["cuda"]}
+_CPU_ONLY = {"cpu": _ops.KERNEL_DTYPES["cpu"]}
+
+
+@pytest.mark.parametrize("kernels,device,dtype,expected", [
+    (_FULL, "cuda", F32, F32), (_FULL, "cuda", BF16, BF16),
+    (_FULL, "cuda", F16, F32),       # autocast fp16: upcast, not the fp32/bf16 kernel's error
+    (_FULL, "cuda", F64, None),      # no fp64 CUDA kernel: exact reference path
+    (_FULL, "cpu", F32, F32), (_FULL, "cpu", F64, F64),
+    (_FULL, "cpu", BF16, F32), (_FULL, "cpu", F16, F32),
+    (_CPU_ONLY, "cuda", F16, None), (_CPU_ONLY, "cuda", F32, None),  # CPU-only build on a GPU
+    ({}, "cpu", F32, None), ({}, "cpu", BF16, None),                  # no build at all
+    (_FULL, "mps", F32, None), (_FULL, "meta", F16, F16)])
+def test_kernel_dtype_routes_every_device_and_dtype(kernels, device, dtype, expected):
+    assert _ops.kernel_dtype(device, dtype, kernels) == expected
+
+
+def _rounded_reference(layer, x, g):
+    """y, dx, dvalues in fp64 from the inputs as the kernels see them (already rounded)."""
+    w = layer.dense_weight().double().requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    y = nn.functional.linear(xr, w, None if layer.bias is None else layer.bias.detach().double())
+    y.backward(g.double())
+    return y, xr.grad, w.grad[layer.mask()]
+
+
+def _half_tol(dtype, k):
+    """fp32 accumulation rounded once to ``dtype``: one ulp of ``dtype`` relative plus the fp32
+    accumulation error over ``k`` terms.  (A kernel accumulating in bf16 misses this by ~100x.)"""
+    return dict(rtol=max(torch.finfo(dtype).eps, 1e-5), atol=1e-6 * k)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_half_types_run_upcast_on_cpu(dtype):
+    gen = torch.Generator().manual_seed(2)
+    layer = SparseLinear.from_dense(nn.Linear(70, 50), _mask(50, 70, 0.3, gen)).to(dtype)
+    x = torch.randn(33, 70, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(33, 50, generator=gen).to(dtype)
+    y = layer(x)
+    y.backward(g)
+    assert y.dtype == x.grad.dtype == layer.values.grad.dtype == dtype
+    y_ref, dx_ref, dv_ref = _rounded_reference(layer, x, g)
+    torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, 70))
+    torch.testing.assert_close(x.grad.double(), dx_ref, **_half_tol(dtype, 50))
+    torch.testing.assert_close(layer.values.grad.double(), dv_ref, **_half_tol(dtype, 33))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_autocast_cpu_matches_rounded_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    layer = SparseLinear.from_dense(nn.Linear(40, 24), _mask(24, 40, 0.3, gen))
+    x = torch.randn(9, 40, generator=gen)
+    with torch.autocast("cpu", dtype=dtype):
+        y = layer(x)
+    assert y.dtype == dtype
+    y.float().sum().backward()
+    assert layer.values.grad.dtype == torch.float32
+    rounded = SparseLinear.from_dense(layer.to_dense(), layer.mask()).to(dtype)
+    y_ref, _, _ = _rounded_reference(rounded, x.to(dtype), torch.ones(9, 24))
+    torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, 40))
+
+
+def test_upcast_refuses_mixed_dtypes():
+    layer = SparseLinear.from_dense(nn.Linear(6, 4), torch.rand(4, 6) < 0.5)
+    with pytest.raises(TypeError, match="share x's dtype"):
+        _ops.spmm(layer.crow_indices, layer.col_indices, layer.values.detach(), torch.randn(3, 6, dtype=BF16))
+
+
+# --------------------------------------------------------------------------- bad input to the ops
+_ON_CUDA = pytest.param("cuda", marks=(pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available() or not sparse.cuda_kernels_available(), reason="no CUDA kernels")))
+
+
+def _op_inputs(device):
+    """Valid spmm/sddmm inputs: 4 rows (one empty) x 3 columns, 5 tokens."""
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    crow, col = sparse.linear.csr_pattern(mask)
+    t = dict(crow=crow, col=col, values=torch.randn(6), x=torch.randn(5, 3), bias=torch.randn(4),
+             g=torch.randn(5, 4))
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def _huge_rows(t):  # 2^31 + 1 rows without the memory: a stride-0 view
+    return t["crow"][:1].expand(2**31 + 2)
+
+
+_SPMM_BAD = [  # (input replaced, how, message), all must fail before any kernel runs
+    ("values", lambda t: t["values"][:-1], "one entry per non-zero"),
+    ("values", lambda t: t["values"].view(2, 3), "one entry per non-zero"),
+    ("values", lambda t: t["values"].double(), "values dtype Double differs from x dtype Float"),
+    ("x", lambda t: t["x"][0], "x must be 2-D"),
+    ("bias", lambda t: t["bias"][:-1], r"one entry per output row \(4\)"),
+    ("bias", lambda t: t["bias"].view(2, 2), r"one entry per output row \(4\)"),
+    ("bias", lambda t: t["bias"].double(), "bias dtype Double differs"),
+    ("crow", lambda t: t["crow"].long(), "must be int32"),
+    ("crow", lambda t: t["crow"][:0], r"rows \+ 1 entries"),
+    ("col", lambda t: t["col"].view(2, 3), "col_indices must be 1-D"),
+    ("crow", _huge_rows, "rows = 2147483649 exceeds the kernels' int32 limit"),
+]
+_SDDMM_BAD = [
+    ("g", lambda t: t["g"][:-1], "g has 4 tokens but x has 5"),
+    ("g", lambda t: t["g"][:, :-1], "g has 3 columns but the pattern has 4 rows"),
+    ("g", lambda t: t["g"][0], "must be 2-D"),
+    ("g", lambda t: t["g"].double(), "g dtype Double differs"),
+    ("col", lambda t: t["col"].short(), "must be int32"),
+    ("crow", _huge_rows, "exceeds the kernels' int32 limit"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", _ON_CUDA])
+@pytest.mark.parametrize("name,bad,match", _SPMM_BAD)
+def test_spmm_rejects_bad_input(device, name, bad, match):
+    t = _op_inputs(device)
+    torch.ops.ldsparse.spmm(t["crow"], t["col"], t["values"], t["x"], t["bias"])  # valid as given
+    t[name] = bad(t)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.ldsparse.spmm(t["crow"], t["col"], t["values"], t["x"], t["bias"])
+
+
+@pytest.mark.parametrize("device", ["cpu", _ON_CUDA])
+@pytest.mark.parametrize("name,bad,match", _SDDMM_BAD)
+def test_sddmm_rejects_bad_input(device, name, bad, match):
+    t = _op_inputs(device)
+    torch.ops.ldsparse.sddmm(t["crow"], t["col"], t["g"], t["x"])
+    t[name] = bad(t)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.ldsparse.sddmm(t["crow"], t["col"], t["g"], t["x"])
+
+
+@pytest.mark.skipif(not sparse.extension_available(), reason="needs the compiled extension")
+def test_cpu_ops_check_the_csr_ends_and_columns():
+    """On the host the O(1) CSR ends are checked too (the kernels would read out of bounds)."""
+    t = _op_inputs("cpu")
+    crow = t["crow"].clone()
+    crow[-1] += 1
+    with pytest.raises(RuntimeError, match=r"end at the number of non-zeros \(6\), got 0 and 7"):
+        torch.ops.ldsparse.spmm(crow, t["col"], t["values"], t["x"], None)
+    with pytest.raises(RuntimeError, match="end at the number of non-zeros"):
+        torch.ops.ldsparse.sddmm(crow, t["col"], t["g"], t["x"])
+    with pytest.raises(RuntimeError, match=r"col_indices\[1\] = 2 is outside \[0, n_cols = 2\)"):
+        torch.ops.ldsparse.csr_transpose(t["crow"], t["col"], 2)
+    with pytest.raises(RuntimeError, match="n_cols must be >= 0"):
+        torch.ops.ldsparse.csr_transpose(t["crow"], t["col"], -1)
+
+
+def test_strided_csr_indices_are_accepted():
+    t = _op_inputs("cpu")
+    strided = {k: torch.stack([t[k], torch.zeros_like(t[k])], -1)[:, 0] for k in ("crow", "col")}
+    assert not strided["crow"].is_contiguous()
+    torch.testing.assert_close(
+        torch.ops.ldsparse.spmm(strided["crow"], strided["col"], t["values"], t["x"], t["bias"]),
+        torch.ops.ldsparse.spmm(t["crow"], t["col"], t["values"], t["x"], t["bias"]))

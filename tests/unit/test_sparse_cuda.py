@@ -1,4 +1,7 @@
-"""CUDA side of the sparse kernels: nvcc compile check (CPU CI) and GPU correctness."""
+"""CUDA side of the sparse kernels: nvcc compile check (CPU CI) and an adversarial GPU plan
+(empty rows, 1 nnz, odd sizes, strided/offset inputs, no bias, > 65535 token strips, fp16
+autocast, CUDA graphs).  Memory and race checks: ``bash cpp/sanitize_cuda.sh`` on a GPU machine
+(compute-sanitizer memcheck/racecheck/initcheck over these tests)."""
 import os
 import shutil
 import subprocess
@@ -29,27 +32,181 @@ def test_cuda_kernels_are_compiled():
     assert sparse.cuda_kernels_available()
 
 
+def _half_tol(dtype, k):
+    """Kernels accumulate in fp32 and round once to ``dtype``: one ulp of ``dtype`` relative plus
+    fp32 accumulation error over ``k`` terms (a bf16-accumulating kernel misses this by ~100x)."""
+    return dict(rtol=max(torch.finfo(dtype).eps, 1e-5), atol=1e-6 * k)
+
+
+def _rounded_reference(layer, x, g):
+    """y, dx, dvalues in fp64 from the inputs as the kernels see them (rounded to their dtype),
+    so the comparison measures the kernels' accumulation, not the inputs' rounding."""
+    w = layer.dense_weight().double().requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    y = nn.functional.linear(xr, w, None if layer.bias is None else layer.bias.detach().double())
+    y.backward(g.double())
+    return y, xr.grad, w.grad[layer.mask()]
+
+
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,in_f,out_f,density", [(1, 64, 48, 0.3), (257, 96, 130, 0.1),
                                                         (1024, 768, 3072, 0.1), (64, 32, 16, 0.0)])
-def test_cuda_matches_dense_masked(dtype, tol, tokens, in_f, out_f, density):
+def test_cuda_matches_dense_masked(dtype, tokens, in_f, out_f, density):
     gen = torch.Generator().manual_seed(tokens)
-    dense = nn.Linear(in_f, out_f)
     mask = torch.rand(out_f, in_f, generator=gen) < density
-    layer = SparseLinear.from_dense(dense, mask).to("cuda", dtype)
+    layer = SparseLinear.from_dense(nn.Linear(in_f, out_f), mask).to("cuda", dtype)
     x = torch.randn(tokens, in_f, generator=gen).to("cuda", dtype).requires_grad_()
-    x_ref = x.detach().float().requires_grad_()
-    w_ref = (dense.weight.detach() * mask).cuda().requires_grad_()
+    g = torch.randn(tokens, out_f, generator=gen).to("cuda", dtype)
     y = layer(x)
-    y_ref = nn.functional.linear(x_ref, w_ref, dense.bias.detach().cuda())
-    torch.testing.assert_close(y.float(), y_ref, atol=tol * 10, rtol=tol)
-    g = torch.randn(y.shape, generator=gen).cuda()
-    y.backward(g.to(dtype))
-    y_ref.backward(g)
-    torch.testing.assert_close(x.grad.float(), x_ref.grad, atol=tol * 10, rtol=tol)
-    torch.testing.assert_close(layer.values.grad.float(), w_ref.grad[mask.cuda()], atol=tol * 10 * tokens ** 0.5, rtol=tol)
+    y.backward(g)
+    y_ref, dx_ref, dv_ref = _rounded_reference(layer, x, g)
+    torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, in_f))
+    torch.testing.assert_close(x.grad.double(), dx_ref, **_half_tol(dtype, out_f))
+    torch.testing.assert_close(layer.values.grad.double(), dv_ref, **_half_tol(dtype, tokens))
+
+
+# --------------------------------------------------------------------------- adversarial GPU plan
+# Each case also runs on the CPU kernels (here), which keeps the cases and references honest.
+_DEVICES = ["cpu", pytest.param("cuda", marks=(pytest.mark.cuda, cuda))]
+
+
+def _case_mask(case, gen):
+    if case == "empty_rows":  # every other row empty, the last row full
+        mask = torch.rand(21, 37, generator=gen) < 0.4
+        mask[::2] = False
+        mask[-1] = True
+        return mask, 37
+    if case == "all_empty":
+        return torch.zeros(16, 24, dtype=torch.bool), 5
+    if case == "one_nnz":
+        mask = torch.zeros(9, 13, dtype=torch.bool)
+        mask[8, 12] = True
+        return mask, 1
+    if case == "odd_unaligned":  # no size a multiple of the 4/8-wide vector loads
+        return torch.rand(131, 67, generator=gen) < 0.2, 257
+    if case == "one_row_one_col":
+        return torch.ones(1, 1, dtype=torch.bool), 3
+    raise ValueError(case)
+
+
+def _layout(t, how):
+    """The same values as a contiguous tensor, a strided view, or a view at storage offset 1."""
+    if how == "strided":
+        return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
+    if how == "offset":
+        return torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+    return t
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["empty_rows", "all_empty", "one_nnz", "odd_unaligned", "one_row_one_col"])
+@pytest.mark.parametrize("how", ["contiguous", "strided", "offset"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_ops_adversarial_inputs(device, dtype, case, how, bias):
+    from lightning_dynmo.sparse import _ops
+    from lightning_dynmo.sparse.linear import csr_pattern
+    gen = torch.Generator().manual_seed(7)
+    mask, tokens = _case_mask(case, gen)
+    out_f, in_f = mask.shape
+    w = (torch.randn(out_f, in_f, generator=gen) * mask).to(dtype).double()
+    x = torch.randn(tokens, in_f, generator=gen).to(dtype).double()
+    g = torch.randn(tokens, out_f, generator=gen).to(dtype).double()
+    b = torch.randn(out_f, generator=gen).to(dtype).double() if bias else None
+    crow, col = (t.to(device) for t in csr_pattern(mask))
+
+    def dev(t):
+        return None if t is None else _layout(t.to(device, dtype), how)
+
+    y = _ops.spmm(crow, col, dev(w[mask]), dev(x), dev(b))
+    y_ref = x @ w.t() + (b if bias else 0)
+    assert y.dtype == dtype and y.is_contiguous()
+    torch.testing.assert_close(y.cpu().double(), y_ref, **_half_tol(dtype, in_f))
+    out = _ops.sddmm(crow, col, dev(g), dev(x))
+    torch.testing.assert_close(out.cpu().double(), (g.t() @ x)[mask], **_half_tol(dtype, tokens))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype,tokens", [
+    (torch.float32, 65535 * 32 + 33),      # odd: scalar path, one strip per 32 tokens
+    (torch.bfloat16, 65535 * 256 + 256)])  # vector path (8 per lane), 2 strip rounds
+def test_cuda_spmm_beyond_grid_y_limit(dtype, tokens):
+    """Token strips past gridDim.y's 65535 are looped over, not dropped or rejected."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(6, 8, generator=gen) < 0.5
+    layer = SparseLinear.from_dense(nn.Linear(8, 6), mask).to("cuda", dtype)
+    x = torch.randn(tokens, 8, device="cuda").to(dtype)
+    with torch.no_grad():
+        y = layer(x)
+        ref = nn.functional.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
+    torch.testing.assert_close(y.float(), ref, **_half_tol(dtype, 8))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_autocast_fp16_falls_back_to_fp32_kernel():
+    """fp16 has no CUDA kernel: it runs upcast to fp32 (not an error), result in fp16."""
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.rand(48, 80, generator=gen) < 0.2
+    layer = SparseLinear.from_dense(nn.Linear(80, 48), mask).cuda()
+    x = torch.randn(130, 80, generator=gen).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = layer(x)
+    assert y.dtype == torch.float16
+    y.float().sum().backward()
+    assert layer.values.grad.dtype == torch.float32 and torch.isfinite(layer.values.grad).all()
+    rounded = SparseLinear.from_dense(layer.to_dense(), layer.mask()).to(torch.float16)
+    y_ref, _, _ = _rounded_reference(rounded, x.half(), torch.ones(130, 48, device="cuda"))
+    torch.testing.assert_close(y.double(), y_ref, **_half_tol(torch.float16, 80))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_ops_reject_mixed_devices_and_huge_token_counts():
+    from lightning_dynmo.sparse.linear import csr_pattern
+    crow, col = csr_pattern(torch.tensor([[1, 0], [1, 1]], dtype=torch.bool))
+    vals, x = torch.randn(3, device="cuda"), torch.randn(4, 2, device="cuda")
+    ops = torch.ops.ldsparse
+    with pytest.raises(RuntimeError, match="crow_indices is on cpu but x is on cuda"):
+        ops.spmm(crow, col.cuda(), vals, x, None)
+    with pytest.raises(RuntimeError, match="values is on cpu but x is on cuda"):
+        ops.spmm(crow.cuda(), col.cuda(), vals.cpu(), x, None)
+    with pytest.raises(RuntimeError, match="bias is on cpu but x is on cuda"):
+        ops.spmm(crow.cuda(), col.cuda(), vals, x, torch.randn(2))
+    with pytest.raises(RuntimeError, match="g is on cpu but x is on cuda"):
+        ops.sddmm(crow.cuda(), col.cuda(), torch.randn(4, 2), x)
+    huge = x[:1].expand(2**31, 2)  # 2^31 tokens as a stride-0 view: no memory
+    with pytest.raises(RuntimeError, match="tokens = 2147483648 exceeds the kernels' int32 limit"):
+        ops.spmm(crow.cuda(), col.cuda(), vals, huge, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        ops.spmm(crow.cuda(), col.cuda(), vals.half(), x.half(), None)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_capture_forward_and_backward(dtype):
+    """spmm, sddmm and the transpose path are capturable (no host sync, no allocation outside
+    the graph pool) and a replay recomputes from the new input."""
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.rand(40, 72, generator=gen) < 0.25
+    layer = SparseLinear.from_dense(nn.Linear(72, 40), mask).to("cuda", dtype)
+    x = torch.randn(50, 72, generator=gen).to("cuda", dtype).requires_grad_()
+    graphed = torch.cuda.make_graphed_callables(layer, (x,))
+    for seed in (1, 2):
+        xs = torch.randn(50, 72, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+        xs.requires_grad_()
+        layer.zero_grad(set_to_none=False)
+        y = graphed(xs)
+        g = torch.ones_like(y)
+        y.backward(g)
+        y_ref, dx_ref, dv_ref = _rounded_reference(layer, xs, g)
+        torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, 72))
+        torch.testing.assert_close(xs.grad.double(), dx_ref, **_half_tol(dtype, 40))
+        torch.testing.assert_close(layer.values.grad.double(), dv_ref, **_half_tol(dtype, 50))
 
 
 # --------------------------------------------------------------------------- block-sparse attention

@@ -1,4 +1,6 @@
-// Thin torch binding for the CUDA kernels in sparse_kernels.cuh (fp32 and bf16).
+// Thin torch binding for the CUDA kernels in sparse_kernels.cuh (fp32 and bf16); inputs are
+// checked as on the CPU (sparse_checks.h).  The CSR contents are trusted on the GPU (reading them
+// would sync and break CUDA-graph capture); SparseLinear builds valid patterns.
 // Token-major activations are transposed to the kernels' feature-major layout here; the
 // row swizzle order (rows by decreasing nnz) is computed per call on the device.
 #include <ATen/ATen.h>
@@ -6,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "sparse_checks.h"
 #include "sparse_kernels.cuh"
 
 namespace ldsparse {
@@ -16,13 +19,14 @@ at::Tensor row_swizzle(const at::Tensor& crow) {
   return std::get<1>(lengths.sort(/*stable=*/false, /*dim=*/0, /*descending=*/true)).to(at::kInt);
 }
 
-void check(const at::Tensor& crow, const at::Tensor& col, const at::Tensor& x) {
-  TORCH_CHECK(crow.is_cuda() && col.is_cuda() && x.is_cuda(), "ldsparse (CUDA): tensors must be on the GPU");
-  TORCH_CHECK(crow.scalar_type() == at::kInt && col.scalar_type() == at::kInt,
-              "ldsparse: crow_indices/col_indices must be int32");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "ldsparse (CUDA): float32 or bfloat16 only, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, "ldsparse: dense operand must be 2-D");
+// The CPU op's checks (sparse_checks.h) plus what only the GPU kernels need: CUDA tensors, a
+// dtype they are instantiated for, and a token count that fits their int parameter.
+void check_cuda(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.is_cuda(), op, " (CUDA): x must be on the GPU, got ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              " (CUDA): float32 or bfloat16 only, got ", x.scalar_type(),
+              " (lightning_dynmo.sparse runs float16 upcast to float32)");
+  check_fits_int(x.size(0), "tokens", op);
 }
 
 template <typename T>
@@ -32,11 +36,12 @@ const T* ptr(const at::Tensor& t) {
 
 at::Tensor spmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const at::Tensor& values,
                      const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
-  check(crow_in, col_in, x);
-  TORCH_CHECK(values.scalar_type() == x.scalar_type(), "ldsparse.spmm: dtype mismatch");
+  check_spmm(crow_in, col_in, values, x, bias);
+  check_cuda(x, "ldsparse.spmm");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto crow = crow_in.contiguous(), col = col_in.contiguous(), vals = values.contiguous();
   const int64_t rows = crow.numel() - 1, n = x.size(0);
+  if (rows == 0 || n == 0) return at::empty({n, rows}, x.options());
   const auto xt = x.t().contiguous();  // [in_features, tokens]
   auto yt = at::empty({rows, n}, x.options());
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
@@ -45,23 +50,25 @@ at::Tensor spmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const 
   cudaError_t err;
   if (x.scalar_type() == at::kFloat)
     err = cuda::launch_spmm<float>(ptr<int32_t>(crow), ptr<int32_t>(col), ptr<float>(vals), ptr<float>(xt),
-                                   ptr<float>(b), ptr<int32_t>(order), yt.data_ptr<float>(), rows, n, stream);
+                                   ptr<float>(b), ptr<int32_t>(order), yt.data_ptr<float>(),
+                                   static_cast<int>(rows), static_cast<int>(n), stream);
   else
     err = cuda::launch_spmm<__nv_bfloat16>(
         ptr<int32_t>(crow), ptr<int32_t>(col), ptr<__nv_bfloat16>(vals), ptr<__nv_bfloat16>(xt),
         ptr<__nv_bfloat16>(b), ptr<int32_t>(order), reinterpret_cast<__nv_bfloat16*>(yt.data_ptr()),
-        rows, n, stream);
+        static_cast<int>(rows), static_cast<int>(n), stream);
   TORCH_CHECK(err == cudaSuccess, "ldsparse.spmm launch failed: ", cudaGetErrorString(err));
   return yt.t().contiguous();
 }
 
 at::Tensor sddmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const at::Tensor& g,
                       const at::Tensor& x) {
-  check(crow_in, col_in, x);
-  TORCH_CHECK(g.scalar_type() == x.scalar_type() && g.size(0) == x.size(0), "ldsparse.sddmm: bad g");
+  check_sddmm(crow_in, col_in, g, x);
+  check_cuda(x, "ldsparse.sddmm");
   const c10::cuda::CUDAGuard guard(x.device());
   const auto crow = crow_in.contiguous(), col = col_in.contiguous();
   const int64_t rows = crow.numel() - 1, n = x.size(0);
+  if (col.numel() == 0 || n == 0) return at::zeros({col.numel()}, x.options());
   const auto gt = g.t().contiguous(), xt = x.t().contiguous();
   auto out = at::empty({col.numel()}, x.options());
   const auto order = row_swizzle(crow);
@@ -69,11 +76,13 @@ at::Tensor sddmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const
   cudaError_t err;
   if (x.scalar_type() == at::kFloat)
     err = cuda::launch_sddmm<float>(ptr<int32_t>(crow), ptr<int32_t>(col), ptr<float>(gt), ptr<float>(xt),
-                                    ptr<int32_t>(order), out.data_ptr<float>(), rows, n, stream);
+                                    ptr<int32_t>(order), out.data_ptr<float>(), static_cast<int>(rows),
+                                    static_cast<int>(n), stream);
   else
     err = cuda::launch_sddmm<__nv_bfloat16>(
         ptr<int32_t>(crow), ptr<int32_t>(col), ptr<__nv_bfloat16>(gt), ptr<__nv_bfloat16>(xt),
-        ptr<int32_t>(order), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), rows, n, stream);
+        ptr<int32_t>(order), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), static_cast<int>(rows),
+        static_cast<int>(n), stream);
   TORCH_CHECK(err == cudaSuccess, "ldsparse.sddmm launch failed: ", cudaGetErrorString(err));
   return out;
 }

@@ -21,6 +21,7 @@ namespace cuda {
 
 constexpr int kWarp = 32;
 constexpr int kRowsPerBlock = 4;  // warps per block, one row each
+constexpr unsigned kMaxGridY = 65535;  // CUDA's limit on gridDim.y
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -36,44 +37,50 @@ struct alignas(sizeof(T) * VEC) Packed {  // VEC elements moved by one vector in
 };
 
 // yt[r * n + t] = bias[r] + sum_j values[j] * xt[col[j] * n + t].
-// grid = (ceil(rows / kRowsPerBlock), ceil(n / (32 * VEC))), block = (32, kRowsPerBlock).
+// grid = (ceil(rows / kRowsPerBlock), min(strips, kMaxGridY)), block = (32, kRowsPerBlock), where
+// strips = ceil(n / (32 * VEC)); a block walks strips blockIdx.y, + gridDim.y, ... so any n
+// fits (grid.y alone stops at 65535 strips: 2M tokens on the scalar path).
 // n % VEC == 0 and 16-byte aligned bases are required when VEC > 1.
 template <typename T, int VEC>
 __global__ void spmm_kernel(const int32_t* __restrict__ crow, const int32_t* __restrict__ col,
                             const T* __restrict__ values, const T* __restrict__ xt,
                             const T* __restrict__ bias, const int32_t* __restrict__ row_order,
                             T* __restrict__ yt, int rows, int n) {
-  const int slot = blockIdx.x * kRowsPerBlock + threadIdx.y;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.y;
   if (slot >= rows) return;
-  const int r = row_order ? row_order[slot] : slot;
+  const int r = row_order ? row_order[slot] : static_cast<int>(slot);
   const int lane = threadIdx.x;
-  const int64_t t = (static_cast<int64_t>(blockIdx.y) * kWarp + lane) * VEC;
-  const bool active = t < n;
-  float acc[VEC];
   const float b = bias ? to_float(bias[r]) : 0.f;
-#pragma unroll
-  for (int v = 0; v < VEC; ++v) acc[v] = b;
   const int begin = crow[r], end = crow[r + 1];
-  for (int base = begin; base < end; base += kWarp) {
-    const int mine = base + lane;
-    const float w_l = mine < end ? to_float(values[mine]) : 0.f;
-    const int c_l = mine < end ? col[mine] : 0;
-    const int count = min(kWarp, end - base);
-    for (int i = 0; i < count; ++i) {
-      const float w = __shfl_sync(0xffffffffu, w_l, i);
-      const int c = __shfl_sync(0xffffffffu, c_l, i);
-      if (active) {
-        const Packed<T, VEC> x = *reinterpret_cast<const Packed<T, VEC>*>(xt + static_cast<int64_t>(c) * n + t);
+  const int64_t strips = (static_cast<int64_t>(n) + kWarp * VEC - 1) / (kWarp * VEC);
+  for (int64_t strip = blockIdx.y; strip < strips; strip += gridDim.y) {  // warp-uniform
+    const int64_t t = (strip * kWarp + lane) * VEC;
+    const bool active = t < n;
+    float acc[VEC];
 #pragma unroll
-        for (int v = 0; v < VEC; ++v) acc[v] = fmaf(w, to_float(x.v[v]), acc[v]);
+    for (int v = 0; v < VEC; ++v) acc[v] = b;
+    for (int base = begin; base < end; base += kWarp) {
+      const int mine = base + lane;
+      const float w_l = mine < end ? to_float(values[mine]) : 0.f;
+      const int c_l = mine < end ? col[mine] : 0;
+      const int count = min(kWarp, end - base);
+      for (int i = 0; i < count; ++i) {
+        const float w = __shfl_sync(0xffffffffu, w_l, i);
+        const int c = __shfl_sync(0xffffffffu, c_l, i);
+        if (active) {
+          const Packed<T, VEC> x =
+              *reinterpret_cast<const Packed<T, VEC>*>(xt + static_cast<int64_t>(c) * n + t);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) acc[v] = fmaf(w, to_float(x.v[v]), acc[v]);
+        }
       }
     }
-  }
-  if (active) {
-    Packed<T, VEC> out;
+    if (active) {
+      Packed<T, VEC> out;
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) out.v[v] = from_float<T>(acc[v]);
-    *reinterpret_cast<Packed<T, VEC>*>(yt + static_cast<int64_t>(r) * n + t) = out;
+      for (int v = 0; v < VEC; ++v) out.v[v] = from_float<T>(acc[v]);
+      *reinterpret_cast<Packed<T, VEC>*>(yt + static_cast<int64_t>(r) * n + t) = out;
+    }
   }
 }
 
@@ -85,9 +92,9 @@ __global__ void sddmm_kernel(const int32_t* __restrict__ crow, const int32_t* __
                              const T* __restrict__ gt, const T* __restrict__ xt,
                              const int32_t* __restrict__ row_order, T* __restrict__ out,
                              int rows, int n) {
-  const int slot = blockIdx.x * kRowsPerBlock + threadIdx.y;
+  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.y;
   if (slot >= rows) return;
-  const int r = row_order ? row_order[slot] : slot;
+  const int r = row_order ? row_order[slot] : static_cast<int>(slot);
   const int lane = threadIdx.x;
   const T* g = gt + static_cast<int64_t>(r) * n;
   for (int j = crow[r]; j < crow[r + 1]; ++j) {
@@ -115,14 +122,16 @@ cudaError_t launch_spmm(const int32_t* crow, const int32_t* col, const T* values
   if (rows == 0 || n == 0) return cudaSuccess;
   constexpr int V = 16 / sizeof(T);
   const dim3 block(kWarp, kRowsPerBlock);
-  const unsigned gx = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  if (n % V == 0 && aligned16(xt) && aligned16(yt)) {
-    const dim3 grid(gx, (n + kWarp * V - 1) / (kWarp * V));
-    spmm_kernel<T, V><<<grid, block, 0, stream>>>(crow, col, values, xt, bias, row_order, yt, rows, n);
-  } else {
-    const dim3 grid(gx, (n + kWarp - 1) / kWarp);
-    spmm_kernel<T, 1><<<grid, block, 0, stream>>>(crow, col, values, xt, bias, row_order, yt, rows, n);
-  }
+  const unsigned gx = static_cast<unsigned>((static_cast<int64_t>(rows) + kRowsPerBlock - 1) / kRowsPerBlock);
+  // Token strips beyond kMaxGridY are looped over inside the kernel.
+  const auto grid = [&](int vec) {
+    const int64_t strips = (static_cast<int64_t>(n) + kWarp * vec - 1) / (kWarp * vec);
+    return dim3(gx, static_cast<unsigned>(strips < kMaxGridY ? strips : kMaxGridY));
+  };
+  if (n % V == 0 && aligned16(xt) && aligned16(yt))
+    spmm_kernel<T, V><<<grid(V), block, 0, stream>>>(crow, col, values, xt, bias, row_order, yt, rows, n);
+  else
+    spmm_kernel<T, 1><<<grid(1), block, 0, stream>>>(crow, col, values, xt, bias, row_order, yt, rows, n);
   return cudaGetLastError();
 }
 
@@ -132,7 +141,7 @@ cudaError_t launch_sddmm(const int32_t* crow, const int32_t* col, const T* gt, c
   if (rows == 0) return cudaSuccess;
   constexpr int V = 16 / sizeof(T);
   const dim3 block(kWarp, kRowsPerBlock);
-  const dim3 grid((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  const dim3 grid(static_cast<unsigned>((static_cast<int64_t>(rows) + kRowsPerBlock - 1) / kRowsPerBlock));
   if (n % V == 0 && aligned16(gt) && aligned16(xt))
     sddmm_kernel<T, V><<<grid, block, 0, stream>>>(crow, col, gt, xt, row_order, out, rows, n);
   else
