@@ -1,8 +1,12 @@
 """Expert parallelism: an MoE GPT on pp=2 x dp=2 with expert_parallel=2 (each replica of a stage
 holds half the experts of every MoE layer it owns; tokens travel by all_to_all) and a layer
-migration before every step equals single-process training on the global batch; its checkpoint is
-the single-process format."""
+migration before every step equals single-process training on the global batch. Its checkpoints
+are the single-process format: one saved under expert_parallel=2 loads into a plain module and
+resumes under expert_parallel=1, and a single-process one resumes under expert_parallel=2, both
+continuing the single-process curve."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -10,21 +14,30 @@ import torch
 from lightning_dynmo.models import MoEGPT
 from tests.distributed.test_moe_pipeline import MOE, PIPELINE, RUN, RTOL, _launch
 
-STEPS = RUN["steps"]
+STEPS, MORE = RUN["steps"], 2
 CLIP = 0.3  # below the gradient norm (~0.5), so clipping acts: each expert shard must count once
-EP_RUN = dict(RUN, **PIPELINE, clip=CLIP, expert_parallel=2, save_ckpt=True)
+# 16 samples = one global batch of 2 x 8: every step closes an epoch, so a run resumed from any
+# step's checkpoint draws the same batches as an uninterrupted one
+DATA = dict(RUN, clip=CLIP, n_samples=16)
+EP_RUN = dict(DATA, **PIPELINE, expert_parallel=2)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ep")
-    (ep,) = _launch(tmp / "ep2", [EP_RUN], nproc=4)
-    (ref,) = _launch(tmp / "ref", [dict(RUN, clip=CLIP, dp=2)], nproc=None)
-    return ep, ref
+    ref, ref_longer = _launch(tmp / "ref", [dict(DATA, dp=2, save_ckpt=True), dict(DATA, dp=2, steps=STEPS + MORE)],
+                              nproc=None)
+    ep_ckpt = os.path.join(tmp / "ep2", "moe_ckpt0", "last.ckpt")  # where run 0 of the job saves
+    ep, ep_from_ref, ep1_from_ep = _launch(tmp / "ep2", [
+        dict(EP_RUN, save_ckpt=True),
+        dict(EP_RUN, steps=STEPS + MORE, resume=ref["ckpt"]),
+        dict(EP_RUN, steps=STEPS + MORE, expert_parallel=1, resume=ep_ckpt),
+    ], nproc=4)
+    return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep)
 
 
 def test_each_replica_holds_half_of_the_experts(results):
-    ep, ref = results
+    ep, ref = results["ep"], results["ref"]
     rows = ep["expert_rows_per_rank"]  # rank g: stage g % 2 of replica g // 2
     assert all(n == MOE["num_experts"] // 2 for r in rows for n in r.values())
     assert rows[0] == rows[2] and rows[1] == rows[3]  # replicas of a stage hold the same layers
@@ -33,7 +46,7 @@ def test_each_replica_holds_half_of_the_experts(results):
 
 
 def test_expert_parallel_with_migration_every_step_matches_single_process(results):
-    ep, ref = results
+    ep, ref = results["ep"], results["ref"]
     assert len(ep["history"]) >= STEPS - 1 and all(h["applied"] for h in ep["history"])
     torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
     # the whole model's gradient (every expert from its owner) before and after clipping
@@ -54,7 +67,7 @@ def test_expert_parallel_with_migration_every_step_matches_single_process(result
 
 
 def test_checkpoint_saved_under_expert_parallel_loads_into_one_process(results):
-    ep, _ = results
+    ep = results["ep"]
     ckpt = torch.load(ep["ckpt"], weights_only=False)
     final = torch.load(ep["state"])
     model = MoEGPT(**ckpt["hyper_parameters"])
@@ -68,3 +81,14 @@ def test_checkpoint_saved_under_expert_parallel_loads_into_one_process(results):
     assert loaded.keys() == saved.keys()
     for i, st in saved.items():
         assert all(torch.equal(loaded[i][k], v) for k, v in st.items()), i
+
+
+@pytest.mark.parametrize("run", ["ep_from_ref", "ep1_from_ep"])
+def test_resume_across_expert_parallel_settings_continues_the_curve(results, run):
+    """ep_from_ref: a single-process checkpoint sliced into shards; ep1_from_ep: an
+    expert_parallel=2 checkpoint resumed with every replica holding every expert."""
+    resumed, longer = results[run], results["ref_longer"]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(longer["losses"][STEPS:]),
+                               rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(resumed["grad_norms"]), torch.tensor(longer["grad_norms"][STEPS:]),
+                               rtol=RTOL, atol=0)

@@ -5,7 +5,8 @@ Usage: torchrun --nproc-per-node N tests/support/workers/moe_worker.py SPEC.json
        python tests/support/workers/moe_worker.py SPEC.json          (single process, no strategy)
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch (per replica), moe (MoEConfig
 fields), pp (absent: single process), schedule, microbatches, balancer, rebalance,
-rebalance_interval, expert_parallel, save_ckpt (a Lightning checkpoint at the last step), dp (single
+rebalance_interval, expert_parallel, save_ckpt (a Lightning checkpoint at the last step), resume (a
+checkpoint to resume from), n_samples, dp (single
 process only: train on the global batch of that many replicas, in their sampler's order).
 Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
 state dict and optimizer state paths, the
@@ -96,7 +97,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         gradient_clip_val=cfg.get("clip"), callbacks=callbacks, default_root_dir=out_dir, **kw,
     )
     dp = 1 if pipeline else cfg.get("dp", 1)
-    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp))
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp),
+                ckpt_path=cfg.get("resume"))
     expert_rows = {i: int(block.mlp.experts.w1.shape[0]) for i, block in model.moe_blocks()}
     if pipeline:
         state = trainer.strategy.lightning_module_state_dict()
