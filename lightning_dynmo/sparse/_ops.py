@@ -6,6 +6,8 @@ Kernels live under ``torch.ops.ldsparse`` (schemas in cpp/csrc/ops.cpp).  When t
 extension is missing -- a broken or skipped build -- the same schemas are defined here with
 pure-torch reference implementations (they densify the weight: correct but slower and
 O(out*in) memory), so ``import lightning_dynmo`` and every SparseLinear feature still work.
+Per call, ``kernel_dtype`` (a pure function of device and dtype) picks the kernel, the kernel
+run upcast to fp32 (half types it lacks, e.g. fp16 under CUDA autocast), or the reference path.
 """
 from __future__ import annotations
 
