@@ -5,8 +5,8 @@
 * mixed precision (bf16-mixed, 16-mixed with a grad scaler whose inf checks agree across ranks,
   bf16-true) with a layer migration before every step;
 * activation checkpointing (True and "auto"): bitwise the same losses and weights;
-* a Hugging Face GPT-2 (built on the meta device, read from a local directory) equals
-  single-process Lightning;
+* a Hugging Face GPT-2 and a Mixtral (built on the meta device, read from a local directory; the
+  Mixtral with its per-layer router loss attached in backward) equal single-process Lightning;
 * bad input fails on every rank with a message naming the fix.
 
 One torchrun launch runs every training config; references are ordinary single-process runs.
@@ -44,6 +44,20 @@ def tiny_gpt2(path) -> str:
     return str(path)
 
 
+def tiny_mixtral(path) -> str:
+    """Two MoE layers (top-2 of 4 experts), a sliding window shorter than the sequence, and the
+    router loss on (output_router_logits) with a weight large enough to move the routers."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, vocab_size=64, max_position_embeddings=32,
+                                        sliding_window=6, output_router_logits=True, router_aux_loss_coef=0.5,
+                                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
 RUNS = {
     "meta": base(meta=True, **MIGRATE),
     "real": base(**MIGRATE),
@@ -67,6 +81,7 @@ def results(tmp_path_factory):
     runs = dict(RUNS)
     if _has_transformers():
         runs["hf"] = base(hf=tiny_gpt2(tmp_path_factory.mktemp("gpt2")), meta=True, **MIGRATE)
+        runs["hf_mixtral"] = base(hf=tiny_mixtral(tmp_path_factory.mktemp("mixtral")), meta=True, **MIGRATE)
     names = list(runs)
     out = run_worker(tmp_path_factory.mktemp("real"), 2, [runs[n] for n in names], worker=WORKER)
     return {n: (runs[n], r) for n, r in zip(names, out)}
@@ -193,6 +208,28 @@ def test_hugging_face_gpt2_pipeline_equals_single_process(results):
     assert_losses(res["losses"], reference(cfg)["losses"], 1e-5, "HF GPT-2")
 
 
+def test_hugging_face_mixtral_with_router_loss_pipeline_equals_single_process(results):
+    """Losses and weights after every step migrated a layer; the router loss is in both runs (a
+    single process without it ends with other router weights)."""
+    pytest.importorskip("transformers")
+    cfg, res = results["hf_mixtral"]
+    assert res["applied"] == STEPS - 1
+    from lightning_dynmo.models.hf import HFCausalLM
+
+    assert_states_equal(torch.load(res["init"]), HFCausalLM.from_pretrained(cfg["hf"]).state_dict(),
+                        "Mixtral initial weights (each rank read and fused its own experts)")
+    ref = reference(cfg)
+    assert_losses(res["losses"], ref["losses"], 1e-5, "HF Mixtral")
+    state = torch.load(res["state"])
+    assert set(state) == set(ref["state"])
+    for k, v in ref["state"].items():
+        assert torch.allclose(state[k], v, rtol=1e-4, atol=1e-6), f"Mixtral weight {k}: pipeline vs single process"
+    router = "layers.1.layer.mlp.gate.weight"
+    no_aux = reference({**cfg, "hf_kwargs": {"router_aux_loss": False}})["state"][router]
+    assert not torch.allclose(no_aux, v := ref["state"][router], rtol=1e-4, atol=1e-6), "router loss had no effect"
+    assert torch.allclose(state[router], v, rtol=1e-4, atol=1e-6)
+
+
 # ------------------------------------------------------------------ bad input
 def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
     env = {}
@@ -213,7 +250,7 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
     }
     if env:
         expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='gpt_neox'.*supported: "
-                                               r"gpt2, llama, mistral")
+                                               r"gpt2, llama, mistral, mixtral")
         expected["hf_shape_mismatch"] = (r"CheckpointMismatchError: the checkpoint .* does not match its config .*"
                                          r"transformer.wte.weight: checkpoint \[64, 32\], config \[64, 48\]")
     out = tmp_path / "errors"

@@ -24,11 +24,12 @@ from tests.support.workers.common import LossRecorder, make_loader, make_model, 
 
 def build_model(cfg: dict):
     """The test GPT (tests.support.workers.common) or, with ``cfg["hf"]``, the Hugging Face model
-    saved in that directory."""
+    saved in that directory (``cfg["hf_kwargs"]``: more ``HFCausalLM`` arguments)."""
     if cfg.get("hf"):
         from lightning_dynmo.models.hf import HFCausalLM
 
-        return HFCausalLM.from_pretrained(cfg["hf"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20)
+        return HFCausalLM.from_pretrained(cfg["hf"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
+                                          **cfg.get("hf_kwargs", {}))
     return make_model(cfg)
 
 
