@@ -171,7 +171,7 @@ def test_cuda_ops_reject_mixed_devices_and_huge_token_counts():
     vals, x = torch.randn(3, device="cuda"), torch.randn(4, 2, device="cuda")
     ops = torch.ops.ldsparse
     with pytest.raises(RuntimeError, match="crow_indices is on cpu but x is on cuda"):
-        ops.spmm(crow, col.cuda(), vals, x, None)
+        ops.spmm(crow, col, vals, x, None)
     with pytest.raises(RuntimeError, match="values is on cpu but x is on cuda"):
         ops.spmm(crow.cuda(), col.cuda(), vals.cpu(), x, None)
     with pytest.raises(RuntimeError, match="bias is on cpu but x is on cuda"):

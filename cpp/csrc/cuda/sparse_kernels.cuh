@@ -4,7 +4,7 @@
 // Operands are feature-major: xt[k * n + t] (the binding transposes token-major
 // activations), so a CSR row reads contiguous token strips.  Ideas taken from Sputnik
 // (Gale et al., SC'20):
-//   * 1-D tiling: a warp owns one output row and a strip of 32 * VEC tokens;
+//   * 1-D tiling: a warp owns one output row and strips of 32 * VEC tokens;
 //   * row swizzle: warps take rows in `row_order` (sorted by decreasing nnz) so rows of
 //     similar length run together and the long ones start first;
 //   * vector memory access: VEC tokens per lane in one 16-byte load/store;
