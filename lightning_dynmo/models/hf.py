@@ -181,8 +181,8 @@ class HFDecoderLayer(nn.Module):
     """One decoder layer of the model as a single-tensor layer (see the module docstring).
 
     ``router``: path of the layer's MoE router (Mixtral); with ``aux_loss_coeff > 0`` a training
-    forward attaches ``aux_loss_coeff * router_balance_loss`` of its logits to the output. A
-    plain attribute, so a callback may schedule it."""
+    forward attaches ``aux_loss_coeff * router_balance_loss`` of its logits to the output
+    (``aux_loss_coeff`` is a plain attribute, so a callback may schedule it)."""
 
     def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool,
                  router: str | None = None, aux_loss_coeff: float = 0.0):
@@ -506,8 +506,9 @@ class HFCausalLM(CausalLMModule):
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the format ``from_pretrained`` (ours and
-        ``transformers.AutoModelForCausalLM``'s) reads. An untied model is saved with
-        ``tie_word_embeddings=False``."""
+        ``transformers.AutoModelForCausalLM``'s) reads; Mixtral's experts per expert, as the published
+        files and ``transformers``' own ``save_pretrained`` store them. An untied model is saved
+        with ``tie_word_embeddings=False``."""
         from safetensors.torch import save_file
 
         tensors = self.hf_state_dict(state_dict)
