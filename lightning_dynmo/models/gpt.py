@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
 from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
 from lightning_dynmo.runtime.materialize import layer_seed
@@ -69,6 +70,8 @@ class GPTConfig:
     attention_block: int = 64  # layout block size of hash_sparse attention (kernels: 16/32/64/128)
     nb_hash: int | tuple = 4  # hash buckets per head (density ~ 1 / nb_hash), or one entry per block
     hash_redraw: bool = False  # new hash rotations every training step (default: fixed per layer)
+    # "auto" (FlexAttention on CUDA, our kernels on the CPU) | "kernel" | "flex"
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -91,6 +94,8 @@ class GPTConfig:
         for nb in (self.nb_hash,) if isinstance(self.nb_hash, (int, float)) else self.nb_hash:
             if int(nb) != nb or nb < 1:
                 raise ValueError(f"nb_hash must be an integer >= 1 (or a per-layer tuple of them), got {nb!r}")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if int(self.attention_block) != self.attention_block or self.attention_block < 1:
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if self.n_embd % self.n_head != 0:
@@ -252,6 +257,7 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.block = int(config.attention_block)
         self.nb_hash = config.layer_nb_hash(layer_index)
         self.redraw = bool(config.hash_redraw)
+        self.backend = config.attention_backend
         self._seed = 0x5EED0000 + 7919 * int(layer_index)
         head_dim = config.n_embd // config.n_head
         with torch.device("cpu"):  # drawn on the CPU whatever the ambient device
@@ -288,7 +294,8 @@ class HashSparseSelfAttention(CausalSelfAttention):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y, plan = hash_sparse_attention(q, k, v, self.current_rotations(), self.nb_hash, self.block)
+        y, plan = hash_sparse_attention(q, k, v, self.current_rotations(), self.nb_hash, self.block,
+                                        backend=self.backend)
         self.last_density = plan.density
         if self.training and torch.is_grad_enabled():
             self.load_window.add(plan.density)

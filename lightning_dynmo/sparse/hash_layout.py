@@ -49,10 +49,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .attention import BlockLayout, block_sparse_attention
+from .attention import BlockLayout, block_sparse_attention, resolve_backend
 
 __all__ = ["draw_rotations", "hash_buckets", "HashPlan", "hash_sort_plan", "hash_sparse_attention",
-           "local_window_layout"]
+           "local_window_layout", "max_slots"]
 
 
 def _check_nb_hash(nb_hash: int) -> int:
@@ -169,12 +169,19 @@ def hash_sort_plan(buckets: Tensor, nb_hash: int, block_size: int) -> HashPlan:
     return HashPlan(buckets, slot, source, layout, t, b * h * nq * (nq + 1) // 2)
 
 
+def max_slots(seq_len: int, nb_hash: int, block_size: int) -> int:
+    """Most slots :func:`hash_sort_plan` can need: every non-empty bucket pads at most one block."""
+    return (-(-int(seq_len) // int(block_size)) + min(int(nb_hash), int(seq_len)) - 1) * int(block_size)
+
+
 def hash_sparse_attention(q: Tensor, k: Tensor, v: Tensor, rotations: Tensor, nb_hash: int,
                           block_size: int, scale: Optional[float] = None,
-                          buckets: Optional[Tensor] = None) -> Tuple[Tensor, HashPlan]:
+                          buckets: Optional[Tensor] = None, backend: str = "auto") -> Tuple[Tensor, HashPlan]:
     """Causal attention where token i sees token j iff they share a hash bucket and j <= i.
 
     ``q, k, v``: ``[B, H, T, D]``; buckets come from the keys (:func:`hash_buckets`) unless given.
+    ``backend``: as for ``block_sparse_attention`` (FlexAttention on CUDA by default; its slot
+    sequence is padded to :func:`max_slots`, one shape for every step under ``torch.compile``).
     Returns the output ``[B, H, T, D]`` (differentiable in q, k, v) and the :class:`HashPlan`.
     """
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
@@ -185,8 +192,15 @@ def hash_sparse_attention(q: Tensor, k: Tensor, v: Tensor, rotations: Tensor, nb
         buckets = hash_buckets(k, rotations, nb_hash)
     plan = hash_sort_plan(buckets, nb_hash, block_size)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if resolve_backend(backend, q.device) == "flex":
+        from .flex import flex_block_sparse_attention
+
+        out = flex_block_sparse_attention(q, k, v, plan.layout, scale, plan.slot_token,
+                                          slots=max_slots(t, nb_hash, block_size))
+        return out, plan
     # The kernels read q/k/v through the slot map and write token order: no gather passes.
-    return block_sparse_attention(q, k, v, plan.layout, scale=scale, slot_token=plan.slot_token), plan
+    out = block_sparse_attention(q, k, v, plan.layout, scale=scale, slot_token=plan.slot_token, backend="kernel")
+    return out, plan
 
 
 def local_window_layout(batch: int, heads: int, seq_len: int, block_size: int, window_blocks: int,
