@@ -1,9 +1,13 @@
-"""Mixture of Experts without expert parallelism: top-2 of 8 experts with Switch-style capacity
-(factor 1.0), aux loss on. On one rank a layer's expert work changes only through dropped tokens,
-so per-layer cost moves a little every step; dynmo decides every iteration from the layers' load
-counters. (Expert parallelism, where a stage's cost is its busiest expert shard's, is what makes
-MoE imbalance large in the paper; it is not implemented yet.)"""
+"""Mixture of Experts: top-2 of 8 experts with Switch-style capacity (factor 1.0), aux loss on.
+Without expert parallelism a layer's expert work changes only through dropped tokens, so
+per-layer cost moves a little every step; dynmo decides every iteration from the layers' load
+counters. With ``--expert-parallel N`` each stage's experts are split over N data-parallel
+replicas and tokens travel to their owners by all_to_all, so a stage also waits for its busiest
+shard (the load counters do not see that yet: they count a replica's routed tokens, not the
+tokens its shard receives)."""
 from __future__ import annotations
+
+EXPERT_PARALLEL = True  # benchmarks/dynamism.py --expert-parallel N applies
 
 MODEL = dict(vocab_size=256, block_size=64, n_layer=6, n_head=4, n_embd=96, dropout=0.0)
 

@@ -102,6 +102,7 @@ class Rebalancer:
             s.profiler.stop_layer_profiling()
             self._act_on_profile(step, self._profiling_reason or "peer request")
             acted = True
+        self._agree_on_counter_requests()
         if self._counter_requests and self.policy.mode == "never":
             self.policy.request(self._counter_requests[-1])  # the policy drops (and reports) it
             self._counter_requests.clear()
@@ -122,6 +123,19 @@ class Rebalancer:
         self._profiling_reason = reason
         if reason:
             s.profiler.start_layer_profiling(s.layers, s.local_layer_indices())
+
+    def _agree_on_counter_requests(self) -> None:
+        """Load monitors reduce over their own pipeline, so with several replicas (or ranks
+        released by re-packing) one rank may ask for a decision from load counters while another
+        does not, and the decision is a collective: any rank's request counts for all (one small
+        all-reduce per step, only when the world holds more than one pipeline's ranks)."""
+        s = self.strategy
+        if s.layout.topology.world_size == s.layout.pp_size:
+            return
+        flag = torch.tensor([1.0 if self._counter_requests else 0.0], dtype=torch.float64, device=s.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and not self._counter_requests:
+            self._counter_requests.append("a load monitor of another replica")
 
     def after_step(self, stats: StepStats) -> None:
         if self._profiling_reason:

@@ -20,20 +20,28 @@ CLIP = 0.3  # below the gradient norm (~0.5), so clipping acts: each expert shar
 # step's checkpoint draws the same batches as an uninterrupted one
 DATA = dict(RUN, clip=CLIP, n_samples=16)
 EP_RUN = dict(DATA, **PIPELINE, expert_parallel=2)
+# per-iteration decisions from load counters: each replica's MoELoadMonitor measures its own routing,
+# so at some step (step 7 with this data) only one replica asks; every rank must still decide
+AUTO_DATA = dict(DATA, steps=8, n_samples=64)
+AUTO_RUN = dict(AUTO_DATA, **dict(PIPELINE, balancer="partition_time", rebalance="auto"), expert_parallel=2,
+                rebalance_cooldown=1, imbalance_threshold=0.02, monitor_threshold=0.02)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ep")
-    ref, ref_longer = _launch(tmp / "ref", [dict(DATA, dp=2, save_ckpt=True), dict(DATA, dp=2, steps=STEPS + MORE)],
-                              nproc=None)
+    ref, ref_longer, ref_auto = _launch(tmp / "ref", [dict(DATA, dp=2, save_ckpt=True),
+                                                      dict(DATA, dp=2, steps=STEPS + MORE), dict(AUTO_DATA, dp=2)],
+                                        nproc=None)
     ep_ckpt = os.path.join(tmp / "ep2", "moe_ckpt0", "last.ckpt")  # where run 0 of the job saves
-    ep, ep_from_ref, ep1_from_ep = _launch(tmp / "ep2", [
+    ep, ep_from_ref, ep1_from_ep, auto = _launch(tmp / "ep2", [
         dict(EP_RUN, save_ckpt=True),
         dict(EP_RUN, steps=STEPS + MORE, resume=ref["ckpt"]),
         dict(EP_RUN, steps=STEPS + MORE, expert_parallel=1, resume=ep_ckpt),
+        AUTO_RUN,
     ], nproc=4)
-    return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep)
+    return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep,
+                auto=auto, ref_auto=ref_auto)
 
 
 def test_each_replica_holds_half_of_the_experts(results):
@@ -92,3 +100,11 @@ def test_resume_across_expert_parallel_settings_continues_the_curve(results, run
                                rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(resumed["grad_norms"]), torch.tensor(longer["grad_norms"][STEPS:]),
                                rtol=RTOL, atol=0)
+
+
+def test_per_iteration_decisions_with_replicas_that_disagree_on_requests(results):
+    auto, ref = results["auto"], results["ref_auto"]
+    reasons = [h["reason"] for h in auto["history"]]
+    assert any("(load counters)" in r for r in reasons), reasons
+    assert any("a load monitor of another replica" in r for r in reasons), reasons  # only one replica asked
+    torch.testing.assert_close(torch.tensor(auto["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)

@@ -5,7 +5,8 @@ Usage: torchrun --nproc-per-node N tests/support/workers/moe_worker.py SPEC.json
        python tests/support/workers/moe_worker.py SPEC.json          (single process, no strategy)
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch (per replica), moe (MoEConfig
 fields), pp (absent: single process), schedule, microbatches, balancer, rebalance,
-rebalance_interval, expert_parallel, save_ckpt (a Lightning checkpoint at the last step), resume (a
+rebalance_interval, rebalance_cooldown, imbalance_threshold, monitor_threshold (MoELoadMonitor's
+shift_threshold), expert_parallel, save_ckpt (a Lightning checkpoint at the last step), resume (a
 checkpoint to resume from), n_samples, dp (single
 process only: train on the global batch of that many replicas, in their sampler's order).
 Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
@@ -77,6 +78,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             balancer=cfg.get("balancer", "uniform"),
             rebalance=cfg.get("rebalance", "never"),
             rebalance_interval=cfg.get("rebalance_interval", 1),
+            rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
+            imbalance_threshold=cfg.get("imbalance_threshold", 0.1),
             expert_parallel=cfg.get("expert_parallel", 1),
             plot=False,
             timeout=120,
@@ -84,7 +87,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         kw = dict(strategy=strategy, devices=world)
     else:
         kw = dict(devices=1)
-    rec, monitor, norms = LossRecorder(), MoELoadMonitor(), GradNorms()
+    rec, monitor, norms = LossRecorder(), MoELoadMonitor(cfg.get("monitor_threshold", 0.05)), GradNorms()
     callbacks = [rec, monitor, norms]
     ckpt_dir = os.path.join(out_dir, f"moe_ckpt{idx}")
     if cfg.get("save_ckpt"):
