@@ -4,40 +4,47 @@
 
 What it does, in one invocation:
 
-1. **Calibration, once, shared by every prediction** (reported in the JSON):
-   * the gloo link between the two local ranks: a ping-pong of 1 KB - 1 MB tensors (activation
-     sizes) fitted to ``latency + bytes / bandwidth``;
-   * the optimizer: the model's own ``configure_optimizers`` AdamW step, seconds per parameter
-     (1 thread), for the per-step work outside the pipeline schedule;
-   * a *calibration run* (a balanced GPT, not one of the validated runs) gives the fixed
-     per-step overhead outside the schedule (median step wall minus schedule wall, less its
-     optimizer time).
-2. **Real runs** (torchrun, 2 ranks = 2 pipeline stages, gloo, 1 thread each, 1F1B, 4
+1. **Real runs** (torchrun, 2 ranks = 2 pipeline stages, gloo, 1 thread each, 1F1B, 4
    micro-batches), static (``balancer="uniform"``) and dynamic (``balancer="partition_time"``) for
    three cases: a lopsided GPT (heterogeneous ``mlp_ratios``), early exit (``EarlyExitGPT`` +
    ``EarlyExit``) and layer freezing (``LayerFreezing``). Both variants run with
    ``rebalance="on_event"``, so both profile at the same events and write ``cost_trace.jsonl``;
-   the static balancer keeps Megatron's partition. Variants interleave over rounds.
-3. **Replay**: every steady-state profile of a run (a cost-trace row: per-layer forward/backward
+   the static balancer keeps Megatron's partition. Variants interleave over rounds. Every step
+   records both ranks' chunk timeline (one clock on one host), busy and schedule wall times.
+2. **Replay**: every steady-state profile of a run (a cost-trace row: per-layer forward/backward
    seconds, scaled by the layers' load counters of the measured steps as the strategy itself
    does, c_i = r_i t_i, plus the per-chunk overhead its busy time shows) is simulated with the
    partition, schedule and micro-batches of the *non-profiled* steps that follow it up to the
    next profile, and compared with their median: the schedule's wall time and the full step time
-   (schedule + calibrated per-step overhead). A run is the median over its profiles on its final
+   (schedule + per-step overhead + optimizer). A run is the median over its profiles on its final
    partition; a configuration the median over its interleaved rounds.
+3. **Calibration from the run's own past only** (the profiled step and up to ``WINDOW`` steady
+   steps before it on the same partition; every predicted step comes after them): per-message
+   send / receive overheads and latency read off the chunk timeline
+   (:func:`lightning_dynmo.sim.calibrate.message_costs`; inside a running gloo pipeline on a
+   busy host a message costs milliseconds of its ranks' time, 50x what an idle ping-pong shows,
+   and was the largest error before), each rank's speed relative to the profile (median busy
+   time over the window / the busy time the profile predicts: host load since the profile, the
+   profiled step's hooks), and the per-step overhead outside the schedule (median step - schedule
+   wall, less the optimizer). The optimizer: the model's own AdamW step, seconds per *trainable*
+   parameter (frozen layers are skipped), measured once in this process.
 
 The last line is one JSON object: ``max_step_time_error`` (|pred - meas| / meas, max over the
-configurations; target <= 0.10), ``max_schedule_time_error``, ``ranking_matches`` (in every case
+configurations; target <= 0.10), ``max_schedule_time_error``, ``step_time_error_per_run``,
+``component_bias_ms`` (median over runs of predicted - measured: slowest rank's busy time,
+communication + waiting inside the schedule, time outside it), ``ranking_matches`` (in every case
 the measured static-vs-dynamic order equals the simulator's: both final partitions simulated on
 the same profiles, as a balancer compares them), ``ranking_matches_run_predictions`` (the same
 from each run's own prediction; a case whose dynamic run kept the static partition has no order
-to predict: ``matches`` null, counted out of ``ranking_cases_compared``), per-round errors, the
-measured round-to-round spread (the noise
-floor of the machine), per-run details and the calibration.
+to predict: ``matches`` null, counted out of ``ranking_cases_compared``), the measured
+round-to-round spread (the noise floor of the machine), per-run details (components measured vs
+predicted, calibration, and what the comparison leaves out: profiled steps, the first step).
 
 Per-layer costs are not perfectly independent of the partition on a CPU (caches, frequency, the
 neighbour rank's activity): a what-if prediction from another partition's profile carries that
-error, which a prediction from the run's own profile does not.
+error, which a prediction from the run's own profile does not. Host load that changes *after*
+the calibration window (other jobs on a shared machine) is not predictable from the past; only
+the median over rounds averages it out.
 """
 from __future__ import annotations
 
@@ -56,47 +63,17 @@ sys.path.insert(0, ROOT)
 MODEL = dict(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128, dropout=0.0)
 LOPSIDED = (12, 12, 4, 1, 1, 1, 1, 1)  # per-block MLP width ratios: a heavy front
 CASES = ("lopsided", "early_exit", "freezing")
+WARMUP = 3  # steps before the first that calibrates or is predicted
+WINDOW = 4  # steady steps before a profile that calibrate its prediction
 
 
 def _plan(quick: bool) -> dict:
     steps, rounds, profiles = (25, 1, (9, 13, 17)) if quick else (48, 3, (10, 16, 22, 28))
-    runs = [("calibration", "static")] + [(c, v) for c in CASES for v in ("static", "dynamic")]
+    runs = [(c, v) for c in CASES for v in ("static", "dynamic")]
     return dict(steps=steps, rounds=rounds, event=4, profiles=profiles, batch=16, microbatches=4, runs=runs)
 
 
 # ------------------------------------------------------------------------------ worker side
-def _pingpong(out: str, quick: bool) -> None:
-    """2 ranks: one-way gloo transfer time of float32 tensors of several sizes."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    sizes = [256, 4096, 32768, 131072, 262144]  # floats: 1 KB .. 1 MB
-    reps = 15 if quick else 40
-    res = {}
-    for n in sizes:
-        buf = torch.zeros(n)
-        times = []
-        for i in range(reps + 3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i >= 3:
-                times.append((time.perf_counter() - t0) / 2)
-        res[4 * n] = statistics.median(times)
-    if rank == 0:
-        with open(out, "w") as fh:
-            json.dump(res, fh)
-    dist.destroy_process_group()
-
-
 def _worker(args) -> None:
     import torch
 
@@ -126,24 +103,36 @@ def _worker(args) -> None:
                 trainer.strategy.request_rebalance("validation: profile")
 
     class Recorder(L.Callback):
+        """Per step: its start, the pipeline ranks' schedule wall and busy seconds, whether it was
+        profiled, the partition and load counters; and this rank's own timeline (the start of the
+        optimizer step, the end of the step, every chunk of the schedule): perf_counter is the
+        system-wide monotonic clock, so the ranks' timelines line up."""
+
         def __init__(self):
-            self.start, self.wall, self.profiled, self.partition, self.load = [], [], [], [], []
+            self.start, self.wall, self.busy, self.profiled, self.partition, self.load = [], [], [], [], [], []
+            self.opt_start, self.end, self.chunks, self.schedule_start = [], [], [], []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.start.append(time.perf_counter())
+            self.opt_start.append(None)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.opt_start[-1] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.end.append(time.perf_counter())
             s = trainer.strategy
             self.wall.append(max(s.rank_wall_seconds or [0.0]))
+            self.busy.append(list(s.rank_busy_seconds))
             self.profiled.append(bool(s.rebalancer.profiling))
             self.partition.append(list(s.partition.boundaries))
             self.load.append(s.layer_load)
+            self.chunks.append([[e["stage"], e["kind"], e["mb"], e["start"], e["end"]] for e in s.last_step_events()])
+            self.schedule_start.append(s.profiler.step_start)
 
     out = []
     for rnd in range(plan["rounds"]):
         for case, variant in plan["runs"]:
-            if case == "calibration" and rnd > 0:  # one calibration run is enough
-                continue
             torch.manual_seed(0)
             cfg = GPTConfig(**MODEL, mlp_ratios=LOPSIDED if case == "lopsided" else None)
             cbs = []
@@ -154,7 +143,7 @@ def _worker(args) -> None:
                 model = GPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
             if case == "freezing":
                 cbs.append(LayerFreezing(schedule={plan["event"]: 6}))  # embedding + 5 of 8 blocks
-            cbs.append(ProfileAt(([plan["event"]] if case in ("lopsided", "calibration") else []) + list(plan["profiles"])))
+            cbs.append(ProfileAt(([plan["event"]] if case == "lopsided" else []) + list(plan["profiles"])))
             rec = Recorder()
             root = tempfile.mkdtemp(prefix="simval_")
             strategy = DynMoStrategy(pipeline_parallel=2, schedule="1f1b", microbatches=plan["microbatches"],
@@ -173,10 +162,16 @@ def _worker(args) -> None:
             if os.path.exists(path):
                 trace = [json.loads(line) for line in open(path)]
             out.append(dict(case=case, variant=variant, round=rnd, error=err, start=rec.start, wall=rec.wall,
-                            profiled=rec.profiled, partition=rec.partition, load=rec.load, trace=trace))
-    if int(os.environ.get("RANK", "0")) == 0:
+                            busy=rec.busy, profiled=rec.profiled, partition=rec.partition, load=rec.load, trace=trace,
+                            timeline=dict(start=rec.start, opt_start=rec.opt_start, end=rec.end, chunks=rec.chunks,
+                                          schedule_start=rec.schedule_start)))
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh)
+    else:  # only this rank's timeline: the rest is the same on every rank
+        with open(f"{args.out}.rank{rank}", "w") as fh:
+            json.dump([r["timeline"] for r in out], fh)
 
 
 # ------------------------------------------------------------------------------ launcher side
@@ -190,20 +185,17 @@ def _torchrun(extra: list[str], out: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
            os.path.abspath(__file__), "--out", out, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
-    if proc.returncode != 0 or not os.path.exists(out):
+    if proc.returncode != 0 or not os.path.exists(out) or not os.path.exists(f"{out}.rank1"):
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
         print(json.dumps({"benchmark": "simulator_validation", "error": f"torchrun exit {proc.returncode}"}))
         sys.exit(1)
-
-
-def fit_link(pingpong: dict) -> tuple[float, float]:
-    """Least-squares ``t = latency + bytes / bandwidth`` over the ping-pong sizes."""
-    xs = [float(k) for k in pingpong]
-    ys = [float(v) for v in pingpong.values()]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    slope = max(slope, 1e-15)
-    return max(0.0, my - slope * mx), 1.0 / slope
+    with open(out) as fh:
+        runs = json.load(fh)
+    with open(f"{out}.rank1") as fh:  # each run's timeline per rank: [rank 0's, rank 1's]
+        for run, tl in zip(runs, json.load(fh)):
+            run["timeline"] = [run["timeline"], tl]
+    with open(out, "w") as fh:
+        json.dump(runs, fh)
 
 
 def optimizer_seconds_per_param(quick: bool) -> float:
@@ -224,6 +216,16 @@ def optimizer_seconds_per_param(quick: bool) -> float:
         opt.step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:]) / sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------ analysis
+def _step_seconds(run: dict, k: int) -> float:
+    return run["start"][k + 1] - run["start"][k]
+
+
+def _steady(run: dict, k: int) -> bool:
+    """A step that neither profiles nor acts on a profile (decision, migration), after warm-up."""
+    return k >= WARMUP and not run["profiled"][k] and not run["profiled"][k - 1]
 
 
 def _segments(run: dict) -> list[tuple[dict, list[int]]]:
@@ -249,19 +251,38 @@ def _segments(run: dict) -> list[tuple[dict, list[int]]]:
     return out
 
 
-def _costs(row: dict, run: dict, steps: list[int]):
-    """The row's per-layer costs scaled by the layers' load counters to the measured steps'
-    (c_i = r_i t_i, as the strategy does), and the per-chunk overhead the row shows (busy time
-    the layer hooks do not see)."""
-    import statistics as st
+def _window(run: dict, row: dict) -> list[int]:
+    """The past that calibrates a profile's prediction: up to ``WINDOW`` steady steps before
+    the profiled step, on the profile's partition (latest first)."""
+    p = row["step"] - 1
+    out = []
+    for k in range(p - 1, WARMUP - 1, -1):
+        if run["partition"][k] != row["partition"]:
+            break
+        if _steady(run, k):
+            out.append(k)
+        if len(out) == WINDOW:
+            break
+    return out
 
+
+def _events(run: dict, k: int) -> list[dict]:
+    """Step ``k``'s chunks of both ranks, as lightning_dynmo.plotting draws them."""
+    return [dict(rank=r, stage=c[0], kind=c[1], mb=c[2], start=c[3], end=c[4])
+            for r, tl in enumerate(run["timeline"]) for c in tl["chunks"][k]]
+
+
+def _costs(row: dict, run: dict, steps: list[int]):
+    """The row's per-layer costs scaled by the layers' load counters to those of ``steps``
+    (c_i = r_i t_i, as the strategy does), and the per-chunk overhead the row shows (busy time
+    of the profiled step the layer hooks do not see)."""
     from lightning_dynmo.plan.cost_model import LayerCosts
     from lightning_dynmo.plan.measurements import scale_by_load
 
     costs = LayerCosts(row["forward"], row["backward"], row["params"], row["memory"], row["activation"])
     loads = [run["load"][k] for k in steps if run["load"][k]]
     if loads and row.get("layer_load"):
-        now = [None if any(x[i] is None for x in loads) else st.median(x[i] for x in loads)
+        now = [None if any(x[i] is None for x in loads) else statistics.median(x[i] for x in loads)
                for i in range(costs.num_layers)]
         costs = scale_by_load(costs, now, row["layer_load"])
     b, m = row["partition"], row["microbatches"]
@@ -271,63 +292,126 @@ def _costs(row: dict, run: dict, steps: list[int]):
     return costs, alpha
 
 
+def _optimizer_seconds(row: dict, boundaries, per_param: float) -> float:
+    """AdamW on the rank with the most trainable parameters (frozen layers, backward 0, have no
+    gradients and are skipped by the optimizer)."""
+    trainable = [p if bwd > 0 else 0 for p, bwd in zip(row["params"], row["backward"])]
+    b = boundaries
+    return per_param * max(sum(trainable[b[s]:b[s + 1]]) for s in range(len(b) - 1))
+
+
+def _calibrate(row: dict, run: dict, opt_per_param: float) -> dict | None:
+    """Everything a prediction takes besides the profile, read off the run's own *past* (the
+    profiled step and the steady steps before it, never the steps it predicts): per-message
+    costs from the chunk timeline, each rank's speed relative to the profile (its median busy
+    time over the window / the busy time the profile predicts for it: load on the host, the
+    profiled step's hooks), and the per-step overhead outside the schedule (median step - schedule
+    wall, less the optimizer). None when the run has no such past."""
+    from lightning_dynmo.plan.partition import Partition
+    from lightning_dynmo.sim import Link, simulate
+    from lightning_dynmo.sim.calibrate import message_costs
+
+    win = _window(run, row)
+    if not win:
+        return None
+    P = Partition(tuple(row["partition"]))
+    m, S = row["microbatches"], P.num_stages
+    costs, alpha = _costs(row, run, win)
+    gradient = [any(x > 0 for x in row["backward"][: P.boundaries[s + 1]]) for s in range(S - 1)]
+    msg = message_costs([_events(run, k) for k in [*win, row["step"] - 1]], S, gradient)
+    profile_busy = simulate(costs, P, row["schedule"], m, action_overhead=alpha).busy
+    measured_busy = [statistics.median(run["busy"][k][r] for k in win) for r in range(S)]
+    slowdown = [b / p if p > 0 else 1.0 for b, p in zip(measured_busy, profile_busy)]
+    outside = statistics.median(_step_seconds(run, k) - run["wall"][k] for k in win)
+    return dict(window=win, link=Link(msg.latency, None, msg.send_overhead, msg.recv_overhead), alpha=alpha,
+                slowdown=slowdown, beta=outside - _optimizer_seconds(row, P.boundaries, opt_per_param),
+                opt_per_param=opt_per_param, message_samples=msg.samples)
+
+
+def _predict(row: dict, run: dict, steps: list[int], part, cal: dict):
+    """Simulated schedule and predicted step time of ``steps`` on ``part`` from ``row``."""
+    from lightning_dynmo.sim import simulate
+
+    costs, _ = _costs(row, run, steps)
+    sim = simulate(costs, part, row["schedule"], row["microbatches"], link=cal["link"], action_overhead=cal["alpha"],
+                   rank_slowdown=cal["slowdown"])
+    outside = cal["beta"] + _optimizer_seconds(row, part.boundaries, cal["opt_per_param"])
+    return sim, sim.step_time + outside, outside
+
+
 def _most_common(items: list) -> list:
     """The most frequent item; ties go to the earliest."""
     keys = [json.dumps(x) for x in items]
     return json.loads(max(dict.fromkeys(keys), key=keys.count))
 
 
-def analyse(runs: list[dict], link: tuple[float, float], opt_per_param: float) -> dict:
-    from lightning_dynmo.plan.partition import Partition
-    from lightning_dynmo.sim import Link, simulate
+def _side_costs(run: dict) -> dict:
+    """What the comparison leaves out, measured: profiled steps against steady ones, and the
+    first step (warm-up); the simulator predicts steady steps."""
+    n = len(run["wall"])
+    steady = [_step_seconds(run, k) for k in range(WARMUP, n - 1) if _steady(run, k)]
+    prof = [_step_seconds(run, k) for k in range(WARMUP, n - 1) if run["profiled"][k]]
+    base = statistics.median(steady)
+    return dict(profiled_step_extra=statistics.median(prof) / base - 1 if prof else None,
+                first_step_ms=1e3 * _step_seconds(run, 0), steady_step_ms=1e3 * base)
 
-    latency, bandwidth = link
+
+def analyse(runs: list[dict], opt_per_param: float) -> dict:
+    from lightning_dynmo.plan.partition import Partition
+
+    runs = [r for r in runs if r["case"] in CASES]
     bad = [f"{r['case']}/{r['variant']}/{r['round']}: {r['error'] or 'no cost trace'}" for r in runs
            if r["error"] or not r["trace"]]
     if bad:
         raise RuntimeError("runs failed: " + "; ".join(bad))
-
-    def measured(steps, run):
-        step = [run["start"][k + 1] - run["start"][k] for k in steps]
-        return statistics.median(step), statistics.median(run["wall"][k] for k in steps)
-
-    def rank_params(row, part):
-        b = part.boundaries
-        return max(sum(row["params"][b[s]:b[s + 1]]) for s in range(part.num_stages))
-
-    # calibration run(s): the fixed per-step overhead outside the schedule
-    betas = []
-    for run in (r for r in runs if r["case"] == "calibration"):
-        for row, steps in _segments(run):
-            step, sched = measured(steps, run)
-            betas.append(step - sched - opt_per_param * rank_params(row, Partition(tuple(run["partition"][steps[0]]))))
-    beta = statistics.median(betas)
+    med = statistics.median
 
     details = []
-    for run in (r for r in runs if r["case"] != "calibration"):
+    for run in runs:
         segs = []
         for row, steps in _segments(run):
-            step, sched = measured(steps, run)
-            costs, alpha = _costs(row, run, steps)
+            cal = _calibrate(row, run, opt_per_param)
+            if cal is None:
+                continue
             part = Partition(tuple(run["partition"][steps[0]]))
-            sim = simulate(costs, part, row["schedule"], row["microbatches"], link=Link(latency, bandwidth),
-                           action_overhead=alpha)
-            segs.append(dict(part=str(part), steps=len(steps), alpha=alpha, step=step, sched=sched, sim=sim.step_time,
-                             pred=sim.step_time + beta + opt_per_param * rank_params(row, part),
-                             bubble=sim.bubble_fraction))
+            sim, pred, outside = _predict(row, run, steps, part, cal)
+            busy = [med(run["busy"][k][r] for k in steps) for r in range(part.num_stages)]
+            sched = med(run["wall"][k] for k in steps)
+            segs.append(dict(
+                part=str(part), steps=len(steps), step=med(_step_seconds(run, k) for k in steps), sched=sched,
+                pred=pred, sim=sim.step_time, bubble=sim.bubble_fraction,
+                busy=busy, pred_busy=list(sim.busy),
+                comm=sched - max(busy), pred_comm=sim.step_time - max(sim.busy),
+                outside=med(_step_seconds(run, k) - run["wall"][k] for k in steps), pred_outside=outside,
+                send_ms=1e3 * cal["link"].send_overhead, recv_ms=1e3 * cal["link"].recv_overhead,
+                latency_ms=1e3 * cal["link"].latency, alpha_ms=1e3 * cal["alpha"], beta_ms=1e3 * cal["beta"],
+                slowdown=cal["slowdown"],
+            ))
         if not segs:
             raise RuntimeError(f"{run['case']}/{run['variant']}/r{run['round']}: no steady-state profile to replay")
         last = segs[-1]["part"]  # the partition the run settled on
         segs = [g for g in segs if g["part"] == last]
-        med = lambda k: statistics.median(g[k] for g in segs)  # noqa: E731
-        step, sched, pred_step, pred_sched = med("step"), med("sched"), med("pred"), med("sim")
+        m = lambda k: med(g[k] for g in segs)  # noqa: E731
+        mr = lambda k: [med(g[k][r] for g in segs) for r in range(len(segs[0][k]))]  # noqa: E731
+        step, sched, pred_step, pred_sched = m("step"), m("sched"), m("pred"), m("sim")
+        ms = lambda x: 1e3 * x  # noqa: E731
         details.append(dict(
             case=run["case"], variant=run["variant"], round=run["round"], partition=last,
-            profiles_used=len(segs), measured_steps=sum(g["steps"] for g in segs), chunk_overhead_ms=1e3 * med("alpha"),
-            measured_step_ms=1e3 * step, predicted_step_ms=1e3 * pred_step,
-            measured_schedule_ms=1e3 * sched, predicted_schedule_ms=1e3 * pred_sched,
+            profiles_used=len(segs), measured_steps=sum(g["steps"] for g in segs),
+            measured_step_ms=ms(step), predicted_step_ms=ms(pred_step),
+            measured_schedule_ms=ms(sched), predicted_schedule_ms=ms(pred_sched),
             step_error=abs(pred_step - step) / step, schedule_error=abs(pred_sched - sched) / sched,
-            predicted_bubble=med("bubble"),
+            predicted_bubble=m("bubble"),
+            # where the time goes, measured vs predicted (medians over the profiles used)
+            components=dict(
+                busy_ms=[round(ms(x), 2) for x in mr("busy")], predicted_busy_ms=[round(ms(x), 2) for x in mr("pred_busy")],
+                comm_wait_ms=round(ms(m("comm")), 2), predicted_comm_wait_ms=round(ms(m("pred_comm")), 2),
+                outside_schedule_ms=round(ms(m("outside")), 2), predicted_outside_schedule_ms=round(ms(m("pred_outside")), 2),
+            ),
+            calibration=dict(send_overhead_ms=round(m("send_ms"), 3), recv_overhead_ms=round(m("recv_ms"), 3),
+                             latency_ms=round(m("latency_ms"), 3), chunk_overhead_ms=round(m("alpha_ms"), 3),
+                             step_overhead_ms=round(m("beta_ms"), 3), rank_slowdown=[round(x, 3) for x in mr("slowdown")]),
+            excluded=_side_costs(run),
         ))
     # one configuration = (case, variant); its rounds interleave with the others' on a shared
     # machine, so each is summarised by the median over rounds (per-round errors are kept too)
@@ -335,38 +419,37 @@ def analyse(runs: list[dict], link: tuple[float, float], opt_per_param: float) -
     for case in CASES:
         for v in ("static", "dynamic"):
             ds = [d for d in details if d["case"] == case and d["variant"] == v]
-            med = {k: statistics.median(d[k] for d in ds) for k in
-                   ("measured_step_ms", "predicted_step_ms", "measured_schedule_ms", "predicted_schedule_ms")}
-            spread = (max(d["measured_step_ms"] for d in ds) - min(d["measured_step_ms"] for d in ds)) / med["measured_step_ms"]
-            configs.append(dict(case=case, variant=v, partitions=sorted({d["partition"] for d in ds}), **med,
-                                step_error=abs(med["predicted_step_ms"] - med["measured_step_ms"]) / med["measured_step_ms"],
-                                schedule_error=abs(med["predicted_schedule_ms"] - med["measured_schedule_ms"])
-                                / med["measured_schedule_ms"], measured_round_spread=spread))
+            mm = {k: med(d[k] for d in ds) for k in
+                  ("measured_step_ms", "predicted_step_ms", "measured_schedule_ms", "predicted_schedule_ms")}
+            spread = (max(d["measured_step_ms"] for d in ds) - min(d["measured_step_ms"] for d in ds)) / mm["measured_step_ms"]
+            configs.append(dict(case=case, variant=v, partitions=sorted({d["partition"] for d in ds}), **mm,
+                                step_error=abs(mm["predicted_step_ms"] - mm["measured_step_ms"]) / mm["measured_step_ms"],
+                                schedule_error=abs(mm["predicted_schedule_ms"] - mm["measured_schedule_ms"])
+                                / mm["measured_schedule_ms"], measured_round_spread=spread))
     # ranking: the measured speedup (medians over interleaved rounds) against the simulator's
     # what-if speedup: the static partition and each dynamic run's final partition simulated
-    # on the same profiles (every steady-state profile of the case's runs), as a balancer
-    # compares partitions, median over the dynamic runs; the speedup of the per-run
-    # predictions above is reported beside it
+    # on the same profiles (every steady-state profile of the case's runs, each calibrated on
+    # its own run's past), as a balancer compares partitions, median over the dynamic runs; the
+    # speedup of the per-run predictions above is reported beside it
     ranking = {}
     for case in CASES:
-        med = {c["variant"]: c for c in configs if c["case"] == case}
+        mc = {c["variant"]: c for c in configs if c["case"] == case}
         static = Partition(tuple(_most_common([r["partition"][-1] for r in runs
                                                if r["case"] == case and r["variant"] == "static"])))
         dyn_runs = [Partition(tuple(r["partition"][-1])) for r in runs if r["case"] == case and r["variant"] == "dynamic"]
-        profiles = [(row, run, steps) for run in runs if run["case"] == case for row, steps in _segments(run)]
+        profiles = [(row, run, steps, _calibrate(row, run, opt_per_param))
+                    for run in runs if run["case"] == case for row, steps in _segments(run)]
         per_partition = {}
         for part in dict.fromkeys(dyn_runs):  # each final partition a dynamic run settled on
             ratios = []
-            for row, run, steps in profiles:
-                costs, alpha = _costs(row, run, steps)
-                t = [simulate(costs, q, row["schedule"], row["microbatches"], link=Link(latency, bandwidth),
-                              action_overhead=alpha).step_time + beta + opt_per_param * rank_params(row, q)
-                     for q in (static, part)]
-                ratios.append(t[0] / t[1])
-            per_partition[part] = statistics.median(ratios)
-        meas = med["static"]["measured_step_ms"] / med["dynamic"]["measured_step_ms"]
-        pred = statistics.median(per_partition[q] for q in dyn_runs)
-        runs_pred = med["static"]["predicted_step_ms"] / med["dynamic"]["predicted_step_ms"]
+            for row, run, steps, cal in profiles:
+                if cal is not None:
+                    t = [_predict(row, run, steps, q, cal)[1] for q in (static, part)]
+                    ratios.append(t[0] / t[1])
+            per_partition[part] = med(ratios)
+        meas = mc["static"]["measured_step_ms"] / mc["dynamic"]["measured_step_ms"]
+        pred = med(per_partition[q] for q in dyn_runs)
+        runs_pred = mc["static"]["predicted_step_ms"] / mc["dynamic"]["predicted_step_ms"]
         same = all(q == static for q in dyn_runs)
         ranking[case] = dict(static=str(static), dynamic=[str(q) for q in dyn_runs],
                              measured_speedup=round(meas, 4), predicted_speedup=round(pred, 4),
@@ -374,21 +457,32 @@ def analyse(runs: list[dict], link: tuple[float, float], opt_per_param: float) -
                              # every dynamic run kept the static partition: no order to predict
                              matches=None if same else (meas > 1) == (pred > 1))
     rnd = lambda d: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}  # noqa: E731
+    comp = [d["components"] for d in details]
     return dict(
         max_step_time_error=round(max(c["step_error"] for c in configs), 4),
         mean_step_time_error=round(statistics.mean(c["step_error"] for c in configs), 4),
         max_schedule_time_error=round(max(c["schedule_error"] for c in configs), 4),
         max_step_time_error_single_round=round(max(d["step_error"] for d in details), 4),
+        step_time_error_per_run={f"{d['case']}/{d['variant']}/r{d['round']}": round(d["step_error"], 4) for d in details},
         max_measured_round_spread=round(max(c["measured_round_spread"] for c in configs), 4),
         ranking_matches=all(r["matches"] for r in ranking.values() if r["matches"] is not None),
         ranking_cases_compared=sum(r["matches"] is not None for r in ranking.values()),
         ranking_matches_run_predictions=all((r["measured_speedup"] > 1) == (r["predicted_speedup_from_run_predictions"] > 1)
                                             for r in ranking.values() if r["matches"] is not None),
         speedup_static_to_dynamic=ranking,
-        calibration=dict(link_latency_us=round(latency * 1e6, 1), link_bandwidth_mb_s=round(bandwidth / 1e6, 1),
-                         optimizer_ns_per_param=round(opt_per_param * 1e9, 3), step_overhead_ms=round(beta * 1e3, 3),
-                         chunk_overhead_ms={f"{d['case']}/{d['variant']}/r{d['round']}": round(d["chunk_overhead_ms"], 3)
-                                            for d in details}),
+        # median over runs of (predicted - measured) per component: which part of the step is off
+        component_bias_ms=dict(
+            busy_slowest_rank=round(med(max(c["predicted_busy_ms"]) - max(c["busy_ms"]) for c in comp), 2),
+            comm_wait=round(med(c["predicted_comm_wait_ms"] - c["comm_wait_ms"] for c in comp), 2),
+            outside_schedule=round(med(c["predicted_outside_schedule_ms"] - c["outside_schedule_ms"] for c in comp), 2),
+        ),
+        calibration=dict(
+            method=f"per prediction, from its own run's past only: the profiled step and up to {WINDOW} steady steps "
+                   "before it on the same partition (chunk timeline: per-message send/receive overhead and latency; "
+                   "per-rank busy time: rank slowdown vs the profile; step - schedule wall: per-step overhead); the "
+                   "predicted steps all come after the profile. Optimizer: AdamW seconds per trainable parameter, "
+                   "measured once in this process",
+            optimizer_ns_per_param=round(opt_per_param * 1e9, 3)),
         configs=[rnd(c) for c in configs],
         runs=[rnd(d) for d in details],
     )
@@ -397,46 +491,39 @@ def analyse(runs: list[dict], link: tuple[float, float], opt_per_param: float) -
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="25 steps, one round of each configuration (a smoke run: no median over rounds)")
-    ap.add_argument("--replay", default=None, help="analyse a saved runs.json instead of running (with --link)")
+    ap.add_argument("--replay", default=None, help="analyse a saved runs file (--save) instead of running")
     ap.add_argument("--save", default=None, help="keep the raw runs (JSON) here")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--pingpong", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
-        if args.pingpong:
-            _pingpong(args.out, args.quick)
-        else:
-            _worker(args)
+        _worker(args)
         return
     t0 = time.perf_counter()
     if args.replay:
         saved = json.load(open(args.replay))
-        pp, runs, opt = saved["pingpong"], saved["runs"], saved["optimizer_seconds_per_param"]
+        runs, opt = saved["runs"], saved["optimizer_seconds_per_param"]
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "pingpong.json")
-            _torchrun(["--pingpong"] + (["--quick"] if args.quick else []), out)
-            pp = json.load(open(out))
             opt = optimizer_seconds_per_param(args.quick)
             out = os.path.join(tmp, "runs.json")
             _torchrun(["--quick"] if args.quick else [], out)
             runs = json.load(open(out))
         if args.save:
             with open(args.save, "w") as fh:
-                json.dump({"pingpong": pp, "runs": runs, "optimizer_seconds_per_param": opt}, fh)
-    link = fit_link(pp)
-    res = analyse(runs, link, opt)
+                json.dump({"runs": runs, "optimizer_seconds_per_param": opt}, fh)
+    res = analyse(runs, opt)
     for d in res["configs"]:
         print(f"{d['case']:11s} {d['variant']:7s} {','.join(d['partitions']):20s} median step {d['measured_step_ms']:7.1f} ms "
               f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}); schedule {d['measured_schedule_ms']:7.1f} "
               f"pred {d['predicted_schedule_ms']:7.1f} ({d['schedule_error']:.1%}); rounds spread {d['measured_round_spread']:.0%}")
     for d in res["runs"]:
+        c = d["components"]
         print(f"{d['case']:11s} {d['variant']:7s} r{d['round']} {d['partition']:10s} step {d['measured_step_ms']:7.1f} ms "
-              f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%})  schedule {d['measured_schedule_ms']:7.1f} "
-              f"pred {d['predicted_schedule_ms']:7.1f} ({d['schedule_error']:.1%})")
+              f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}) | busy {c['busy_ms']} pred {c['predicted_busy_ms']} "
+              f"| comm+wait {c['comm_wait_ms']} pred {c['predicted_comm_wait_ms']} | outside {c['outside_schedule_ms']} "
+              f"pred {c['predicted_outside_schedule_ms']}")
     summary = {"benchmark": "simulator_validation", "quick": args.quick, "stages": 2, "schedule": "1f1b",
                "threads_per_rank": 1, "target_max_step_time_error": 0.10, **res,
-               "pingpong_one_way_us": {k: round(v * 1e6, 1) for k, v in pp.items()},
                "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))
 

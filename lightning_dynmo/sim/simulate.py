@@ -6,7 +6,10 @@ a stage's backward into input-gradient ``I = (1 - w) B`` and weight-gradient ``W
 boundary crossing costs ``latency + activation bytes / bandwidth`` (the boundary layer's output
 forward, its gradient backward); ``link`` is one :class:`Link` for every pair of neighbouring
 ranks, or one per rank (``links[r]`` joins rank ``r`` and ``r + 1``; the last one closes the ring
-of interleaved schedules), e.g. NVLink inside a node and InfiniBand between nodes. With data parallelism each rank then all-reduces its stages'
+of interleaved schedules), e.g. NVLink inside a node and InfiniBand between nodes; a link's
+``send_overhead`` / ``recv_overhead`` are the seconds a message costs its sending / receiving rank
+itself (posting and waiting on it, see :mod:`.replay`). A boundary before which every layer has
+zero backward cost (a frozen prefix) carries no gradient. With data parallelism each rank then all-reduces its stages'
 gradients (ring: ``2 (d-1)/d`` of the bytes over the bandwidth, ``2 (d-1)`` latencies), either
 after its last action (``overlap=False``, as our runtime does) or per stage as soon as the
 stage's last gradient is done, on one communication channel per rank beside the compute
@@ -33,8 +36,17 @@ from .replay import replay
 class Link:
     """Point-to-point link between adjacent pipeline ranks."""
 
-    latency: float = 0.0  # seconds per message
+    latency: float = 0.0  # seconds per message in transit
     bandwidth: float | None = None  # bytes/s; None: bytes cost nothing
+    send_overhead: float = 0.0  # seconds of the sending rank's own time per message
+    recv_overhead: float = 0.0  # seconds of the receiving rank's own time per message
+
+    def __post_init__(self) -> None:
+        for name in ("latency", "send_overhead", "recv_overhead"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"Link.{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise ValueError(f"Link.bandwidth must be > 0 bytes/s or None, got {self.bandwidth!r}")
 
     def time(self, nbytes: float) -> float:
         return self.latency + (0.0 if self.bandwidth is None else nbytes / self.bandwidth)
@@ -107,13 +119,16 @@ def simulate(
     w_fraction: float = 0.5,
     reduced_params: Sequence[int] | None = None,
     action_overhead: float = 0.0,
+    rank_slowdown: Sequence[float] | None = None,
 ) -> SimResult:
     """Simulate one step. ``partition`` has one stage per (virtual) pipeline stage: ``pp x
     virtual`` stages for a multi-stage schedule, placed on ranks as torch places them.
     ``reduced_params``: per layer, the parameters whose gradients the data-parallel all-reduce
     carries (default ``costs.params``; e.g. 0 for frozen layers). ``action_overhead``: seconds
     added to every compute action (the framework's per-chunk work that per-layer profiling does
-    not see: the schedule loop, posting sends and receives, the loss on the last stage)."""
+    not see: the schedule loop, posting sends and receives, the loss on the last stage).
+    ``rank_slowdown``: per pipeline rank, how many times the costs its compute actions take
+    (default 1: every rank as profiled; e.g. a rank sharing its cores with other work)."""
     spec = get_schedule(schedule)
     v = spec.virtual_stages(virtual)
     S = partition.num_stages
@@ -130,21 +145,28 @@ def simulate(
     backward = [math.fsum(costs.backward[b[s] : b[s + 1]]) for s in range(S)]
     if not action_overhead >= 0.0:
         raise ValueError(f"action_overhead must be >= 0, got {action_overhead}")
+    slow = [1.0] * pp if rank_slowdown is None else list(rank_slowdown)
+    if len(slow) != pp or not all(x > 0 and math.isfinite(x) for x in slow):
+        raise ValueError(f"rank_slowdown needs one finite factor > 0 per pipeline rank ({pp}), got {rank_slowdown!r}")
+    rank_of = {op.stage: r for r, rank_ops in enumerate(ops) for op in rank_ops}
+    k = [slow[rank_of[s]] for s in range(S)]
     durations = {
-        "F": [x + action_overhead for x in forward],
-        "B": [x + action_overhead for x in backward],
-        "I": [(1.0 - w_fraction) * x + action_overhead for x in backward],
-        "W": [w_fraction * x + action_overhead for x in backward],
+        "F": [k[s] * (x + action_overhead) for s, x in enumerate(forward)],
+        "B": [k[s] * (x + action_overhead) for s, x in enumerate(backward)],
+        "I": [k[s] * ((1.0 - w_fraction) * x + action_overhead) for s, x in enumerate(backward)],
+        "W": [k[s] * (w_fraction * x + action_overhead) for s, x in enumerate(backward)],
     }
     links = _links(link, pp)
-    rank_of = {op.stage: r for r, rank_ops in enumerate(ops) for op in rank_ops}
 
     def link_of(s: int) -> Link:  # the link joining the ranks of stages s and s+1
         a, c = sorted((rank_of[s], rank_of[s + 1]))
         return links[c if (a, c) == (0, pp - 1) and pp > 2 else a]
 
-    crossing = [link_of(s).time(costs.activation[b[s + 1] - 1]) for s in range(S - 1)]
-    spans = replay(ops, durations, crossing)
+    boundary_links = [link_of(s) for s in range(S - 1)]
+    crossing = [x.time(costs.activation[b[s + 1] - 1]) for s, x in enumerate(boundary_links)]
+    gradient = [any(x > 0 for x in costs.backward[: b[s + 1]]) for s in range(S - 1)]
+    spans = replay(ops, durations, crossing, send=[x.send_overhead for x in boundary_links],
+                   recv=[x.recv_overhead for x in boundary_links], gradient=gradient)
     if reduced_params is not None and len(reduced_params) != costs.num_layers:
         raise ValueError(f"reduced_params has {len(reduced_params)} entries, costs have {costs.num_layers} layers")
     grad_params = list(costs.params if reduced_params is None else reduced_params)

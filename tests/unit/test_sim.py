@@ -9,6 +9,7 @@ from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.plan.schedules import available_schedules, get_schedule
 from lightning_dynmo.sim import DataParallel, Link, matching_cost_model, schedule_ops, simulate
+from lightning_dynmo.sim.calibrate import message_costs
 from lightning_dynmo.sim.scenarios import (CASES, Profile, compare, early_exit, freezing, load_profile, moe, pruning,
                                            zhu_gupta)
 
@@ -205,6 +206,50 @@ def test_per_rank_links_and_overheads():
     full = simulate(costs, part, "gpipe", m, dp=dp)
     none = simulate(costs, part, "gpipe", m, dp=dp, reduced_params=[0] * 8)
     assert none.allreduce == (0.0,) * pp and full.allreduce[0] == dp.allreduce_time(20)
+
+
+# ---- per-message costs, frozen prefixes, slow ranks, and reading them off a timeline ---------
+def test_message_overheads_cost_their_ranks():
+    # 1F1B, 2 stages of F=1, B=2, m=2 (torch: rank 0 F0 F1 B0 B1, rank 1 F0 B0 F1 B1), hand-replayed
+    costs, part = uniform(2), Partition((0, 1, 2))
+    assert simulate(costs, part, "1f1b", 2).step_time == 9.0
+    # rank 1 receives F1 (arrived at 2) when it is free at 4: only the receive's own cost shows
+    assert simulate(costs, part, "1f1b", 2, link=Link(recv_overhead=0.125)).step_time == 9.125
+    # each send holds its sender: rank 1 sends B0 (4 -> 4.25), then B1 ends at 7.25 and B0 of
+    # stage 0 runs 7.25 -> 9.25
+    assert simulate(costs, part, "1f1b", 2, link=Link(send_overhead=0.25)).step_time == 9.25
+    with pytest.raises(ValueError, match="recv_overhead"):
+        Link(recv_overhead=-1.0)
+
+
+def test_frozen_prefix_carries_no_gradient():
+    # layer 0 frozen (backward 0): stage 0's backward waits for nothing from stage 1
+    costs = LayerCosts((F, F), (0.0, B), (1, 1), (0.0, 0.0), (0.0, 0.0))
+    r = simulate(costs, Partition((0, 1, 2)), "1f1b", 2, link=Link(latency=0.5))
+    assert [e["start"] for e in r.events if e["stage"] == 0 and e["kind"] == "B"] == [2.0, 2.0]
+    assert r.step_time == 7.5  # rank 1: F0 1.5-2.5, B0 -4.5, F1 -5.5, B1 -7.5
+
+
+def test_rank_slowdown():
+    costs, part = uniform(4), megatron_layout(4, 2)
+    base = simulate(costs, part, "1f1b", 4)
+    slow = simulate(costs, part, "1f1b", 4, rank_slowdown=[2.0, 1.0])
+    assert slow.busy == (2 * base.busy[0], base.busy[1]) and slow.step_time > base.step_time
+    with pytest.raises(ValueError, match="rank_slowdown"):
+        simulate(costs, part, "1f1b", 4, rank_slowdown=[1.0])
+
+
+@pytest.mark.parametrize("schedule,pp,m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 2, 4)])
+def test_message_costs_read_back_from_a_timeline(schedule, pp, m):
+    link = Link(latency=0.25, send_overhead=0.125, recv_overhead=0.5)
+    r = simulate(uniform(8), megatron_layout(8, pp), schedule, m, link=link)
+    got = message_costs([r.events, r.events], pp)
+    assert (got.send_overhead, got.recv_overhead, got.latency) == (0.125, 0.5, 0.25)
+    assert all(n > 0 for n in got.samples)
+    none = message_costs([simulate(uniform(8), megatron_layout(8, pp), schedule, m).events], pp)
+    assert (none.send_overhead, none.recv_overhead, none.latency) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="expected"):
+        message_costs([r.events], pp + 1)
 
 
 # ---- dynamism scenarios at paper scale (details: tests/unit/test_paper_scale.py) --------------
