@@ -9,6 +9,9 @@ A case module defines:
   runs use ``uniform`` / ``param`` with ``rebalance="never"``);
 * optionally ``extra(model, callbacks, strategy) -> dict``: case-specific figures for the JSON
   record (rank 0's view; every rank calls it, so it may run collectives);
+* optionally ``variants(plan) -> {name: (model overrides, strategy options)}``: runs of another
+  model (GPTConfig fields replaced) in the same rounds; the summary adds ``speedup_vs_<name>``
+  (dynmo over that run, e.g. the same model with dense attention);
 * optionally ``launcher_extra(quick) -> dict``: figures from a job of the case's own (run by the
   launcher after the comparison, e.g. pruning's pp=2 x dp=2 gradient-exchange measurement).
 """

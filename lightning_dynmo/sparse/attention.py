@@ -10,7 +10,9 @@ by the ``ldsparse.block_attn_fwd`` / ``block_attn_bwd`` kernels of the compiled 
 fp32/fp64; CUDA: fp32/bf16/fp16 when built with CUDA). Everything else -- no extension, another
 dtype or device, a block size without a kernel -- takes :func:`reference_block_sparse_attention`,
 dense attention under the same mask (O(T^2) memory, same results). Query rows that see no key
-(a query block with no key block) output 0, as ``scaled_dot_product_attention`` does.
+(a query block with no key block) output 0, as ``scaled_dot_product_attention`` does. On CUDA
+the default ``backend="auto"`` computes the same attention with torch's FlexAttention instead
+(:mod:`lightning_dynmo.sparse.flex`, measured faster there); ``backend="kernel"`` keeps ours.
 
 Layout format (what the kernels take, one CSR per head, heads one after another)::
 
