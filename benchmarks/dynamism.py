@@ -1,8 +1,11 @@
 """Static vs dynamic pipeline balancing for one dynamic-model case, side by side.
 
     python benchmarks/dynamism.py --case freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
+    python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
 
-Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each) and trains the
+Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each; with
+``--expert-parallel N``, 2 x N ranks: N data-parallel replicas of the pipeline whose stages split
+their experts N ways, for cases whose module sets ``EXPERT_PARALLEL = True``) and trains the
 same model, data and dynamism callback three times in one job:
 
 * ``uniform``  static: equal layer counts (Megatron), ``rebalance="never"``;
@@ -12,7 +15,7 @@ same model, data and dynamism callback three times in one job:
   makes the strategy profile the next step per layer and re-partition.
 
 The dynamism event happens early (freezing / threshold drop / pruning schedule); throughput
-(tokens/s from step wall-clock on rank 0) and the pipeline idle fraction (the strategy's
+(tokens/s of all replicas from step wall-clock on rank 0) and the pipeline idle fraction (the strategy's
 ``pipeline/idle_fraction`` metric, read from ``trainer.callback_metrics`` every step, plus per-rank
 ``1 - busy/wall``) are averaged over a measurement window after the event and after the dynmo run
 has rebalanced. ``speedup_vs_static`` = dynmo tokens/s over the better static baseline; a case's
@@ -38,6 +41,8 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=CASES, required=True)
     ap.add_argument("--quick", action="store_true", help="fewer steps (CI smoke run)")
+    ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                    help="N data-parallel replicas, each stage's experts split over them (MoE cases)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -69,10 +74,13 @@ def _worker(args) -> None:
 
     case = load(args.case)
     plan = case.plan(args.quick)
+    ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
     g = torch.Generator().manual_seed(0)
-    n = plan["batch"] * plan["steps"]
-    data = torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1), generator=g)
+    n = plan["batch"] * plan["steps"] * ep
+    # a case may bring its own sequences (e.g. the text its warm-up phase trained on); else random tokens
+    data = case.data(cfg, n) if hasattr(case, "data") else torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1),
+                                                                         generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
 
     class Meter(L.Callback):
@@ -104,8 +112,8 @@ def _worker(args) -> None:
         meter = Meter()
         options = dict(dict(rebalance_cooldown=1), **options)
         strategy = DynMoStrategy(pipeline_parallel=2, microbatches=plan["microbatches"], plot=False, timeout=300,
-                                 **options)
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=plan["steps"],
+                                 expert_parallel=ep, **options)
+        trainer = L.Trainer(accelerator="cpu", devices=2 * ep, strategy=strategy, max_steps=plan["steps"],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, meter],
                             default_root_dir=tempfile.mkdtemp())
@@ -118,7 +126,7 @@ def _worker(args) -> None:
         rec = {"balancer": options["balancer"], "rebalance": options["rebalance"], "error": err}
         if err is None and len(meter.t) >= b:
             secs = meter.t[b - 1] - meter.t[a - 1]
-            tokens = plan["batch"] * cfg.block_size * (b - a)
+            tokens = plan["batch"] * ep * cfg.block_size * (b - a)
             idle = [x for x in meter.idle[a:b] if x == x]
             per_rank = [r for r in meter.rank_idle[a:b] if r]
             rec.update(
@@ -154,7 +162,7 @@ def _median_round(recs: list[dict]) -> dict:
     return med
 
 
-def _summarise(case: str, quick: bool, rounds: dict) -> dict:
+def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1) -> dict:
     runs = {k: _median_round(v) for k, v in rounds.items()}
     ok = {k: v for k, v in runs.items() if v.get("tokens_per_sec")}
     static = [k for k in ("uniform", "param") if k in ok]
@@ -165,6 +173,8 @@ def _summarise(case: str, quick: bool, rounds: dict) -> dict:
         "case": case,
         "quick": quick,
         "stages": 2,
+        "data_parallel": expert_parallel,
+        "expert_parallel": expert_parallel,
         "threads_per_rank": 1,
         "rounds": len(next(iter(rounds.values()))),
         "tokens_per_sec": {k: round(v["tokens_per_sec"], 1) for k, v in ok.items()},
@@ -195,12 +205,15 @@ def main(argv=None) -> None:
     if "LOCAL_RANK" in os.environ:
         _worker(args)
         return
+    if args.expert_parallel < 1 or (args.expert_parallel > 1 and not getattr(load(args.case), "EXPERT_PARALLEL", False)):
+        sys.exit(f"--expert-parallel {args.expert_parallel}: must be >= 1, and > 1 only for a case with experts (moe)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               os.path.abspath(__file__), "--case", args.case, "--out", out]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 * args.expert_parallel),
+               "--standalone", os.path.abspath(__file__), "--case", args.case, "--out", out,
+               "--expert-parallel", str(args.expert_parallel)]
         if args.quick:
             cmd.append("--quick")
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -216,7 +229,7 @@ def main(argv=None) -> None:
             else:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
-    summary = _summarise(args.case, args.quick, runs)
+    summary = _summarise(args.case, args.quick, runs, args.expert_parallel)
     case = load(args.case)
     if hasattr(case, "launcher_extra"):  # figures from a job of its own (e.g. another process layout)
         summary.update(case.launcher_extra(args.quick))
