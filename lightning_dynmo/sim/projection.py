@@ -170,7 +170,7 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         "benchmark": "paper_scale",
         "simulated": True,
         "costs": f"per-layer costs {profile.source}; dynamism: synthetic models "
-                 "(lightning_dynmo/sim/scenarios.py lists every parameter and its source)",
+                 "(lightning_dynmo/sim/scenarios/__init__.py lists every parameter and its source)",
         "profile": profile.name,
         "head_scale": cfg["head_scale"],
         "schedule": cfg["schedule"],
@@ -261,7 +261,7 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
         "embedding and LM head + loss included as pipeline layers"
         + (f" (head cost x {cfg['head_scale']})" if cfg["head_scale"] != 1.0 else "") + ". "
         "How each dynamism changes those costs over training is a synthetic model whose parameters and "
-        "sources are listed in `lightning_dynmo/sim/scenarios.py`. Schedule "
+        "sources are listed in `lightning_dynmo/sim/scenarios/__init__.py`. Schedule "
         f"`{cfg['schedule']}`, {cfg['microbatches_per_stage']} x stages micro-batches, data parallelism "
         f"{cfg['data_parallel']['replicas']}-way ({cfg['data_parallel']['moe_replicas']}-way for MoE/MoD, expert "
         f"parallel over it), {cfg['network']['gpus_per_node']} GPUs per node (NVLink inside, InfiniBand between), "
