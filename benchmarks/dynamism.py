@@ -205,7 +205,8 @@ def main(argv=None) -> None:
     if "LOCAL_RANK" in os.environ:
         _worker(args)
         return
-    if args.expert_parallel < 1 or (args.expert_parallel > 1 and not getattr(load(args.case), "EXPERT_PARALLEL", False)):
+    has_experts = getattr(load(args.case), "EXPERT_PARALLEL", False)
+    if args.expert_parallel < 1 or (args.expert_parallel > 1 and not has_experts):
         sys.exit(f"--expert-parallel {args.expert_parallel}: must be >= 1, and > 1 only for a case with experts (moe)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")

@@ -170,7 +170,8 @@ def _own_optimizer_shards(strategy: "DynMoStrategy", o: int, sd: dict) -> dict:
         slot = layout.slot(name)
         if slot is None or slot.optimizer != o or slot.index not in state:
             continue
-        state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == tuple(shapes[name]) else v)
+        whole = tuple(shapes[name])
+        state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == whole else v)
                              for k, v in state[slot.index].items()}
     return {**sd, "state": state}
 

@@ -29,7 +29,8 @@ def test_expert_parallel_must_be_a_positive_integer(ep):
 
 @pytest.mark.parametrize("devices, ep, divisors", [(4, 3, r"\[1, 2\]"), (2, 2, r"\[1\]"), (8, 8, r"\[1, 2, 4\]")])
 def test_expert_parallel_not_dividing_the_replicas_fails_before_launch(devices, ep, divisors):
-    with pytest.raises(ValueError, match=rf"expert_parallel={ep} must divide the {devices // 2} data-parallel.*{divisors}"):
+    message = rf"expert_parallel={ep} must divide the {devices // 2} data-parallel.*{divisors}"
+    with pytest.raises(ValueError, match=message):
         L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, expert_parallel=ep), accelerator="cpu", devices=devices)
 
 
