@@ -60,6 +60,17 @@ def merge_layer_costs(
     return LayerCosts(tuple(fwd), tuple(bwd), tuple(params), tuple(memory), act)
 
 
+def smooth_load(previous: Sequence[float | None] | None, now: Sequence[float | None],
+                decay: float) -> list[float | None]:
+    """Exponential moving average of per-layer load factors (``decay`` x previous + the rest x now).
+    Decisions from counters follow the trend, not one step's draw: a load that changes at random
+    every step (a hash redrawn per step, a router's noise) would otherwise move layers back and forth,
+    each move paid for by a gain that lasts one step. A layer with no reading keeps none."""
+    if previous is None or len(previous) != len(now):
+        return list(now)
+    return [n if p is None or n is None else decay * p + (1 - decay) * n for p, n in zip(previous, now)]
+
+
 def scale_by_load(costs: LayerCosts, load_now: Sequence[float | None],
                   load_at_profile: Sequence[float | None]) -> LayerCosts:
     """The paper's c_i = r_i t_i: a layer profiled at load factor r_p that now runs at r costs

@@ -92,7 +92,7 @@ class RebalancePolicy:
     horizon: int = 100
     cooldown: int = 10
     hysteresis: float = 0.5
-    ema_decay: float = 0.7
+    ema_decay: float = 0.7  # smoothing of busy times (auto) and of layer load factors (counter decisions)
     # state
     last_rebalance_step: int = -(10**9)  # last applied decision
     last_decision_step: int = -(10**9)  # last decision of any outcome (starts the cooldown)

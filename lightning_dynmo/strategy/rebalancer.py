@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..plan.balancers import BalanceProblem, get_balancer
 from ..plan.cost_model import CostModel, LayerCosts
-from ..plan.measurements import merge_layer_costs, scale_by_load
+from ..plan.measurements import merge_layer_costs, scale_by_load, smooth_load
 from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
 from ..plan.policy import Decision, RebalancePolicy, decide
@@ -58,7 +58,8 @@ class Rebalancer:
         self._warned_never = False
         self.known_costs: dict[int, tuple[float, float]] = {}  # layer -> (fwd, bwd) s per micro-batch
         self.load_at_profile: dict[int, float | None] = {}
-        self.layer_load: list[float | None] = []
+        self.layer_load: list[float | None] = []  # the last step's load factors
+        self.smoothed_load: list[float | None] | None = None  # their moving average (what decisions use)
         self.migration_cost: float | None = None  # measured seconds of the last migration
         self.profiled_costs: LayerCosts | None = None  # merged costs of the last profiled step
         self.profile_step = -(10**9)
@@ -146,6 +147,7 @@ class Rebalancer:
         if stats.profiled:
             self.load_at_profile = dict(enumerate(stats.layer_load))
         self.layer_load = stats.layer_load
+        self.smoothed_load = smooth_load(self.smoothed_load, stats.layer_load, self.policy.ema_decay)
         self.policy.observe_busy(stats.rank_busy)
 
     # ------------------------------------------------------------------ per-iteration decisions
@@ -162,9 +164,9 @@ class Rebalancer:
         )
 
     def counter_costs(self) -> LayerCosts:
-        """The last profiled costs scaled to the last step's load factors (same on every rank)."""
+        """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
         L = len(self.strategy.layers)
-        return scale_by_load(self.profiled_costs, self.layer_load, [self.load_at_profile.get(i) for i in range(L)])
+        return scale_by_load(self.profiled_costs, self.smoothed_load, [self.load_at_profile.get(i) for i in range(L)])
 
     # ------------------------------------------------------------------ costs
     def cost_model(self) -> CostModel:

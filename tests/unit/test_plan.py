@@ -26,7 +26,7 @@ from lightning_dynmo.plan import (
     merge_layer_costs,
 )
 from lightning_dynmo.plan.layout import PipelineLayout
-from lightning_dynmo.plan.measurements import scale_by_load
+from lightning_dynmo.plan.measurements import scale_by_load, smooth_load
 from lightning_dynmo.plan.schedules import choose_microbatches
 from lightning_dynmo.plan.validation import positive_int
 
@@ -213,3 +213,14 @@ def test_positive_int():
     for bad in (0, -1, True, 1.5, "3", None):
         with pytest.raises(ValueError, match="x must be a positive integer"):
             positive_int("x", bad)
+
+
+def test_smooth_load_averages_per_layer_and_keeps_missing_readings_missing():
+    assert smooth_load(None, [0.5, None], 0.7) == [0.5, None]
+    assert smooth_load([1.0, None, 0.2], [0.0, 0.4, None], 0.75) == [0.75, 0.4, None]
+    # a load alternating at random around its mean settles near the mean instead of following each draw
+    s = None
+    for k in range(40):
+        s = smooth_load(s, [1.0 if k % 2 else 0.0], 0.7)
+    assert abs(s[0] - 0.5) < 0.1
+    assert smooth_load([1.0], [0.0, 0.0], 0.7) == [0.0, 0.0]  # a new layer count starts afresh
