@@ -381,6 +381,81 @@ def test_hash_sparse_attention_matches_sdpa(dtype, tol, b, h, t, d, bs, nb):
     torch.testing.assert_close(gx, gr, atol=tol, rtol=tol)
 
 
+def _perturb_future(x, cut, gen):
+    """``x`` with every position after ``cut`` (dim 1) redrawn: a different future."""
+    x2 = x.clone()
+    if x.dtype == torch.long:
+        x2[:, cut + 1:] = torch.randint(0, 256, x2[:, cut + 1:].shape, generator=gen)
+    else:
+        x2[:, cut + 1:] = torch.randn(x2[:, cut + 1:].shape, generator=gen, dtype=x.dtype)
+    return x2
+
+
+def _unaligned_block_rule(buckets, nb, bs):
+    """The leaky alternative: tokens packed by (bucket, position) with no per-bucket padding,
+    token i sees j <= i when their blocks share a bucket. Where a bucket starts depends on how
+    many tokens -- future ones too -- fall in earlier buckets."""
+    b, h, t = buckets.shape
+    perm = torch.argsort(buckets * t + torch.arange(t), dim=-1)
+    blk = torch.empty_like(perm).scatter_(-1, perm, torch.arange(t).expand(b, h, t)) // bs
+    occ = torch.zeros(b, h, -(-t // bs), nb)
+    occ[torch.arange(b)[:, None, None], torch.arange(h)[None, :, None], blk, buckets] = 1
+    share = (occ @ occ.transpose(-1, -2)) > 0
+    rows = share.gather(2, blk.unsqueeze(-1).expand(b, h, t, share.shape[-1]))
+    return rows.gather(3, blk.unsqueeze(-2).expand(b, h, t, t)) & torch.ones(t, t, dtype=torch.bool).tril()
+
+
+CAUSAL_CASES = [(seed, t, nb, bs) for seed, (t, nb, bs) in enumerate(
+    [(50, 2, 16), (100, 3, 16), (160, 5, 16), (100, 2, 32), (160, 3, 32), (77, 4, 16), (130, 8, 16), (200, 3, 32)])]
+
+
+def test_hash_sparse_layer_output_ignores_future_tokens():
+    """Changing only the tokens after position ``cut`` leaves outputs at positions <= cut
+    bit-identical, forward and backward. The leaky block-level rule fails the same probe on
+    these cases (so the probe is strong enough to catch a bucket-boundary leak)."""
+    leaks = 0
+    for seed, t, nb, bs in CAUSAL_CASES:
+        cfg = GPTConfig.preset("tiny", attention="hash_sparse", attention_block=bs, nb_hash=nb, block_size=256)
+        layer = HashSparseSelfAttention(cfg, seed)
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(2, t, cfg.n_embd, generator=gen)
+        cut = int(torch.randint(1, t - 1, (1,), generator=gen))
+        x2 = _perturb_future(x, cut, gen)
+        outs, grads = [], []
+        for inp in (x, x2):
+            inp = inp.clone().requires_grad_()
+            y = layer(inp)
+            y[:, :cut + 1].square().sum().backward()
+            outs.append(y[:, :cut + 1].detach())
+            grads.append(inp.grad)
+        assert torch.equal(outs[0], outs[1]), f"case {(seed, t, nb, bs, cut)}: the past depends on the future"
+        assert torch.equal(grads[0][:, :cut + 1], grads[1][:, :cut + 1])
+        assert not grads[0][:, cut + 1:].any() and not grads[1][:, cut + 1:].any()
+        rot = layer.current_rotations()
+        qkv = [layer.qkv(z).view(2, t, 3, cfg.n_head, -1)[:, :, 1].transpose(1, 2) for z in (x, x2)]
+        bk = [hash_buckets(k, rot, nb) for k in qkv]
+        assert torch.equal(bk[0][..., :cut + 1], bk[1][..., :cut + 1])
+        masks = [hash_sort_plan(b, nb, bs).token_mask()[..., :cut + 1, :] for b in bk]
+        assert torch.equal(masks[0], masks[1])
+        leaky = [_unaligned_block_rule(b, nb, bs)[..., :cut + 1, :] for b in bk]
+        leaks += not torch.equal(leaky[0], leaky[1])
+    assert leaks >= len(CAUSAL_CASES) // 2, f"the probe caught the leaky rule in only {leaks} cases"
+
+
+@pytest.mark.parametrize("nb,bs,redraw", [(2, 16, False), (3, 16, True), (5, 32, False)])
+def test_hash_sparse_gpt_logits_ignore_future_tokens(nb, bs, redraw):
+    """A whole hash-sparse GPT (every layer hash-bucketed), training mode: logits at positions
+    <= cut do not move when only later tokens change."""
+    m = sparse_tiny(nb_hash=nb, attention_block=bs, hash_redraw=redraw, block_size=160).train()
+    set_hash_step(m, 3)
+    gen = torch.Generator().manual_seed(nb)
+    for t in (64, 150):
+        x = torch.randint(0, 256, (2, t), generator=gen)
+        for cut in (t // 5, t // 2, t - 3):
+            x2 = _perturb_future(x, cut, gen)
+            torch.testing.assert_close(m(x2)[:, :cut + 1], m(x)[:, :cut + 1], atol=0, rtol=0)
+
+
 def test_local_window_layout():
     lay = local_window_layout(1, 2, 100, 16, window_blocks=1)
     bm = lay.block_mask()[0, 0]

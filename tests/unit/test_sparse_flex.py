@@ -162,6 +162,22 @@ def test_gpt_layer_forward_is_the_same_on_flex_and_kernel_cpu():
         torch.testing.assert_close(flex(x), kernel(x), rtol=1e-5, atol=1e-5)
 
 
+def test_flex_gpt_logits_ignore_future_tokens_cpu():
+    """The flex route applies the same token rule: changing only tokens after ``cut`` (which
+    moves every later bucket's start in the slot order) leaves logits at positions <= cut as they were
+    (to fp64 rounding: FlexAttention's eager CPU path sums over all slots in slot order)."""
+    cfg = GPTConfig.preset("tiny", block_size=128, attention="hash_sparse", attention_block=16, nb_hash=(2, 3, 5, 8),
+                           attention_backend="flex")
+    m = GPT(cfg, seed=0).double().eval()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (2, 128), generator=gen)
+    for cut in (20, 70, 120):
+        x2 = x.clone()
+        x2[:, cut + 1:] = torch.randint(0, 256, x2[:, cut + 1:].shape, generator=gen)
+        with torch.no_grad():
+            torch.testing.assert_close(m(x2)[:, :cut + 1], m(x)[:, :cut + 1], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.slow
 def test_compiled_flex_on_cpu_is_exact_and_compiles_once():
     """The BlockMask's tiles drive the fused kernel (eager flex only evaluates mask_mod): compiled
