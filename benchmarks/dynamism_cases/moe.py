@@ -3,8 +3,9 @@ Without expert parallelism a layer's expert work changes only through dropped to
 per-layer cost moves a little every step; dynmo decides every iteration from the layers' load
 counters. With ``--expert-parallel N`` each stage's experts are split over N data-parallel
 replicas and tokens travel to their owners by all_to_all, so a stage also waits for its busiest
-shard (the load counters do not see that yet: they count a replica's routed tokens, not the
-tokens its shard receives)."""
+shard: the load counters then report the busiest shard's received tokens (the same on every
+replica of a group). With capacity factor 1.0 no shard can receive more than at balance, so
+shard imbalance shows only as load factors below 1 that vary less than the dropped tokens."""
 from __future__ import annotations
 
 EXPERT_PARALLEL = True  # benchmarks/dynamism.py --expert-parallel N applies

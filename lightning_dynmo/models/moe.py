@@ -27,8 +27,9 @@ losses compare equal with and without the pipeline); the gradients are those of 
 Load signal
 -----------
 Each :class:`MoEBlock` is a :class:`~lightning_dynmo.protocol.ReportsLoad`: it counts the tokens
-each expert actually processed (after capacity dropping) in its training forwards, as device
-tensors, and converts them only when read: ``load_factor()`` for the strategy's cost model,
+each expert actually processed (after capacity dropping) in its training forwards and, under
+expert parallelism, the slots its group's busiest expert shard received (what the layer's time
+follows), as device tensors, and converts them only when read: ``load_factor()`` for the strategy's cost model,
 ``routing_stats()`` for :class:`~lightning_dynmo.callbacks.moe.MoELoadMonitor`.
 """
 from __future__ import annotations
@@ -169,16 +170,19 @@ class RoutingCounts:
     causal_pairs: int = 0  # (query, key) pairs under the causal mask: sum of B * T (T + 1) / 2
     expert_tokens: Tensor | None = None  # [E] slots each expert processed (after capacity)
     balance_loss_sum: Tensor | None = None  # unscaled load-balancing loss, summed over forwards
+    busiest_slots: Tensor | None = None  # slots the busiest expert shard received, summed over forwards
 
-    def add(self, b: int, t: int, expert_tokens: Tensor, balance_loss: Tensor) -> None:
+    def add(self, b: int, t: int, expert_tokens: Tensor, busiest_slots: Tensor, balance_loss: Tensor) -> None:
         self.forwards += 1
         self.tokens += b * t
         self.causal_pairs += b * t * (t + 1) // 2
         if self.expert_tokens is None:
             self.expert_tokens, self.balance_loss_sum = expert_tokens.clone(), balance_loss.detach().clone()
+            self.busiest_slots = busiest_slots.clone()
         else:
             self.expert_tokens += expert_tokens
             self.balance_loss_sum += balance_loss.detach()
+            self.busiest_slots += busiest_slots
 
 
 class MoELayer(nn.Module):
@@ -247,7 +251,7 @@ class MoELayer(nn.Module):
         counts = torch.bincount(slot_expert, minlength=self.num_experts)
         tokens = slots // k
         flat = x.reshape(b * t, c)
-        y = self.experts(flat[tokens], counts)
+        y, shard_slots = self.experts(flat[tokens], counts)
         y = y * routing.weights.reshape(-1)[slots, None].to(y.dtype)
         out = torch.zeros(b * t, c, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
         if self.shared_expert is not None:
@@ -260,7 +264,7 @@ class MoELayer(nn.Module):
         with torch.set_grad_enabled(wants_balance_grad):
             balance = load_balancing_loss(routing.probs, routing.experts, self.num_experts)
         for window in (self.load_window, self.stats_window):
-            window.add(b, t, counts, balance)
+            window.add(b, t, counts, shard_slots.max(), balance)
         aux_loss = balance * self.aux_loss_coeff if wants_balance_grad else None
         if self.z_loss_coeff > 0:
             z = router_z_loss(routing.logits) * self.z_loss_coeff
@@ -271,8 +275,9 @@ class MoELayer(nn.Module):
 @dataclass(frozen=True)
 class RoutingStats:
     """A window of an :class:`MoEBlock`'s routing, for logging: ``relative_work`` (as
-    ``load_factor``), tokens each expert processed ``[E]`` (CPU int64), the share of routed
-    slots dropped for capacity, and the mean unscaled load-balancing loss (1.0 = uniform)."""
+    ``load_factor``), tokens each expert processed ``[E]`` (CPU int64; this replica's routed
+    tokens, also under expert parallelism), the share of routed slots dropped for capacity, and
+    the mean unscaled load-balancing loss (1.0 = uniform)."""
 
     relative_work: float
     expert_counts: Tensor
@@ -283,16 +288,27 @@ class RoutingStats:
 class MoEBlock(Block):
     """Pre-LN block whose MLP is an :class:`MoELayer`; a :class:`~lightning_dynmo.protocol.ReportsLoad`.
 
-    ``load_factor()`` is the block's work relative to dropless routing, in multiply-accumulates::
+    ``load_factor()`` is the block's time relative to dropless, balanced routing, counted in
+    multiply-accumulates (:meth:`relative_work`)::
 
-        (F + kept * S) / (F + tokens * top_k * S)
+        (F + busiest * S) / (F + tokens * top_k * S)
 
     ``F``: routing-independent work of the recorded forwards, ``tokens * (4 C^2 + C E + 3 C H_shared)
     + 2 C * causal_pairs`` (attention projections, router, shared expert, causal attention scores
-    and values); ``S = 3 C H``: one token through one routed expert; ``kept``: expert slots
-    processed after capacity dropping. Dropless routing always gives 1.0: on one rank expert work
-    does not depend on how tokens spread over experts (``routing_stats()`` shows that spread,
-    which matters once experts are sharded over ranks).
+    and values); ``S = 3 C H``: one token through one routed expert; ``tokens``: this replica's
+    tokens; ``busiest``: per forward, the expert slots the busiest expert shard received, summed
+    over forwards.
+
+    * Without expert parallelism the one shard is all experts on this rank's own tokens:
+      ``busiest`` is the slots kept after capacity dropping, so dropless routing gives 1.0 however
+      tokens spread over experts, and dropped tokens lower it.
+    * With ``expert_parallel = ep`` shard ``j`` receives the slots the ``ep`` replicas of its group
+      route to its experts. The token ``all_to_all`` synchronises the group, so every replica
+      waits for the shard that received most: the max, not the mean, sets the layer's time. At
+      balance each shard receives ``tokens * top_k`` (the group's slots over ``ep``), so balanced
+      dropless routing gives 1.0 and all slots on one shard ``(F + ep D S) / (F + D S)`` with
+      ``D = tokens * top_k``. The counts come from the exchange that sizes the dispatch (no
+      extra collective), so every replica of the group reports the same value.
 
     ``load_factor``/``reset_load`` read and restart the strategy's window; ``routing_stats``/
     ``reset_routing_stats`` a separate one for monitoring, so the two readers never reset each
@@ -303,17 +319,23 @@ class MoEBlock(Block):
         super().__init__(config)
         self.mlp = MoELayer(config.n_embd, expert_hidden, moe)
 
-    def _relative_work(self, window: RoutingCounts, kept: int) -> float:
+    def relative_work(self, tokens: int, causal_pairs: int, busiest: int) -> float:
+        """``(F + busiest * S) / (F + tokens * top_k * S)`` (see the class docstring) for forwards
+        over ``tokens`` tokens with ``causal_pairs`` causal (query, key) pairs, whose busiest expert
+        shard received ``busiest`` slots (summed over the forwards)."""
         moe, c = self.mlp, self.mlp.experts.dim
-        fixed = window.tokens * (4 * c * c + moe.fixed_macs_per_token) + 2 * c * window.causal_pairs
-        full = fixed + window.tokens * moe.top_k * moe.macs_per_slot
-        return (fixed + kept * moe.macs_per_slot) / full
+        fixed = tokens * (4 * c * c + moe.fixed_macs_per_token) + 2 * c * causal_pairs
+        full = fixed + tokens * moe.top_k * moe.macs_per_slot
+        return (fixed + busiest * moe.macs_per_slot) / full
+
+    def _window_work(self, window: RoutingCounts) -> float:
+        return self.relative_work(window.tokens, window.causal_pairs, int(window.busiest_slots))
 
     def load_factor(self) -> float | None:
         window = self.mlp.load_window
         if window.forwards == 0:
             return None
-        return self._relative_work(window, int(window.expert_tokens.sum()))
+        return self._window_work(window)
 
     def reset_load(self) -> None:
         self.mlp.load_window = RoutingCounts()
@@ -326,7 +348,7 @@ class MoEBlock(Block):
         counts = window.expert_tokens.cpu()
         kept = int(counts.sum())
         return RoutingStats(
-            relative_work=self._relative_work(window, kept),
+            relative_work=self._window_work(window),
             expert_counts=counts,
             dropped_fraction=1.0 - kept / (window.tokens * self.mlp.top_k),
             balance_loss=float(window.balance_loss_sum) / window.forwards,

@@ -50,7 +50,8 @@ class GroupedExperts(nn.Module):
     Expert parallelism (:mod:`lightning_dynmo.runtime.expert_parallel`): after
     ``shard_experts(shard)`` the module holds only its shard's experts (``w1 [E / ep, C, H]``...)
     while ``num_experts`` stays the layer's total; ``forward`` still takes tokens sorted by global
-    expert with ``[num_experts]`` counts and exchanges them with the replicas owning the others.
+    expert with ``[num_experts]`` counts and exchanges them with the replicas owning the others,
+    and also returns how many rows each shard received (the layer's load signal).
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, grouped_mm: bool | None = None):
@@ -95,10 +96,12 @@ class GroupedExperts(nn.Module):
         self.expert_shard = shard
         return replaced
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """Outputs of ``x``'s rows and the rows each expert shard of the layer received
+        (``[expert_parallel]``, on the device; unsharded: one shard, ``counts.sum()``)."""
         if self.expert_shard is not None:
             return run_sharded_experts(self._local, x, counts, active_expert_parallel())
-        return self._local(x, counts)
+        return self._local(x, counts), counts.sum().view(1)
 
     def _local(self, x: Tensor, counts: Tensor) -> Tensor:
         """The experts this module holds on tokens sorted by them (``counts[e]`` rows each)."""

@@ -8,8 +8,10 @@ owns: experts ``[k n, (k + 1) n)`` with ``n = num_experts / ep``.
 Forward of a sharded expert layer (:func:`run_sharded_experts`), per micro-batch:
 
 1. each replica routes its own tokens and sorts them by expert (as without sharding);
-2. tokens-per-expert counts are exchanged (one ``all_to_all_single`` of ``[num_experts]``), so
-   every replica knows how many rows it sends to and receives from each peer;
+2. tokens-per-expert counts are gathered (one ``all_gather`` of ``[num_experts]`` per peer), so
+   every replica knows how many rows every peer sends to every expert: what it sends to and
+   receives from each peer, and what every shard of the group receives (:func:`shard_slots`, the
+   layer's load signal: the token exchange waits for the busiest shard);
 3. tokens go to their expert's owner (``all_to_all_single`` with uneven splits, gloo and NCCL),
    are regrouped by local expert, run through the local experts, and come back the same way.
 
@@ -52,6 +54,7 @@ __all__ = [
     "check_expert_parallel_model",
     "expert_modules",
     "run_sharded_experts",
+    "shard_slots",
 ]
 
 
@@ -233,16 +236,25 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
+def shard_slots(sent: Tensor, size: int) -> Tensor:
+    """Rows each of the ``size`` shards of an expert-parallel group receives, ``[size]``, from
+    ``sent [size, num_experts]``: the rows each peer sends to each (global) expert. Shard ``j``
+    holds experts ``[j n, (j + 1) n)``, so it receives column block ``j`` summed over peers."""
+    return sent.reshape(size, size, -1).sum(dim=(0, 2))
+
+
 def run_sharded_experts(local: Callable[[Tensor, Tensor], Tensor], x: Tensor, counts: Tensor,
-                        ep: ExpertParallel) -> Tensor:
+                        ep: ExpertParallel) -> tuple[Tensor, Tensor]:
     """Experts of a sharded layer on tokens ``x`` sorted by global expert (``counts [E]`` rows
     each): dispatch to the owners, ``local(tokens, local_counts)`` on this rank's experts
-    (tokens sorted by local expert), combine back. Returns ``x``'s rows' outputs in ``x``'s order."""
-    size = ep.size
+    (tokens sorted by local expert), combine back. Returns ``x``'s rows' outputs in ``x``'s order
+    and the rows every shard of the group received (:func:`shard_slots`, same on every peer)."""
+    size, me = ep.size, ep.shard.rank
     n = counts.numel() // size
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts.contiguous(), group=ep.peers)  # block j: peer j's rows per local expert
-    received = received.view(size, n)
+    sent = counts.new_empty(size * counts.numel())
+    dist.all_gather_single(sent, counts.contiguous(), group=ep.peers)  # row p: peer p's rows per expert
+    sent = sent.view(size, size * n)
+    received = sent[:, me * n:(me + 1) * n]  # row j: peer j's rows per local expert
     send = counts.view(size, n).sum(1).tolist()
     recv = received.sum(1).tolist()
     tokens = _AllToAll.apply(x, recv, send, ep.peers)
@@ -252,4 +264,4 @@ def run_sharded_experts(local: Callable[[Tensor, Tensor], Tensor], x: Tensor, co
     y = local(tokens[order], received.sum(0))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return _AllToAll.apply(y[inverse], send, recv, ep.peers)
+    return _AllToAll.apply(y[inverse], send, recv, ep.peers), shard_slots(sent, size)

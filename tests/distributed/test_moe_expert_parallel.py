@@ -13,6 +13,7 @@ import torch
 
 from lightning_dynmo.models import MoEGPT
 from tests.distributed.test_moe_pipeline import MOE, PIPELINE, RUN, RTOL, _launch
+from tests.support.workers.moe_worker import build_model
 
 STEPS, MORE = RUN["steps"], 2
 CLIP = 0.3  # below the gradient norm (~0.5), so clipping acts: each expert shard must count once
@@ -20,10 +21,12 @@ CLIP = 0.3  # below the gradient norm (~0.5), so clipping acts: each expert shar
 # step's checkpoint draws the same batches as an uninterrupted one
 DATA = dict(RUN, clip=CLIP, n_samples=16)
 EP_RUN = dict(DATA, **PIPELINE, expert_parallel=2)
-# per-iteration decisions from load counters: each replica's MoELoadMonitor measures its own routing,
-# so at some step (step 7 with this data) only one replica asks; every rank must still decide
+# per-iteration decisions from load counters, on two pipelines without expert parallelism: each
+# replica's MoELoadMonitor measures its own routing, so at some step (step 7 with this data) only one
+# replica asks; every rank must still decide. (Under expert parallelism a group's replicas report the
+# same busiest-shard load, so their MoE monitors agree.)
 AUTO_DATA = dict(DATA, steps=8, n_samples=64)
-AUTO_RUN = dict(AUTO_DATA, **dict(PIPELINE, balancer="partition_time", rebalance="auto"), expert_parallel=2,
+AUTO_RUN = dict(AUTO_DATA, **dict(PIPELINE, balancer="partition_time", rebalance="auto"), expert_parallel=1,
                 rebalance_cooldown=1, imbalance_threshold=0.02, monitor_threshold=0.02)
 
 
@@ -108,3 +111,55 @@ def test_per_iteration_decisions_with_replicas_that_disagree_on_requests(results
     assert any("(load counters)" in r for r in reasons), reasons
     assert any("a load monitor of another replica" in r for r in reasons), reasons  # only one replica asked
     torch.testing.assert_close(torch.tensor(auto["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+
+
+def _expected_loads(cfg: dict, rows_per_step: list[dict], ep: int) -> list[dict[int, float]]:
+    """Each step's load factor per MoE layer, computed here from the single-process run's routing
+    (expert slots kept per row): replica ``r`` of ``dp`` trains rows ``r::dp`` in ``microbatches``
+    contiguous micro-batches; per micro-batch, shard ``j`` of an expert-parallel group receives the
+    group's slots for experts ``[j n, (j + 1) n)``; the layer's work follows the busiest shard,
+    summed over micro-batches. With ``ep == 1`` every replica is its own group (its kept slots),
+    and the strategy reports the mean over replicas."""
+    model = build_model(cfg)
+    dp, m, t = 2, cfg["microbatches"], cfg.get("block", 16)
+    out = []
+    for step in rows_per_step:
+        loads = {}
+        for layer, rows in step.items():
+            rows = torch.tensor(rows)  # [dp * batch, E]
+            per_mb = torch.stack([rows[r::dp].reshape(m, -1, rows.shape[1]).sum(1) for r in range(dp)])  # [dp, m, E]
+            groups = per_mb.view(dp // ep, ep, m, ep, -1).sum(dim=(1, 4))  # [group, m, shard]
+            busiest = groups.max(dim=2).values.sum(dim=1)  # per group
+            block, tokens = model.layers[int(layer)], cfg["batch"] * t
+            work = [block.relative_work(tokens, cfg["batch"] * t * (t + 1) // 2, int(b)) for b in busiest]
+            loads[int(layer)] = sum(w for w in work for _ in range(ep)) / dp  # mean over replicas
+        out.append(loads)
+    return out
+
+
+def test_load_factor_follows_the_busiest_expert_shard(results):
+    """The token all_to_all waits for the shard that received most, so under expert parallelism an
+    MoE layer's load factor is its busiest shard's, the same on every replica of the group."""
+    ep, ref = results["ep"], results["ref"]
+    expected = _expected_loads(EP_RUN, ref["routing_rows"], ep=2)
+    assert len(ep["layer_load"]) == len(expected) == STEPS
+    for step, (got, want) in enumerate(zip(ep["layer_load"], expected)):
+        for layer, value in want.items():
+            assert got[layer] == pytest.approx(value, rel=1e-9), (step, layer)
+        for g in range(0, 4, 2):  # ranks g, g + 1: the two stages of replica g // 2
+            mine = ep["local_load_per_rank"][g + 0][step] | ep["local_load_per_rank"][g + 1][step]
+            assert {int(i): v for i, v in mine.items()} == pytest.approx(want), (step, g)
+    # the busiest shard is not the mean shard: the replicas' mean of what each routes (what each shard
+    # would receive at balance) differs (with capacity_factor=1 no shard can receive more than at
+    # balance, so here the busiest shard's load is <= 1 and imbalance shows as less than the maximum)
+    replica_view = _expected_loads(dict(EP_RUN, expert_parallel=1), ref["routing_rows"], ep=1)
+    assert max(abs(w[i] - r[i]) for w, r in zip(expected, replica_view) for i in w) > 1e-3
+
+
+def test_without_expert_parallel_the_load_is_each_replicas_kept_slots(results):
+    resumed, longer = results["ep1_from_ep"], results["ref_longer"]
+    expected = _expected_loads(dict(EP_RUN, expert_parallel=1), longer["routing_rows"][STEPS:], ep=1)
+    assert len(resumed["layer_load"]) == len(expected) == MORE
+    for step, (got, want) in enumerate(zip(resumed["layer_load"], expected)):
+        for layer, value in want.items():
+            assert got[layer] == pytest.approx(value, rel=1e-9), (step, layer)

@@ -15,6 +15,7 @@ from lightning_dynmo.runtime.expert_parallel import (
     _groups_of_stage,
     check_expert_parallel,
     check_expert_parallel_model,
+    shard_slots,
 )
 from lightning_dynmo.strategy.options import check_module
 
@@ -84,3 +85,19 @@ def test_groups_are_blocks_of_adjacent_replicas_and_same_shard_strides():
     peers, same = _groups_of_stage(topo, ep=2, stage=1)
     assert peers == [[1, 3], [5, 7]]  # replica d holds shard d % 2
     assert same == [[1, 5], [3, 7]]
+
+
+def test_each_shard_receives_its_experts_rows_from_every_peer():
+    # rows peer p sends to each of 4 experts; shard 0 holds experts 0-1, shard 1 experts 2-3
+    sent = torch.tensor([[3, 1, 0, 4],
+                         [2, 2, 5, 0]])
+    assert shard_slots(sent, 2).tolist() == [3 + 1 + 2 + 2, 0 + 4 + 5 + 0]
+    assert shard_slots(sent[:1], 1).tolist() == [8]  # one shard: every row this rank routes
+    three = torch.arange(18).view(3, 6)  # 3 peers, 6 experts, 2 per shard
+    assert shard_slots(three, 3).tolist() == [three[:, 2 * j:2 * j + 2].sum().item() for j in range(3)]
+
+
+def test_unsharded_experts_report_one_shard_with_every_row():
+    experts = GroupedExperts(dim=8, hidden=16, num_experts=4)
+    y, slots = experts(torch.randn(5, 8), torch.tensor([2, 0, 3, 0]))
+    assert y.shape == (5, 8) and slots.tolist() == [5]

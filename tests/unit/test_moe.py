@@ -299,6 +299,21 @@ def test_load_factor_follows_routing():
     assert dropless.expert_counts().tolist() == [16, 0, 0, 0]
 
 
+def test_relative_work_is_set_by_the_busiest_expert_shard():
+    """Under expert parallelism the token all_to_all waits for the shard that received most:
+    balanced shards (tokens * top_k slots each) cost as dropless routing on one rank, all of a
+    group's slots on one of ep shards cost ep times the expert work."""
+    block = MoEBlock(GPTConfig(**GPT_CFG), MoEConfig(num_experts=4, top_k=2), expert_hidden=64)
+    c, t, h, e, rows, ep = 32, 8, 64, 4, 2, 2
+    tokens, pairs = rows * t, rows * t * (t + 1) // 2
+    fixed = tokens * (4 * c * c + c * e) + 2 * c * pairs
+    per_slot, slots = 3 * c * h, tokens * 2
+    assert block.relative_work(tokens, pairs, busiest=slots) == pytest.approx(1.0)
+    one_shard = block.relative_work(tokens, pairs, busiest=ep * slots)
+    assert one_shard == pytest.approx((fixed + ep * slots * per_slot) / (fixed + slots * per_slot))
+    assert 1.0 < block.relative_work(tokens, pairs, busiest=slots + 3) < one_shard
+
+
 # ---------------------------------------------------------------------------------- model
 def test_moe_every_places_moe_blocks_and_seed_fixes_weights():
     model = MoEGPT(dict(GPT_CFG, n_layer=4), moe=dict(MOE_CFG, moe_every=2), seed=0)

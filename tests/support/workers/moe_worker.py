@@ -11,8 +11,8 @@ checkpoint to resume from), n_samples, dp (single
 process only: train on the global batch of that many replicas, in their sampler's order).
 Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
 state dict and optimizer state paths, the
-rebalance history, the MoELoadMonitor's last per-layer statistics and, per rank, the expert rows
-each local MoE layer holds.
+rebalance history, the MoELoadMonitor's last per-layer statistics, per rank, the expert rows
+each local MoE layer holds, and the load signal (:class:`LoadSignal`).
 """
 from __future__ import annotations
 
@@ -61,6 +61,47 @@ class GradNorms(L.Callback):
         self.after.append(self._norm(trainer, pl_module))
 
 
+class LoadSignal(L.Callback):
+    """Per step: under the pipeline, the strategy's combined ``layer_load`` and, per rank, each
+    local MoE block's own relative work (its monitoring window, restarted every step); in a single
+    process, each MoE layer's ``[rows, num_experts]`` expert slots kept per row, from the router's
+    decisions, for computing the expected signal independently."""
+
+    def __init__(self) -> None:
+        self.combined: list[list[float | None]] = []
+        self.local: list[dict[int, float]] = []
+        self.rows: list[dict[int, list]] = []
+        self._step_rows: dict[int, list] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if isinstance(trainer.strategy, DynMoStrategy):
+            return
+        for i, block in pl_module.moe_blocks():
+            block.mlp.router.register_forward_hook(self._recorder(i, block.mlp.num_experts))
+
+    def _recorder(self, layer: int, num_experts: int):
+        def hook(router, args, routing) -> None:
+            if router.training and torch.is_grad_enabled():
+                kept = torch.ones_like(routing.experts, dtype=torch.bool) if routing.keep is None else routing.keep
+                rows = torch.zeros(routing.experts.shape[0], num_experts, dtype=torch.int64)
+                for k in range(routing.experts.shape[2]):
+                    rows.scatter_add_(1, routing.experts[:, :, k], kept[:, :, k].long())
+                self._step_rows[layer] = rows.tolist()
+        return hook
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for _, block in pl_module.moe_blocks():
+            block.reset_routing_stats()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if isinstance(trainer.strategy, DynMoStrategy):
+            self.combined.append(trainer.strategy.layer_load)
+            self.local.append({i: block.routing_stats().relative_work for i, block in pl_module.moe_blocks()})
+        else:
+            self.rows.append(self._step_rows)
+            self._step_rows = {}
+
+
 def build_model(cfg: dict) -> MoEGPT:
     dense = make_model(cfg)  # the shared test GPT's sizes and heterogeneous widths
     return MoEGPT(dense.config, moe=cfg["moe"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
@@ -88,7 +129,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     else:
         kw = dict(devices=1)
     rec, monitor, norms = LossRecorder(), MoELoadMonitor(cfg.get("monitor_threshold", 0.05)), GradNorms()
-    callbacks = [rec, monitor, norms]
+    signal = LoadSignal()
+    callbacks = [rec, monitor, norms, signal]
     ckpt_dir = os.path.join(out_dir, f"moe_ckpt{idx}")
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
@@ -107,13 +149,15 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
         history = trainer.strategy.rebalance_history
-        per_rank = [None] * world
+        per_rank, local_load = [None] * world, [None] * world
         torch.distributed.all_gather_object(per_rank, expert_rows)
+        torch.distributed.all_gather_object(local_load, signal.local)
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         optim = trainer.optimizers[0].state_dict()
-        history, per_rank = [], [expert_rows]
-    result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank}
+        history, per_rank, local_load = [], [expert_rows], []
+    result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank,
+              "layer_load": signal.combined, "local_load_per_rank": local_load, "routing_rows": signal.rows}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"moe_state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"moe_optim{idx}.pt")
