@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dynmo.sparse.attention import BACKENDS
-from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
+from lightning_dynmo.sparse.hash_layout import HASH_CENTERS, draw_rotations, hash_sparse_attention
 from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
 from lightning_dynmo.runtime.materialize import layer_seed
 
@@ -70,6 +70,10 @@ class GPTConfig:
     attention_block: int = 64  # layout block size of hash_sparse attention (kernels: 16/32/64/128)
     nb_hash: int | tuple = 4  # hash buckets per head (density ~ 1 / nb_hash), or one entry per block
     hash_redraw: bool = False  # new hash rotations every training step (default: fixed per layer)
+    # what the hash sees: "causal" = keys minus their running mean over positions <= t, so a
+    # direction all keys share (training grows one) does not send every token to one bucket;
+    # "causal_std" also divides by the running std; "none" = the raw keys
+    hash_center: str = "causal"
     # "auto" (FlexAttention on CUDA, our kernels on the CPU) | "kernel" | "flex"
     attention_backend: str = "auto"
 
@@ -94,6 +98,8 @@ class GPTConfig:
         for nb in (self.nb_hash,) if isinstance(self.nb_hash, (int, float)) else self.nb_hash:
             if int(nb) != nb or nb < 1:
                 raise ValueError(f"nb_hash must be an integer >= 1 (or a per-layer tuple of them), got {nb!r}")
+        if self.hash_center not in HASH_CENTERS:
+            raise ValueError(f"hash_center must be one of {HASH_CENTERS}, got {self.hash_center!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if int(self.attention_block) != self.attention_block or self.attention_block < 1:
@@ -257,6 +263,7 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.block = int(config.attention_block)
         self.nb_hash = config.layer_nb_hash(layer_index)
         self.redraw = bool(config.hash_redraw)
+        self.center = config.hash_center
         self.backend = config.attention_backend
         self._seed = 0x5EED0000 + 7919 * int(layer_index)
         head_dim = config.n_embd // config.n_head
@@ -295,7 +302,7 @@ class HashSparseSelfAttention(CausalSelfAttention):
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y, plan = hash_sparse_attention(q, k, v, self.current_rotations(), self.nb_hash, self.block,
-                                        backend=self.backend)
+                                        backend=self.backend, center=self.center)
         self.last_density = plan.density
         if self.training and torch.is_grad_enabled():
             self.load_window.add(plan.density)

@@ -16,8 +16,8 @@ from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionB
 from lightning_dynmo.protocol import ReportsLoad
 from lightning_dynmo.sparse import _ops
 from lightning_dynmo.sparse.attention import BlockLayout, block_attention_op, block_sparse_attention
-from lightning_dynmo.sparse.hash_layout import (draw_rotations, hash_buckets, hash_sort_plan,
-                                                hash_sparse_attention, local_window_layout)
+from lightning_dynmo.sparse.hash_layout import (HASH_CENTERS, causal_center, draw_rotations, hash_buckets,
+                                                hash_sort_plan, hash_sparse_attention, local_window_layout)
 
 KERNEL = sparse.attention_kernel_available("cpu", torch.float32)
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the compiled attention kernels")
@@ -361,6 +361,36 @@ def test_lsh_buckets_are_balanced_and_deterministic():
             assert share.max() < 1.5 / nb and share.min() > 0.5 / nb
 
 
+def test_causal_center_is_the_running_mean_and_std():
+    x = torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 5.0
+    want = torch.stack([x[:, :, t] - x[:, :, :t + 1].mean(2) for t in range(40)], dim=2)
+    torch.testing.assert_close(causal_center(x), want.float())
+    std = torch.stack([x[:, :, :t + 1].std(2, correction=0) for t in range(40)], dim=2)
+    torch.testing.assert_close(causal_center(x, scale=True), (want / torch.sqrt(std ** 2 + 1e-6)).float(),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("nb", [2, 4, 8])
+def test_causal_centering_undoes_a_shared_key_direction(nb):
+    """Keys sharing one strong direction (what training grows) fall into one bucket when hashed
+    raw; minus their causal running mean they spread over the buckets again."""
+    gen = torch.Generator().manual_seed(nb)
+    shared = torch.randn(3, 1, 32, generator=gen)
+    x = 0.25 * torch.randn(2, 3, 2048, 32, generator=gen) + 10.0 * shared / shared.norm(dim=-1, keepdim=True)
+    rot = draw_rotations(3, 32, nb, torch.Generator().manual_seed(1))
+
+    def top_share(center):  # [B, H]: the largest bucket's share of the tokens
+        return F.one_hot(hash_buckets(x, rot, nb, center), nb).float().mean(2).amax(-1)
+
+    # collapsed: one bucket holds nearly all of a head's tokens (except in a head whose hash
+    # directions happen to be orthogonal to the shared one)
+    assert top_share("none").mean() > 0.8
+    for center in ("causal", "causal_std"):
+        assert top_share(center).max() < 1.6 / nb
+    with pytest.raises(ValueError, match="hash center must be one of"):
+        hash_buckets(x, rot, nb, "mean")
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("b,h,t,d,bs,nb", [(2, 3, 100, 16, 16, 4), (1, 2, 300, 32, 32, 3), (1, 1, 5, 4, 16, 1)])
 def test_hash_sparse_attention_matches_sdpa(dtype, tol, b, h, t, d, bs, nb):
@@ -415,7 +445,9 @@ def test_hash_sparse_layer_output_ignores_future_tokens():
     these cases (so the probe is strong enough to catch a bucket-boundary leak)."""
     leaks = 0
     for seed, t, nb, bs in CAUSAL_CASES:
-        cfg = GPTConfig.preset("tiny", attention="hash_sparse", attention_block=bs, nb_hash=nb, block_size=256)
+        center = HASH_CENTERS[seed % len(HASH_CENTERS)]
+        cfg = GPTConfig.preset("tiny", attention="hash_sparse", attention_block=bs, nb_hash=nb, block_size=256,
+                               hash_center=center)
         layer = HashSparseSelfAttention(cfg, seed)
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(2, t, cfg.n_embd, generator=gen)
@@ -428,12 +460,12 @@ def test_hash_sparse_layer_output_ignores_future_tokens():
             y[:, :cut + 1].square().sum().backward()
             outs.append(y[:, :cut + 1].detach())
             grads.append(inp.grad)
-        assert torch.equal(outs[0], outs[1]), f"case {(seed, t, nb, bs, cut)}: the past depends on the future"
+        assert torch.equal(outs[0], outs[1]), f"case {(seed, t, nb, bs, cut, center)}: the past depends on the future"
         assert torch.equal(grads[0][:, :cut + 1], grads[1][:, :cut + 1])
         assert not grads[0][:, cut + 1:].any() and not grads[1][:, cut + 1:].any()
         rot = layer.current_rotations()
         qkv = [layer.qkv(z).view(2, t, 3, cfg.n_head, -1)[:, :, 1].transpose(1, 2) for z in (x, x2)]
-        bk = [hash_buckets(k, rot, nb) for k in qkv]
+        bk = [hash_buckets(k, rot, nb, center) for k in qkv]
         assert torch.equal(bk[0][..., :cut + 1], bk[1][..., :cut + 1])
         masks = [hash_sort_plan(b, nb, bs).token_mask()[..., :cut + 1, :] for b in bk]
         assert torch.equal(masks[0], masks[1])
@@ -442,11 +474,12 @@ def test_hash_sparse_layer_output_ignores_future_tokens():
     assert leaks >= len(CAUSAL_CASES) // 2, f"the probe caught the leaky rule in only {leaks} cases"
 
 
-@pytest.mark.parametrize("nb,bs,redraw", [(2, 16, False), (3, 16, True), (5, 32, False)])
-def test_hash_sparse_gpt_logits_ignore_future_tokens(nb, bs, redraw):
+@pytest.mark.parametrize("nb,bs,redraw,center", [(2, 16, False, "causal"), (3, 16, True, "none"),
+                                                 (5, 32, False, "causal_std")])
+def test_hash_sparse_gpt_logits_ignore_future_tokens(nb, bs, redraw, center):
     """A whole hash-sparse GPT (every layer hash-bucketed), training mode: logits at positions
     <= cut do not move when only later tokens change."""
-    m = sparse_tiny(nb_hash=nb, attention_block=bs, hash_redraw=redraw, block_size=160).train()
+    m = sparse_tiny(nb_hash=nb, attention_block=bs, hash_redraw=redraw, block_size=160, hash_center=center).train()
     set_hash_step(m, 3)
     gen = torch.Generator().manual_seed(nb)
     for t in (64, 150):
@@ -484,7 +517,8 @@ def test_gpt_config_fields_roundtrip():
     assert kinds == [Block, SparseAttentionBlock, Block, SparseAttentionBlock]
     assert GPT(**m.hparams).config == cfg
     for bad, match in [(dict(attention="flash"), "attention must be"), (dict(attention=("dense",)), "entries"),
-                       (dict(nb_hash=0), "nb_hash"), (dict(attention_block=0), "attention_block")]:
+                       (dict(nb_hash=0), "nb_hash"), (dict(attention_block=0), "attention_block"),
+                       (dict(hash_center="mean"), "hash_center")]:
         with pytest.raises(ValueError, match=match):
             GPTConfig.preset("tiny", **bad)
 
