@@ -5,8 +5,8 @@ counters. With ``--expert-parallel N`` each stage's experts are split over N dat
 replicas and tokens travel to their owners by all_to_all, so a stage also waits for its busiest
 shard: the load counters then report the busiest shard's received tokens (the same on every
 replica of a group). With capacity factor 1.0 no shard can receive more than at balance, so
-these load factors stay <= 1 (imbalance lowers the busiest shard less than dropping lowers the
-others); dropless routing is where shard imbalance pushes them above 1."""
+these load factors stay <= 1 (the busiest shard is at most its balanced share; imbalance
+drops tokens instead); with dropless routing shard imbalance pushes them above 1."""
 from __future__ import annotations
 
 EXPERT_PARALLEL = True  # benchmarks/dynamism.py --expert-parallel N applies
