@@ -71,6 +71,21 @@ def smooth_load(previous: Sequence[float | None] | None, now: Sequence[float | N
     return [n if p is None or n is None else decay * p + (1 - decay) * n for p, n in zip(previous, now)]
 
 
+def loads_near_profile(load_now: Sequence[float | None], load_at_profile: Sequence[float | None],
+                       factor: float = 2.0, slack: float = 0.05) -> bool:
+    """Whether scaling the profile by load (c_i = r_i t_i) is still credible: every layer's load is
+    within ``factor`` of (or ``slack`` from) the load it was profiled at. A layer's time is not
+    proportional to its load far from the profiled point (its router, packing and launch costs
+    do not shrink with the tokens it takes: an MoD block taking no tokens still costs time), so
+    past the band the strategy profiles afresh instead of extrapolating."""
+    for now, then in zip(load_now, load_at_profile):
+        if now is None or then is None or abs(now - then) <= slack:
+            continue
+        if then <= 0 or not 1 / factor <= now / then <= factor:
+            return False
+    return True
+
+
 def scale_by_load(costs: LayerCosts, load_now: Sequence[float | None],
                   load_at_profile: Sequence[float | None]) -> LayerCosts:
     """The paper's c_i = r_i t_i: a layer profiled at load factor r_p that now runs at r costs

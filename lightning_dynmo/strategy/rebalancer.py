@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..plan.balancers import BalanceProblem, get_balancer
 from ..plan.cost_model import CostModel, LayerCosts
-from ..plan.measurements import merge_layer_costs, scale_by_load, smooth_load
+from ..plan.measurements import loads_near_profile, merge_layer_costs, scale_by_load, smooth_load
 from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
 from ..plan.policy import Decision, RebalancePolicy, decide
@@ -119,6 +119,9 @@ class Rebalancer:
             if not acted:  # (a decision was just taken on a fresh profile: nothing to add)
                 self._rebalance(step, f"{reason} (load counters)", self.counter_costs(), [])
             reason = None
+        elif reason and self.profiled_costs is not None and not loads_near_profile(self.smoothed_load,
+                                                                                    self._load_at_profile_list()):
+            reason += " (layer loads left the profiled band: re-profiling)"
         if self._repack_requested is not None:
             reason = "; ".join(r for r in (reason, f"repack to {self._repack_requested}") if r)
         self._profiling_reason = reason
@@ -154,19 +157,24 @@ class Rebalancer:
     def _can_decide_from_counters(self, step: int, reason: str) -> bool:
         """Layers that report their load (MoE, MoD, sparse attention, early exit) let the policy
         decide without a profiled step: the last profile scaled by the step's load factors
-        (c_i = r_i t_i). A dynamism *event* (e.g. freezing changes what a layer computes) and a
-        profile older than ``REPROFILE_STEPS`` still take a fresh profile."""
+        (c_i = r_i t_i). A dynamism *event* (e.g. freezing changes what a layer computes), a
+        profile older than ``REPROFILE_STEPS`` and loads that moved beyond the band where scaling
+        is credible (:func:`~lightning_dynmo.plan.measurements.loads_near_profile`) still take a
+        fresh profile."""
         return (
             self.profiled_costs is not None
             and any(x is not None for x in self.layer_load)
             and "event:" not in reason
             and step - self.profile_step < REPROFILE_STEPS
+            and loads_near_profile(self.smoothed_load, self._load_at_profile_list())
         )
+
+    def _load_at_profile_list(self) -> list[float | None]:
+        return [self.load_at_profile.get(i) for i in range(len(self.strategy.layers))]
 
     def counter_costs(self) -> LayerCosts:
         """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
-        L = len(self.strategy.layers)
-        return scale_by_load(self.profiled_costs, self.smoothed_load, [self.load_at_profile.get(i) for i in range(L)])
+        return scale_by_load(self.profiled_costs, self.smoothed_load, self._load_at_profile_list())
 
     # ------------------------------------------------------------------ costs
     def cost_model(self) -> CostModel:

@@ -80,9 +80,12 @@ def test_mod_pp2_with_migrations_equals_single_process(results, routing):
     assert p["callback"]["requests"] and not r["callback"]["requests"]  # only a pipeline is asked to rebalance
     assert any("mod:" in h["reason"] for h in p["history"])  # requests reach the strategy
     # MoD blocks report their load: after the first profiled step, every decision scales that
-    # profile by the step's token fractions (c_i = r_i t_i) instead of profiling again
-    from_counters = [h for h in p["history"] if "(load counters)" in h["reason"]]
-    assert len(from_counters) == len(p["history"]) - 1, [h["reason"] for h in p["history"]]
+    # profile by the token fractions (c_i = r_i t_i) instead of profiling again, unless a block's
+    # load left the band around its profiled load (then it is profiled afresh)
+    reasons = [h["reason"] for h in p["history"]]
+    from_counters = [r for r in reasons if "(load counters)" in r]
+    reprofiled = [r for r in reasons[1:] if "left the profiled band" in r]
+    assert from_counters and len(from_counters) + len(reprofiled) == len(reasons) - 1, reasons
 
 
 def test_predictor_loss_survives_the_split_backward_of_zero_bubble(results):

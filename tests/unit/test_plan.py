@@ -26,7 +26,7 @@ from lightning_dynmo.plan import (
     merge_layer_costs,
 )
 from lightning_dynmo.plan.layout import PipelineLayout
-from lightning_dynmo.plan.measurements import scale_by_load, smooth_load
+from lightning_dynmo.plan.measurements import loads_near_profile, scale_by_load, smooth_load
 from lightning_dynmo.plan.schedules import choose_microbatches
 from lightning_dynmo.plan.validation import positive_int
 
@@ -224,3 +224,12 @@ def test_smooth_load_averages_per_layer_and_keeps_missing_readings_missing():
         s = smooth_load(s, [1.0 if k % 2 else 0.0], 0.7)
     assert abs(s[0] - 0.5) < 0.1
     assert smooth_load([1.0], [0.0, 0.0], 0.7) == [0.0, 0.0]  # a new layer count starts afresh
+
+
+def test_loads_near_profile_is_the_band_where_scaling_is_credible():
+    assert loads_near_profile([0.6, None, 1.0], [1.0, 0.5, None])  # within 2x; missing readings ignored
+    assert not loads_near_profile([0.4, 1.0], [1.0, 1.0])  # one layer fell below half its profiled load
+    assert not loads_near_profile([1.0], [0.4])
+    assert not loads_near_profile([0.2], [0.0])  # profiled taking nothing: no scale to apply
+    assert loads_near_profile([0.03], [0.0]) and loads_near_profile([0.0], [0.04])  # within the slack
+    assert loads_near_profile([0.3], [1.0], factor=4.0)
