@@ -40,7 +40,8 @@ def build(cfg, plan: dict):
 
 def dynmo_strategy(plan: dict) -> dict:
     # DynMo's Algorithm 1: each freeze requests a profiled rebalance
-    return dict(balancer="partition_time", rebalance="on_event")
+    # each decision on per-layer means over 3 profiled steps (one step's times are noise on shared cores)
+    return dict(balancer="partition_time", rebalance="on_event", profile_steps=3)
 
 
 def extra(model, callbacks, strategy) -> dict:

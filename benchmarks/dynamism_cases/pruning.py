@@ -151,7 +151,8 @@ def build(cfg, plan: dict):
 def dynmo_strategy(plan: dict) -> dict:
     # DynMo's Algorithm 1: each pruning step requests a profiled rebalance (no periodic or automatic
     # re-decisions: on this loaded machine two near-equal partitions would trade places on noise)
-    return dict(balancer="partition_time", rebalance="on_event", repack="auto", partition=UNIFORM)
+    # each decision on per-layer means over 3 profiled steps: on one step they flip-flopped
+    return dict(balancer="partition_time", rebalance="on_event", repack="auto", partition=UNIFORM, profile_steps=3)
 
 
 def extra(model, callbacks, strategy) -> dict:

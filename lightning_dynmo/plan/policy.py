@@ -92,6 +92,7 @@ class RebalancePolicy:
     horizon: int = 100
     cooldown: int = 10
     hysteresis: float = 0.5
+    profile_steps: int = 1  # consecutive steps one profile spans (per-layer means over them)
     ema_decay: float = 0.7  # smoothing of busy times (auto) and of layer load factors (counter decisions)
     # state
     last_rebalance_step: int = -(10**9)  # last applied decision
@@ -106,6 +107,7 @@ class RebalancePolicy:
         positive_int("rebalance interval", self.interval)
         positive_int("rebalance horizon", self.horizon)
         non_negative_int("rebalance cooldown", self.cooldown)
+        positive_int("profile_steps", self.profile_steps)
         if not self.threshold >= 0:
             raise ValueError(f"imbalance threshold must be >= 0, got {self.threshold!r}")
         if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, (int, float)) or not 0 <= self.hysteresis < 1:

@@ -67,6 +67,8 @@ class Rebalancer:
         self.rank_wall: list[float] = []
         self._profiling_reason: str | None = None
         self._decide_next = False
+        self._profiled_steps = 0  # profiled steps so far in the current profile window
+        self._load_sum: list[float | None] = []  # per-layer load summed over the window
         self._repack_requested: int | str | None = None
         self._counter_requests: list[str] = []  # request_rebalance(..., reprofile=False)
 
@@ -102,7 +104,13 @@ class Rebalancer:
             self._decide_next = False
             s.profiler.stop_layer_profiling()
             self._act_on_profile(step, self._profiling_reason or "peer request")
+            self._profiled_steps = 0
             acted = True
+        elif self._profiled_steps:  # inside a profile window (the same step on every rank): keep measuring
+            self._profiling_reason = self._profiling_reason or "peer request"
+            if not s.profiler.layer_profiling:
+                s.profiler.start_layer_profiling(s.layers, s.local_layer_indices())
+            return
         self._agree_on_counter_requests()
         if self._counter_requests and self.policy.mode == "never":
             self.policy.request(self._counter_requests[-1])  # the policy drops (and reports) it
@@ -145,10 +153,17 @@ class Rebalancer:
         if self._profiling_reason:
             for i, ft in self.strategy.profiler.layer_times().items():
                 self.known_costs[i] = ft
-        self._decide_next = stats.profiled
         self.rank_busy, self.rank_wall = stats.rank_busy, stats.rank_wall
-        if stats.profiled:
-            self.load_at_profile = dict(enumerate(stats.layer_load))
+        if stats.profiled:  # the profile window's mean load is what its times were measured at
+            self._profiled_steps += 1
+            if self._profiled_steps == 1:
+                self._load_sum = list(stats.layer_load)
+            else:
+                self._load_sum = [None if n is None or t is None else n + t
+                                  for n, t in zip(stats.layer_load, self._load_sum)]
+            self.load_at_profile = {i: None if t is None else t / self._profiled_steps
+                                    for i, t in enumerate(self._load_sum)}
+        self._decide_next = stats.profiled and self._profiled_steps >= self.policy.profile_steps
         self.layer_load = stats.layer_load
         self.smoothed_load = smooth_load(self.smoothed_load, stats.layer_load, self.policy.ema_decay)
         self.policy.observe_busy(stats.rank_busy)
@@ -293,6 +308,7 @@ class Rebalancer:
             "microbatches": s.last_microbatches, "forward": list(costs.forward), "backward": list(costs.backward),
             "params": list(costs.params), "memory": list(costs.memory), "activation": list(costs.activation),
             "layer_load": self.layer_load, "rank_busy": self.rank_busy, "rank_wall": self.rank_wall,
+            "profiled_steps": self._profiled_steps,  # the steps the per-layer times are the mean of
         })
 
     def _record(self, decision: Decision, costs=None, model=None, events=(), before=None, after=None) -> None:

@@ -122,6 +122,9 @@ class DynMoStrategy(ParallelStrategy):
         rebalance_hysteresis: after a decision that changed nothing, ``auto`` fires again only
             once the imbalance has grown by this fraction, or fell below
             ``imbalance_threshold x (1 - rebalance_hysteresis)`` first.
+        profile_steps: consecutive steps one per-layer profile spans; decisions use each layer's
+            mean over them (1: decide on one step, cheapest; 2-3 when step times are noisy, e.g.
+            a shared machine, where one step's measurement can flip a decision back and forth).
         memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
             activations in flight); balancers never exceed it. ``None``: unlimited.
         repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
@@ -164,6 +167,7 @@ class DynMoStrategy(ParallelStrategy):
         rebalance_horizon: int = 100,
         rebalance_cooldown: int = 10,
         rebalance_hysteresis: float = 0.5,
+        profile_steps: int = 1,
         memory_capacity: float | None = None,
         repack: str | int = "off",
         repack_tolerance: float = 0.05,
@@ -192,7 +196,8 @@ class DynMoStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel,
         )
         policy = RebalancePolicy(mode=rebalance, interval=rebalance_interval, threshold=imbalance_threshold,
-                                 horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis)
+                                 horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis,
+                                 profile_steps=profile_steps)
         self.rebalancer = Rebalancer(self, policy, balancer, repack, self.options.repack_tolerance, self.options.plot,
                                      self.options.plot_interval)
         self._num_nodes = 1

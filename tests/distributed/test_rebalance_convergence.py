@@ -45,7 +45,7 @@ WIDE = {"pp": 2, "steps": 14, "batch": 16, "microbatches": 4, "n_layer": 6, "mlp
         "block": 64, "schedule": "1f1b", "partition": [0, 5, 9], "clip": None, "imbalance_threshold": 0.2,
         "rebalance_cooldown": 2}
 RUNS = {
-    "auto": dict(WIDE, rebalance="auto", balancer="partition_time"),
+    "auto": dict(WIDE, rebalance="auto", balancer="partition_time", profile_steps=3),  # decide on 3-step means
     "every_n": dict(WIDE, rebalance="every_n", rebalance_interval=4, balancer="diffusion_time"),
     # freezing layers 0-4 (the whole first stage) at step 2, rebalancing off: stage 0 stays the frozen prefix
     "frozen": {"pp": 2, "steps": 6, "batch": 16, "microbatches": 4, "n_layer": 6, "n_embd": 128, "block": 64,
@@ -71,6 +71,7 @@ def test_rebalance_moves_to_the_measured_optimum(results, mode):
     # a loaded 2-core machine small blocks carry relatively more overhead than their FLOPs, so the
     # measured optimum may put one light block next to the wide one (1.19x the FLOP optimum).
     traces = {t["step"]: t for t in map(json.loads, open(Path(res["root_dir"]) / "cost_trace.jsonl"))}
+    assert all(t["profiled_steps"] == cfg.get("profile_steps", 1) for t in traces.values()), traces
     for h in applied:
         t = traces[h["step"]]
         time = [f + b for f, b in zip(t["forward"], t["backward"])]

@@ -108,6 +108,12 @@ def test_hysteresis_is_validated():
         DynMoStrategy(rebalance_hysteresis=1.5)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_profile_steps_is_validated(bad):
+    with pytest.raises((ValueError, TypeError), match="profile_steps"):
+        DynMoStrategy(profile_steps=bad)
+
+
 # ---------------------------------------------------------------------------------- item 12
 def test_plots_only_applied_decisions_at_most_once_per_interval(tmp_path, monkeypatch):
     from lightning_dynmo import plotting

@@ -110,6 +110,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         rebalance_horizon=cfg.get("rebalance_horizon", 100),
         memory_capacity=cfg.get("memory_capacity"),
         rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
+        profile_steps=cfg.get("profile_steps", 1),
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
     )
