@@ -75,3 +75,17 @@ class StepTimer(L.Callback):
 
 def median(xs):
     return statistics.median(xs)
+
+
+def round_robin(fns: dict, rounds: int) -> dict:
+    """Median milliseconds of each callable, one warm-up call each, then ``rounds`` interleaved
+    calls (variants side by side, so load changes on a shared machine hit all of them alike)."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - start) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}

@@ -29,24 +29,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from benchmarks._harness import round_robin  # noqa: E402
 from lightning_dynmo import sparse  # noqa: E402
 from lightning_dynmo.sparse import BlockLayout, block_sparse_attention  # noqa: E402
 from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention  # noqa: E402
 
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 NB_HASH = (4, 8)
-
-
-def _round_robin(fns: dict, rounds: int) -> dict:
-    for fn in fns.values():  # warm-up
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def random_layout(b, h, t, bs, density, gen):
@@ -94,7 +83,7 @@ def bench(t, threads, args, rounds):
         density[f"hash@nb{nb}"] = plan.density
         fns[f"hash@nb{nb}"] = _step(lambda q, k, v, rot=rot, nb=nb: hash_sparse_attention(q, k, v, rot, nb, bs)[0],
                                     q, k, v, g)
-    ms = _round_robin(fns, rounds)
+    ms = round_robin(fns, rounds)
     rows = []
     for name, value in ms.items():
         if name == "dense":

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from benchmarks._harness import round_robin  # noqa: E402
 from lightning_dynmo import sparse  # noqa: E402
 from lightning_dynmo.sparse import SparseLinear  # noqa: E402
 
@@ -51,18 +50,6 @@ def _torch_sparse_step(w_csr, bias, x, g, backward):
     return run
 
 
-def _round_robin(fns: dict, rounds: int) -> dict:
-    for fn in fns.values():  # warm-up
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[k].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def bench_shape(in_f, out_f, tokens, sparsities, rounds, torch_sparse_min):
     gen = torch.Generator().manual_seed(0)
     dense = nn.Linear(in_f, out_f)
@@ -80,7 +67,7 @@ def bench_shape(in_f, out_f, tokens, sparsities, rounds, torch_sparse_min):
             fns = {"dense": _dense_step(dense, x, g, backward), "ours": _dense_step(ours, x, g, backward)}
             if with_ts:
                 fns["torch_sparse"] = _torch_sparse_step(w_csr, bias, x, g, backward)
-            ms = _round_robin(fns, rounds)
+            ms = round_robin(fns, rounds)
             for k in ("dense", "torch_sparse", "ours"):
                 row[f"{k}_{tag}_ms"] = round(ms[k], 2) if k in ms else None
         row["speedup_vs_dense"] = round(row["dense_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], 2)
