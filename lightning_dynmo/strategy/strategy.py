@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import time
-import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -67,6 +65,8 @@ from ..runtime.checkpointing import ActivationCheckpointing, layer_state_bytes
 from ..runtime.materialize import materialize_pipeline, meta_init_context
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from . import checkpoint
+from .collectives import WorldCollectives
+from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
 from .rebalancer import Rebalancer
@@ -75,28 +75,7 @@ from .recorder import log_step
 log = logging.getLogger(__name__)
 
 
-class NonFiniteLossError(FloatingPointError):
-    """A training step's loss was NaN or Inf (``on_nonfinite="error"``)."""
-
-
-def check_loss(loss: torch.Tensor, step: int, mode: str) -> bool:
-    """Whether the step's optimizer update should be applied. ``loss`` is the step's shared loss
-    (identical on every rank), so every rank reaches the same verdict and none waits alone."""
-    value = float(loss)
-    if math.isfinite(value) or mode == "ignore":
-        return True
-    if mode == "skip":
-        warnings.warn(f"dynmo: training loss is {value} at step {step}; skipping this step's update "
-                      "(on_nonfinite='skip')", UserWarning, stacklevel=2)
-        return False
-    raise NonFiniteLossError(
-        f"training loss is {value} (non-finite) at step {step}; stopping instead of training on with NaN weights. "
-        "Lower the learning rate, clip gradients (gradient_clip_val) or check the data; pass "
-        "DynMoStrategy(on_nonfinite='skip') to skip such steps (e.g. with fp16 loss scaling) or 'ignore' to keep going"
-    )
-
-
-class DynMoStrategy(ParallelStrategy):
+class DynMoStrategy(WorldCollectives, ParallelStrategy):
     """Pipeline-parallel training that keeps its stages balanced while the model changes.
 
     Args:
@@ -635,28 +614,6 @@ class DynMoStrategy(ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint_dict) -> None:
         checkpoint.load_local_optimizer_state(self, checkpoint_dict)
-
-    # ------------------------------------------------------------------ collectives
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
-
-    def broadcast(self, obj, src: int = 0):
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(self, tensor, group=None, reduce_op="mean"):
-        from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
