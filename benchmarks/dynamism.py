@@ -2,6 +2,7 @@
 
     python benchmarks/dynamism.py --case freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
     python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
+    python benchmarks/dynamism.py --case sparse_attention --sweep [--quick]
 
 Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each; with
 ``--expert-parallel N``, 2 x N ranks: N data-parallel replicas of the pipeline whose stages split
@@ -20,6 +21,12 @@ The dynamism event happens early (freezing / threshold drop / pruning schedule);
 ``1 - busy/wall``) are averaged over a measurement window after the event and after the dynmo run
 has rebalanced. ``speedup_vs_static`` = dynmo tokens/s over the better static baseline; a case's
 variants (another model, e.g. dense attention) run in the same rounds and give ``speedup_vs_<name>``.
+``--sweep`` adds one static run per stage boundary (``fixed_<k>``: stage 0 = layers ``0..k-1``,
+``rebalance="never"``), so the summary can say what the best partition *chosen in hindsight*
+would have given over the same window: ``ceiling_speedup_vs_static`` (best fixed over the better
+static baseline). Where the per-layer load settles after the event, no balancer that moves whole
+layers can beat that ceiling by more than the noise; it tells a missed target of the balancer
+apart from one the scenario cannot reach on 2 stages.
 The last line of output is one JSON object.
 """
 from __future__ import annotations
@@ -43,6 +50,10 @@ def _args(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer steps (CI smoke run)")
     ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                     help="N data-parallel replicas, each stage's experts split over them (MoE cases)")
+    ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="K,K,...",
+                    help="also run fixed 2-stage boundaries (all, or the listed first layers of stage 1; "
+                         "rebalance never) and report the best one chosen in hindsight")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per configuration (default: the case's plan)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -74,6 +85,8 @@ def _worker(args) -> None:
 
     case = load(args.case)
     plan = case.plan(args.quick)
+    if args.rounds:
+        plan["rounds"] = args.rounds
     ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
     g = torch.Generator().manual_seed(0)
@@ -102,6 +115,14 @@ def _worker(args) -> None:
                ("dynmo", case.dynmo_strategy(plan))]
     variants = case.variants(plan) if hasattr(case, "variants") else {}  # name -> (model overrides, options)
     configs += [(name, options) for name, (_, options) in variants.items()]
+    if args.sweep:  # every 2-stage boundary, fixed: the best one chosen in hindsight bounds whole-layer balancing
+        torch.manual_seed(0)
+        num_layers = len(case.build(cfg, plan)[0].pipeline_layers())
+        ks = range(1, num_layers) if args.sweep == "all" else [int(k) for k in args.sweep.split(",")]
+        if any(not 0 < k < num_layers for k in ks):
+            raise SystemExit(f"--sweep {args.sweep}: boundaries must lie in 1..{num_layers - 1}")
+        configs += [(f"fixed_{k}", dict(balancer="uniform", rebalance="never", partition=(0, k, num_layers)))
+                    for k in ks]
     out: dict[str, list] = {name: [] for name, _ in configs}
     # rounds interleave the configurations (u p d u p d ...) so that load drift on a shared
     # machine hits all of them alike; the summary takes each configuration's median round
@@ -124,6 +145,8 @@ def _worker(args) -> None:
             err = f"{type(e).__name__}: {e}"[:500]
         a, b = plan["window"]
         rec = {"balancer": options["balancer"], "rebalance": options["rebalance"], "error": err}
+        if "partition" in options:
+            rec["fixed_partition"] = list(options["partition"])
         if err is None and len(meter.t) >= b:
             secs = meter.t[b - 1] - meter.t[a - 1]
             tokens = plan["batch"] * ep * cfg.block_size * (b - a)
@@ -188,13 +211,21 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1) -
         "partition": {k: (v.get("partition_initial"), v.get("partition_final")) for k, v in ok.items()},
         "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
     }
+    fixed = {k: v for k, v in ok.items() if k.startswith("fixed_")}
     if dyn:
         for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead"):
             res[key] = dyn.get(key)
         res["dynmo_rebalances"] = [f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
                                    for h in dyn.get("rebalances", [])]
-        for name in ok.keys() - {"uniform", "param", "dynmo"}:  # a case's variants (e.g. dense attention)
+        for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
             res[f"speedup_vs_{name}"] = round(dyn["tokens_per_sec"] / ok[name]["tokens_per_sec"], 4)
+    if fixed and best:
+        top = max(fixed, key=lambda k: fixed[k]["tokens_per_sec"])
+        res["best_fixed"] = top
+        res["ceiling_speedup_vs_static"] = round(fixed[top]["tokens_per_sec"] / ok[best]["tokens_per_sec"], 4)
+        res["dynmo_vs_best_fixed"] = round(dyn["tokens_per_sec"] / fixed[top]["tokens_per_sec"], 4) if dyn else None
+        res["tokens_per_sec_fixed"] = {k: round(v["tokens_per_sec"], 1) for k, v in sorted(
+            fixed.items(), key=lambda kv: int(kv[0].split("_")[1]))}
     for key, val in (dyn or {}).get("extra", {}).items():
         res[key] = [None if x is None or x != x else round(x, 3) for x in val] if isinstance(val, list) else val
     return res
@@ -217,6 +248,10 @@ def main(argv=None) -> None:
                "--expert-parallel", str(args.expert_parallel)]
         if args.quick:
             cmd.append("--quick")
+        if args.sweep:
+            cmd += ["--sweep", args.sweep]
+        if args.rounds:
+            cmd += ["--rounds", str(args.rounds)]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
