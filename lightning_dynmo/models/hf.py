@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.models._aux_loss import attach_aux_loss, set_aux_loss_scale
+from lightning_dynmo.models._aux_loss import attach_aux_loss, configure_aux_loss
 from lightning_dynmo.models._lm import CausalLMModule
 from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
 from lightning_dynmo.models.moe_router import load_balancing_loss
@@ -366,9 +366,10 @@ class HFCausalLM(CausalLMModule):
         return coef / cfg.num_hidden_layers if on else 0.0
 
     def on_train_start(self) -> None:
-        # Lightning divides the loss by accumulate_grad_batches before backward; the router loss
-        # enters in backward and must be scaled the same way (see models/_aux_loss.py)
-        set_aux_loss_scale(1.0 / self.trainer.accumulate_grad_batches)
+        # Lightning divides the loss by accumulate_grad_batches and multiplies it by the fp16 grad
+        # scaler's scale before backward; the router loss enters in backward and must be scaled
+        # the same way (see models/_aux_loss.py)
+        configure_aux_loss(self.trainer)
 
     # ------------------------------------------------------------------ construction
     @classmethod

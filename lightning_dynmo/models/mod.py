@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._aux_loss import attach_aux_loss, set_aux_loss_scale
+from ._aux_loss import attach_aux_loss, configure_aux_loss
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, GPTConfig
 
@@ -279,6 +279,7 @@ class MoDGPT(GPT):
             block.capacity = capacity
 
     def on_train_start(self) -> None:
-        # Lightning divides the loss by accumulate_grad_batches before backward; scale the
-        # predictor's gradient the same way (the pipeline strategy scales gradients instead)
-        set_aux_loss_scale(1.0 / self.trainer.accumulate_grad_batches)
+        # Lightning divides the loss by accumulate_grad_batches and multiplies it by the fp16 grad
+        # scaler's scale before backward; scale the predictor's gradient the same way (the
+        # pipeline strategy scales gradients instead; see models/_aux_loss.py)
+        configure_aux_loss(self.trainer)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._aux_loss import attach_aux_loss, set_aux_loss_scale
+from ._aux_loss import attach_aux_loss, configure_aux_loss
 from .gpt import GPT, Block, GPTConfig
 from .moe_experts import GroupedExperts, SwiGLU
 from .moe_router import Routing, TopKRouter, load_balancing_loss, router_z_loss
@@ -405,7 +405,8 @@ class MoEGPT(GPT):
         return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, MoEBlock)]
 
     def on_train_start(self) -> None:
-        # Lightning divides the training loss by accumulate_grad_batches before backward; the
-        # auxiliary losses enter in backward, so scale them the same way (the pipeline strategy
-        # scales gradients instead and rejects accumulate_grad_batches > 1)
-        set_aux_loss_scale(1.0 / self.trainer.accumulate_grad_batches)
+        # Lightning divides the training loss by accumulate_grad_batches and multiplies it by the
+        # fp16 grad scaler's scale before backward; the auxiliary losses enter in backward, so
+        # scale them the same way (the pipeline strategy scales gradients instead and rejects
+        # accumulate_grad_batches > 1; it applies the same grad scaler; see models/_aux_loss.py)
+        configure_aux_loss(self.trainer)
