@@ -37,16 +37,17 @@ def results(tmp_path_factory):
                                                       dict(DATA, dp=2, steps=STEPS + MORE), dict(AUTO_DATA, dp=2)],
                                         nproc=None)
     ep_ckpt = os.path.join(tmp / "ep2", "moe_ckpt0", "last.ckpt")  # where run 0 of the job saves
-    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac = _launch(tmp / "ep2", [
+    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed = _launch(tmp / "ep2", [
         dict(EP_RUN, save_ckpt=True),
         dict(EP_RUN, steps=STEPS + MORE, resume=ref["ckpt"]),
         dict(EP_RUN, steps=STEPS + MORE, expert_parallel=1, resume=ep_ckpt),
         AUTO_RUN,
         dict(EP_RUN, schedule="zero_bubble"),  # split dI/dW backward: expert all_to_all inside both halves
         dict(EP_RUN, checkpointing=True),  # recompute replays the dispatch all_to_all in backward
+        dict(EP_RUN, balancer="partition_param", repack=1),  # each replica packs onto one rank, keeping its expert group
     ], nproc=4)
     return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep,
-                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac)
+                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed)
 
 
 def test_each_replica_holds_half_of_the_experts(results):
@@ -90,6 +91,23 @@ def test_expert_parallel_under_zero_bubble_and_activation_checkpointing_matches_
     torch.testing.assert_close(torch.tensor(got["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=RTOL, atol=0)
     sg, sr = torch.load(got["state"]), torch.load(ref["state"])
     assert sg.keys() == sr.keys()
+    for k in sr:
+        torch.testing.assert_close(sg[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_expert_parallel_repacked_onto_one_rank_per_replica_matches_single_process(results):
+    """Re-packing each replica's pipeline onto one rank releases the stage-1 ranks; the remaining
+    rank of each replica holds every MoE layer, still with half of its experts, and the expert
+    group (the two replicas' remaining ranks) keeps training equal to single process."""
+    got, ref = results["ep_packed"], results["ref"]
+    packs = [h for h in got["history"] if h.get("kind") == "repack"]
+    assert [(h["after"], h["applied"], h["released"]) for h in packs] == [("0-6", True, [1, 3])], got["history"]
+    rows = got["expert_rows_per_rank"]
+    assert rows[1] == {} and rows[3] == {} and rows[0] == rows[2]
+    assert sorted(int(i) for i in rows[0]) == sorted(int(i) for i in ref["expert_rows_per_rank"][0])
+    assert all(n == MOE["num_experts"] // 2 for n in rows[0].values())
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+    sg, sr = torch.load(got["state"]), torch.load(ref["state"])
     for k in sr:
         torch.testing.assert_close(sg[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)
 

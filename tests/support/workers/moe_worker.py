@@ -6,7 +6,7 @@ Usage: torchrun --nproc-per-node N tests/support/workers/moe_worker.py SPEC.json
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch (per replica), moe (MoEConfig
 fields), pp (absent: single process), schedule, microbatches, balancer, rebalance,
 rebalance_interval, rebalance_cooldown, imbalance_threshold, monitor_threshold (MoELoadMonitor's
-shift_threshold), expert_parallel, checkpointing (activation checkpointing), save_ckpt (a Lightning checkpoint at the last step), resume (a
+shift_threshold), expert_parallel, checkpointing (activation checkpointing), repack, save_ckpt (a Lightning checkpoint at the last step), resume (a
 checkpoint to resume from), n_samples, dp (single
 process only: train on the global batch of that many replicas, in their sampler's order).
 Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
@@ -123,6 +123,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             imbalance_threshold=cfg.get("imbalance_threshold", 0.1),
             expert_parallel=cfg.get("expert_parallel", 1),
             activation_checkpointing=cfg.get("checkpointing", False),
+            repack=cfg.get("repack", "off"),
             plot=False,
             timeout=120,
         )
