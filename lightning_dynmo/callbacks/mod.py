@@ -43,7 +43,9 @@ class MixtureOfDepths(Callback):
 
     Logs ``mod/capacity`` (the scheduled capacity), ``mod/capacity_L{i}`` (fraction of tokens
     block ``i`` took), ``mod/load_L{i}`` (fraction it computed, padding included) and
-    ``mod/predictor_accuracy`` (predictor routing only: agreement with the top-k targets).
+    ``mod/predictor_accuracy`` (predictor routing only: agreement with the top-k targets) and
+    ``mod/predictor_threshold_L{i}`` (predictor routing only: the logit threshold block ``i``
+    used in this step; the model calibrates it after the callbacks' batch-end hooks).
     """
 
     def __init__(self, capacity: float | None = None, final_capacity: float | None = None, anneal_steps: int = 0,
@@ -68,6 +70,7 @@ class MixtureOfDepths(Callback):
         self.last_loads: list[float] | None = None
         self.last_fractions: list[float] | None = None
         self.predictor_accuracy: float | None = None
+        self.last_thresholds: list[float] | None = None  # per layer, NaN without a predictor
         self.requests: list[dict] = []
 
     def capacity_at(self, step: int) -> float | None:
@@ -101,19 +104,24 @@ class MixtureOfDepths(Callback):
     def measure(self, trainer, pl_module) -> tuple[list[float], list[float], float | None]:
         """Per layer, since the last measurement: the fraction of tokens taken and the fraction
         computed (NaN for non-MoD layers), and the predictor accuracy (``None`` without a
-        predictor). Resets the block counters. Collective under a pipeline strategy."""
+        predictor). Resets the block counters. Collective under a pipeline strategy. Also sets
+        ``last_thresholds`` (per layer, the predictor threshold in force; NaN without one)."""
         L = len(pipeline_layers(pl_module))
-        # rows: tokens seen, taken, computed, predictor agreements, tokens seen by a predictor
-        counts = torch.zeros(5, L, dtype=torch.float64, device=reduce_device(trainer, pl_module))
+        # rows: tokens seen, taken, computed, predictor agreements, tokens seen by a predictor,
+        # predictor threshold, blocks with a predictor (replicas agree on the threshold: / count)
+        counts = torch.zeros(7, L, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         for i, b in self._blocks(pl_module):
+            has = b.predictor is not None
             counts[:, i] = torch.tensor([b.tokens_seen, b.tokens_routed, b.tokens_computed, b.predictor_agree,
-                                         b.tokens_seen if b.predictor is not None else 0], dtype=torch.float64)
+                                         b.tokens_seen if has else 0, float(b.predictor_threshold) if has else 0.0,
+                                         1.0 if has else 0.0], dtype=torch.float64)
             b.reset_counters()
         counts = all_reduce_over_pipeline(trainer, counts)
         dp_group = getattr(trainer.strategy, "data_parallel_group", None)
         if pipeline_reduce_group(trainer)[0] and dp_group is not None:
             dist.all_reduce(counts, group=dp_group)  # replicas saw different data: decide alike
-        seen, taken, computed, agree, predicted = counts.cpu().tolist()
+        seen, taken, computed, agree, predicted, threshold, holders = counts.cpu().tolist()
+        self.last_thresholds = [threshold[i] / holders[i] if holders[i] > 0 else math.nan for i in range(L)]
         frac = [taken[i] / seen[i] if seen[i] > 0 else math.nan for i in range(L)]
         load = [computed[i] / seen[i] if seen[i] > 0 else math.nan for i in range(L)]
         acc = sum(agree) / sum(predicted) if sum(predicted) > 0 else None
@@ -128,6 +136,9 @@ class MixtureOfDepths(Callback):
         for i in blocks:
             pl_module.log(f"mod/capacity_L{i}", frac[i], on_step=True, on_epoch=False, batch_size=1)
             pl_module.log(f"mod/load_L{i}", load[i], on_step=True, on_epoch=False, batch_size=1)
+            if not math.isnan(self.last_thresholds[i]):
+                pl_module.log(f"mod/predictor_threshold_L{i}", self.last_thresholds[i], on_step=True, on_epoch=False,
+                              batch_size=1)
         if acc is not None:
             pl_module.log("mod/predictor_accuracy", acc, on_step=True, on_epoch=False, batch_size=1)
         if not blocks or not isinstance(trainer.strategy, PipelineControl):
@@ -143,11 +154,13 @@ class MixtureOfDepths(Callback):
     def state_dict(self) -> dict[str, Any]:
         # the schedule is configuration: the capacity in force follows the restored step
         return {"baseline": self.baseline, "last_loads": self.last_loads, "last_fractions": self.last_fractions,
-                "predictor_accuracy": self.predictor_accuracy, "requests": list(self.requests)}
+                "predictor_accuracy": self.predictor_accuracy, "last_thresholds": self.last_thresholds,
+                "requests": list(self.requests)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.baseline = state_dict.get("baseline")
         self.last_loads = state_dict.get("last_loads")
         self.last_fractions = state_dict.get("last_fractions")
         self.predictor_accuracy = state_dict.get("predictor_accuracy")
+        self.last_thresholds = state_dict.get("last_thresholds")
         self.requests = list(state_dict.get("requests", []))

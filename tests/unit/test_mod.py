@@ -232,6 +232,13 @@ def test_block_time_follows_token_count():
     (dict(threshold=math.nan), r"threshold must be a finite"),
     (dict(predictor_hidden=0), r"predictor_hidden must be >= 1"),
     (dict(predictor_loss_coeff=-1.0), r"predictor_loss_coeff must be finite and >= 0"),
+    (dict(predictor_threshold="auto"), r"unknown MoD predictor_threshold 'auto'; use 'calibrated' or a float"),
+    (dict(predictor_threshold=math.inf), r"predictor_threshold must be a finite logit"),
+    (dict(predictor_threshold=math.nan), r"predictor_threshold must be a finite logit"),
+    (dict(predictor_threshold=True), r"predictor_threshold must be 'calibrated' or a float"),
+    (dict(predictor_threshold=None), r"predictor_threshold must be 'calibrated' or a float"),
+    (dict(predictor_threshold_rate=0.0), r"predictor_threshold_rate must be a finite number > 0"),
+    (dict(predictor_threshold_rate=math.inf), r"predictor_threshold_rate must be a finite number > 0"),
 ])
 def test_bad_config_names_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -363,3 +370,129 @@ def test_lightning_training_reduces_loss_and_anneals_capacity():
     assert trainer.callback_metrics["mod/capacity_L2"] == pytest.approx(cb.last_fractions[2])
     assert "mod/predictor_accuracy" in trainer.callback_metrics
     assert aux_loss_scale() == 1.0
+
+
+# ---------------------------------------------------------------------------------- predictor threshold
+def _train_predictor(threshold, steps: int = 60, anneal: int = 10, split: int = 1) -> tuple[MoDGPT, list[list[float]]]:
+    """Plain-PyTorch training with the capacity annealed 1.0 -> 0.125 (the setting in which the
+    paper's ``p > 0.5`` starves the blocks); each batch runs as ``split`` micro-batch forwards.
+    Returns the model and each step's picked fraction per MoD block."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=2, n_embd=64, bias=False)
+    model = MoDGPT(cfg, mod=MoDConfig(capacity=0.125, every=2, routing="predictor", predictor_loss_coeff=0.1,
+                                      predictor_threshold=threshold), seed=0).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cb = MixtureOfDepths(capacity=1.0, final_capacity=0.125, anneal_steps=anneal)
+    g = torch.Generator().manual_seed(0)
+    fractions = []
+    for step in range(steps):
+        model.set_capacity(cb.capacity_at(step))
+        data = torch.randint(0, 64, (8, 65), generator=g)
+        opt.zero_grad()
+        for xm, ym in zip(data[:, :-1].chunk(split), data[:, 1:].chunk(split)):
+            (model.pipeline_loss(model(xm), ym) / split).backward()
+        opt.step()
+        fractions.append([b.batch_counts()[1] / b.batch_counts()[0] for _, b in model.mod_blocks()])
+        for _, b in model.mod_blocks():
+            b.end_batch()
+    return model, fractions
+
+
+def test_calibrated_threshold_keeps_blocks_routing_where_p_above_half_starves_them():
+    after = slice(15, None)  # the anneal ends at step 10
+    _, fixed = _train_predictor(0.0)
+    fixed_mean = [statistics.mean(f) for f in zip(*fixed[after])]
+    assert max(fixed_mean) < 0.02, fixed_mean  # the paper's rule: every block (nearly) the identity
+    model, calibrated = _train_predictor("calibrated")
+    cal_mean = [statistics.mean(f) for f in zip(*calibrated[after])]
+    assert all(0.03 <= f <= 0.35 for f in cal_mean), cal_mean
+    thresholds = [float(b.predictor_threshold) for _, b in model.mod_blocks()]
+    assert all(t < 0 for t in thresholds), thresholds  # moved below the paper's 0 to let tokens in
+    # still a per-step signal, not a constant: the fraction varies between steps and blocks
+    assert len({round(f, 4) for row in calibrated[after] for f in row}) > 5
+
+
+def test_threshold_updates_once_per_batch_however_it_is_split():
+    """The pipeline runs a batch as micro-batch forwards, Lightning as one: per-batch counts (not
+    per forward) give both the same thresholds. Updating after every forward would not."""
+    whole, _ = _train_predictor("calibrated", steps=12, anneal=4)
+    ref = torch.stack([b.predictor_threshold for _, b in whole.mod_blocks()])
+    assert (ref != 0).all()
+    for split in (2, 4):
+        model, _ = _train_predictor("calibrated", steps=12, anneal=4, split=split)
+        torch.testing.assert_close(torch.stack([b.predictor_threshold for _, b in model.mod_blocks()]), ref,
+                                   rtol=1e-5, atol=1e-6)
+    # the counterfactual: one update per micro-batch forward drifts away
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=1, routing="predictor"), seed=0).train()
+    per_forward = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=1, routing="predictor"), seed=0).train()
+    x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(1))
+    model(x)
+    for _, b in model.mod_blocks():
+        b.end_batch()
+    for xm in x.chunk(4):
+        per_forward(xm)
+        for _, b in per_forward.mod_blocks():
+            b.end_batch()
+    a = torch.stack([b.predictor_threshold for _, b in model.mod_blocks()])
+    b = torch.stack([b.predictor_threshold for _, b in per_forward.mod_blocks()])
+    assert not torch.allclose(a, b)
+
+
+def test_threshold_counts_only_training_forwards_and_is_state():
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=2, routing="predictor"), seed=0)
+    x = torch.randint(0, 64, (2, 32))
+    with torch.no_grad():
+        model.train()(x)  # the pipeline's shape probe
+    model.eval()(x)  # validation
+    for _, b in model.mod_blocks():
+        assert b.batch_counts() == (0, 0)
+        b.end_batch()  # nothing counted: nothing changes
+        assert float(b.predictor_threshold) == 0.0
+    model.train()(x)
+    for _, b in model.mod_blocks():
+        assert b.batch_counts()[0] == 64
+        b.end_batch()
+        assert b.batch_counts() == (0, 0)
+    moved = {k: v for k, v in model.state_dict().items() if k.endswith("predictor_threshold")}
+    assert len(moved) == 2 and all(v.item() != 0.0 for v in moved.values())  # saved in checkpoints
+    again = MoDGPT(**model.hparams)
+    again.load_state_dict(model.state_dict())
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in moved.items())
+    # a checkpoint from before the threshold existed loads (strictly) and starts at the old rule, 0
+    old = {k: v for k, v in model.state_dict().items() if not k.endswith("predictor_threshold")}
+    again.load_state_dict(old)
+    assert all(again.state_dict()[k].item() == 0.0 for k in moved)
+    # a fixed threshold is configuration: it is neither calibrated nor replaced by a checkpoint's
+    fixed = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=2, routing="predictor", predictor_threshold=-1.5), seed=0)
+    fixed.load_state_dict(model.state_dict())
+    fixed.train()(x)
+    for _, b in fixed.mod_blocks():
+        assert b.batch_counts()[0] == 64
+        b.end_batch()
+        assert float(b.predictor_threshold) == -1.5
+
+
+def test_lightning_calibrates_once_per_batch_and_logs_thresholds():
+    data = torch.randint(0, 64, (16, 33), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
+    model = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=2, routing="predictor"), lr=3e-3, warmup_steps=2, seed=0)
+    cb = MixtureOfDepths()
+    seen = []
+
+    class Rec(L.Callback):  # runs after MixtureOfDepths, before the module's own hook
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append([(b.batch_counts(), float(b.predictor_threshold)) for _, b in pl_module.mod_blocks()])
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        callbacks=[cb, Rec()])
+    trainer.fit(model, loader)
+    assert all(counts == (4 * 32, counts[1]) for step in seen for counts, _ in step)  # one batch's counts
+    assert seen[0][0][1] == 0.0 and all(t != 0.0 for _, t in seen[-1])  # the model moved them after each batch
+    for k, (i, b) in enumerate(model.mod_blocks()):
+        assert b.batch_counts() == (0, 0)  # closed
+        # the callback logs the threshold the last batch used, the same on every pipeline rank
+        assert trainer.callback_metrics[f"mod/predictor_threshold_L{i}"] == pytest.approx(seen[-1][k][1])
+        assert cb.last_thresholds[i] == pytest.approx(seen[-1][k][1])
+    assert math.isnan(cb.last_thresholds[1])  # layer 1 is a plain block: no threshold, none logged
+    assert "mod/predictor_threshold_L1" not in trainer.callback_metrics
