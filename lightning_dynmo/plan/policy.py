@@ -100,6 +100,7 @@ class RebalancePolicy:
     disarmed_at: float | None = None  # imbalance judged not worth acting on (None: armed)
     ema_busy: list[float] | None = None
     pending_reasons: list[str] = field(default_factory=list)
+    undo_target: Partition | None = None  # the partition the last applied decision left (see ``undoes``)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -160,17 +161,35 @@ class RebalancePolicy:
             return True, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} > cost {migration_cost * 1e3:.1f} ms"
         return False, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} <= cost {migration_cost * 1e3:.1f} ms"
 
-    def applied(self, step: int) -> None:
-        """The partition changed at ``step`` (a rebalance or a re-pack)."""
+    def undoes(self, step: int, new: Partition) -> str | None:
+        """Why moving to ``new`` at ``step`` is refused (``auto`` only): it returns to the partition
+        the last applied decision left less than ``horizon`` steps ago. That decision was paid for
+        by a saving predicted over the horizon; going back before the horizon is over says the
+        loads it was judged on did not last (a per-step signal that flips: a router's or a
+        predictor's noise), and the two migrations together pay for a gain that lasted a few
+        steps. ``None``: not an undo (or the horizon has passed)."""
+        if self.mode != "auto" or self.undo_target is None or new != self.undo_target:
+            return None
+        since = step - self.last_rebalance_step
+        if since >= self.horizon:
+            return None
+        return (f"refused: would undo the move of step {self.last_rebalance_step} after {since} of the {self.horizon} "
+                "steps its saving was predicted over (the loads it was judged on did not last; raise ema_decay to "
+                "smooth them more, or lower rebalance_horizon)")
+
+    def applied(self, step: int, left: Partition | None = None) -> None:
+        """The partition changed at ``step`` (a rebalance or a re-pack) away from ``left``."""
         self.last_rebalance_step = self.last_decision_step = step
         self.disarmed_at = None
         self.ema_busy = None
+        self.undo_target = left
 
-    def decided(self, step: int, applied: bool) -> None:
+    def decided(self, step: int, applied: bool, left: Partition | None = None) -> None:
         """Every decision starts the cooldown; one that changed nothing also disarms ``auto``
-        until the imbalance grows by ``hysteresis`` or falls below the threshold band."""
+        until the imbalance grows by ``hysteresis`` or falls below the threshold band. ``left``:
+        the partition an applied decision moved away from."""
         if applied:
-            self.applied(step)
+            self.applied(step, left)
             return
         self.last_decision_step = step
         if self.ema_busy:
@@ -216,6 +235,9 @@ def decide(
     )
     if new == current:
         return decision.with_(why="already balanced"), None
+    undo = policy.undoes(step, new)
+    if undo:
+        return decision.with_(why=undo), None
     accept, why = policy.accept(pred_now, pred_new, migration_cost)
     if not accept:
         return decision.with_(why=why), None

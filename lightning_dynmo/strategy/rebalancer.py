@@ -267,7 +267,7 @@ class Rebalancer:
         decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
                                current=before, policy=self.policy, migration_cost=cost)
         self.check_agreement(decision.after, new is not None, f"the decision at step {step}")
-        self.policy.decided(step, applied=new is not None)
+        self.policy.decided(step, applied=new is not None, left=before)
         if new is not None:
             seconds, moved_bytes = self.migrate(new)
             self.migration_cost = seconds + (decision.decision_ms or 0.0) / 1e3
@@ -293,7 +293,7 @@ class Rebalancer:
             return
         self.check_agreement(f"{plan.partition} on {plan.ranks} ranks", True, f"the re-pack decision at step {step}")
         seconds, _ = self.migrate(plan.partition, ranks=plan.ranks)
-        self.policy.applied(step)
+        self.policy.applied(step)  # a re-pack changes the rank count: nothing to undo
         self._record(base.with_(
             applied=True, after=str(plan.partition), ranks_after=plan.ranks, microbatches=plan.microbatches,
             released=tuple(s.layout.released_ranks), predicted_step_after=plan.predicted_step, migration_ms=seconds * 1e3,

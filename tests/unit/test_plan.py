@@ -233,3 +233,36 @@ def test_loads_near_profile_is_the_band_where_scaling_is_credible():
     assert not loads_near_profile([0.2], [0.0])  # profiled taking nothing: no scale to apply
     assert loads_near_profile([0.03], [0.0]) and loads_near_profile([0.0], [0.04])  # within the slack
     assert loads_near_profile([0.3], [1.0], factor=4.0)
+
+
+def test_auto_refuses_to_undo_a_move_within_its_horizon_and_allows_it_after():
+    """A per-step load signal that flips (a MoD predictor taking all tokens one step and none the
+    next) must not move a layer back and forth: going back to the partition the last move left,
+    before the horizon its saving was predicted over has passed, is refused and says why."""
+    model = CostModel(microbatches=4)
+    policy = RebalancePolicy("auto", horizon=10)
+    heavy_last = lopsided()  # balanced at (0, 3, 4)
+    heavy_first = LayerCosts(tuple(reversed(heavy_last.forward)), tuple(reversed(heavy_last.backward)),
+                             (1,) * 4, (1.0,) * 4, (1.0,) * 4)  # balanced at (0, 1, 4)
+    a, b = Partition((0, 1, 4)), Partition((0, 3, 4))
+    common = dict(reason="r", model=model, balancer="partition_time", migration_cost=0.0)
+    d, new = decide(step=1, costs=heavy_last, current=a, policy=policy, **common)
+    assert new == b
+    policy.decided(1, applied=True, left=a)
+    d, new = decide(step=5, costs=heavy_first, current=b, policy=policy, **common)
+    assert new is None and not d.applied and d.after == str(a)
+    assert d.why.startswith("refused: would undo the move of step 1 after 4 of the 10 steps"), d.why
+    # once the horizon has passed the same move is judged on its gain again
+    d, new = decide(step=11, costs=heavy_first, current=b, policy=policy, **common)
+    assert new == a and d.applied
+    # a move to any other partition is no undo
+    policy.decided(11, applied=True, left=b)
+    d, new = decide(step=12, costs=heavy_last, current=a, policy=policy, **common)
+    assert new is None and "undo" in d.why  # back to b: refused
+    d, new = decide(step=12, costs=LayerCosts.uniform(4), current=Partition((0, 3, 4)), policy=policy, **common)
+    assert new == Partition((0, 2, 4)) and d.applied
+    # only auto weighs moves: on_event applies what its events ask for
+    on_event = RebalancePolicy("on_event", horizon=10)
+    on_event.decided(11, applied=True, left=b)
+    d, new = decide(step=12, costs=heavy_last, current=a, policy=on_event, **common)
+    assert new == b
