@@ -100,7 +100,7 @@ class RebalancePolicy:
     disarmed_at: float | None = None  # imbalance judged not worth acting on (None: armed)
     ema_busy: list[float] | None = None
     pending_reasons: list[str] = field(default_factory=list)
-    undo_target: Partition | None = None  # the partition the last applied decision left (see ``undoes``)
+    left_at: dict[Partition, int] = field(default_factory=dict)  # partitions applied decisions left, and when
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -162,27 +162,28 @@ class RebalancePolicy:
         return False, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} <= cost {migration_cost * 1e3:.1f} ms"
 
     def undoes(self, step: int, new: Partition) -> str | None:
-        """Why moving to ``new`` at ``step`` is refused (``auto`` only): it returns to the partition
-        the last applied decision left less than ``horizon`` steps ago. That decision was paid for
-        by a saving predicted over the horizon; going back before the horizon is over says the
-        loads it was judged on did not last (a per-step signal that flips: a router's or a
-        predictor's noise), and the two migrations together pay for a gain that lasted a few
-        steps. ``None``: not an undo (or the horizon has passed)."""
-        if self.mode != "auto" or self.undo_target is None or new != self.undo_target:
+        """Why moving to ``new`` at ``step`` is refused (``auto`` only): an applied decision left
+        that partition less than ``horizon`` steps ago. That decision was paid for by a saving
+        predicted over the horizon; coming back before the horizon is over says the loads it was
+        judged on did not last (a per-step signal that flips: a router's or a predictor's noise),
+        and the migrations pay for gains that lasted a few steps. ``None``: no recent partition."""
+        if self.mode != "auto" or new not in self.left_at:
             return None
-        since = step - self.last_rebalance_step
-        if since >= self.horizon:
+        when = self.left_at[new]
+        if step - when >= self.horizon:
             return None
-        return (f"refused: would undo the move of step {self.last_rebalance_step} after {since} of the {self.horizon} "
-                "steps its saving was predicted over (the loads it was judged on did not last; raise ema_decay to "
-                "smooth them more, or lower rebalance_horizon)")
+        return (f"refused: would return to the partition left at step {when}, {step - when} of the {self.horizon} "
+                "steps its replacement's saving was predicted over (the loads it was judged on did not last; raise "
+                "ema_decay to smooth them more, or lower rebalance_horizon)")
 
     def applied(self, step: int, left: Partition | None = None) -> None:
         """The partition changed at ``step`` (a rebalance or a re-pack) away from ``left``."""
         self.last_rebalance_step = self.last_decision_step = step
         self.disarmed_at = None
         self.ema_busy = None
-        self.undo_target = left
+        self.left_at = {p: t for p, t in self.left_at.items() if step - t < self.horizon}
+        if left is not None:
+            self.left_at[left] = step
 
     def decided(self, step: int, applied: bool, left: Partition | None = None) -> None:
         """Every decision starts the cooldown; one that changed nothing also disarms ``auto``

@@ -235,10 +235,11 @@ def test_loads_near_profile_is_the_band_where_scaling_is_credible():
     assert loads_near_profile([0.3], [1.0], factor=4.0)
 
 
-def test_auto_refuses_to_undo_a_move_within_its_horizon_and_allows_it_after():
+def test_auto_refuses_to_return_to_a_partition_left_within_the_horizon():
     """A per-step load signal that flips (a MoD predictor taking all tokens one step and none the
-    next) must not move a layer back and forth: going back to the partition the last move left,
-    before the horizon its saving was predicted over has passed, is refused and says why."""
+    next) must not move layers back and forth: returning to a partition an applied decision left,
+    before the horizon its replacement's saving was predicted over has passed, is refused and says
+    why (also round a cycle through a third partition)."""
     model = CostModel(microbatches=4)
     policy = RebalancePolicy("auto", horizon=10)
     heavy_last = lopsided()  # balanced at (0, 3, 4)
@@ -251,16 +252,20 @@ def test_auto_refuses_to_undo_a_move_within_its_horizon_and_allows_it_after():
     policy.decided(1, applied=True, left=a)
     d, new = decide(step=5, costs=heavy_first, current=b, policy=policy, **common)
     assert new is None and not d.applied and d.after == str(a)
-    assert d.why.startswith("refused: would undo the move of step 1 after 4 of the 10 steps"), d.why
+    assert d.why.startswith("refused: would return to the partition left at step 1, 4 of the 10 steps"), d.why
     # once the horizon has passed the same move is judged on its gain again
     d, new = decide(step=11, costs=heavy_first, current=b, policy=policy, **common)
     assert new == a and d.applied
     # a move to any other partition is no undo
     policy.decided(11, applied=True, left=b)
     d, new = decide(step=12, costs=heavy_last, current=a, policy=policy, **common)
-    assert new is None and "undo" in d.why  # back to b: refused
-    d, new = decide(step=12, costs=LayerCosts.uniform(4), current=Partition((0, 3, 4)), policy=policy, **common)
+    assert new is None and "would return" in d.why  # back to b: refused
+    d, new = decide(step=12, costs=LayerCosts.uniform(4), current=b, policy=policy, **common)
     assert new == Partition((0, 2, 4)) and d.applied
+    # ... but no partition left within the horizon comes back: not b (left at 11), whichever way round
+    policy.decided(12, applied=True, left=b)
+    d, new = decide(step=13, costs=heavy_last, current=Partition((0, 2, 4)), policy=policy, **common)
+    assert new is None and "left at step 12" in d.why
     # only auto weighs moves: on_event applies what its events ask for
     on_event = RebalancePolicy("on_event", horizon=10)
     on_event.decided(11, applied=True, left=b)
