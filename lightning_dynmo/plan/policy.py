@@ -22,7 +22,9 @@ Everything here works on numbers every rank agrees on, so every rank decides the
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,11 +209,15 @@ def decide(
     current: Partition,
     policy: RebalancePolicy,
     migration_cost: float,
+    samples: Sequence[LayerCosts] = (),
 ) -> tuple[Decision, Partition | None]:
     """Balance ``costs`` and weigh the result: ``(decision, new partition or None)``.
 
     ``migration_cost`` is the measured (or, before the first migration, estimated) seconds a
-    migration costs; only the ``auto`` policy weighs it."""
+    migration costs; only the ``auto`` policy weighs it. ``samples``: the costs under each of
+    the last steps' own load factors (decisions from load counters); ``auto`` then moves only if
+    the move's gain is clearly positive over them (:func:`gain_is_clear`), so a per-step signal
+    that is noise (a router's or a predictor's draw) moves nothing however its average looks."""
     t0 = time.perf_counter()
     base = Decision(step=step, reason=reason, before=str(current), applied=False, why="", balancer=balancer)
     try:
@@ -239,7 +245,27 @@ def decide(
     undo = policy.undoes(step, new)
     if undo:
         return decision.with_(why=undo), None
+    unclear = gain_is_clear(model, samples, current, new) if policy.mode == "auto" else None
+    if unclear:
+        return decision.with_(why=unclear), None
     accept, why = policy.accept(pred_now, pred_new, migration_cost)
     if not accept:
         return decision.with_(why=why), None
     return decision.with_(applied=True, why=why, moved_layers=current.moved_layers(new)), new
+
+
+def gain_is_clear(model: CostModel, samples: Sequence[LayerCosts], current: Partition, new: Partition,
+                  z: float = 2.0) -> str | None:
+    """Why moving ``current -> new`` is refused (``None``: it is not). The predicted per-step gain
+    is computed under each sample's costs (one per recent step); the move must gain on average by
+    more than ``z`` standard errors of that mean. With fewer than 2 samples nothing is refused."""
+    if len(samples) < 2:
+        return None
+    gains = [model.predicted_step_time(c, current) - model.predicted_step_time(c, new) for c in samples]
+    n = len(gains)
+    mean = sum(gains) / n
+    se = math.sqrt(sum((g - mean) ** 2 for g in gains) / (n - 1) / n)
+    if mean - z * se > 0:
+        return None
+    return (f"refused: gain {mean * 1e3:.2f} +- {se * 1e3:.2f} ms/step over the last {n} steps' loads is not "
+            f"clearly positive ({z:g} standard errors): the loads change from step to step more than the move gains")

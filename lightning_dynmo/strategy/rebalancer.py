@@ -13,6 +13,7 @@ import logging
 import math
 import time
 import zlib
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
 REPROFILE_STEPS = 200
+#: Decisions from load counters test a move's gain under each of this many recent steps' loads.
+LOAD_SAMPLE_STEPS = 8
 
 
 class BalancerDisagreementError(RuntimeError):
@@ -60,6 +63,7 @@ class Rebalancer:
         self.load_at_profile: dict[int, float | None] = {}
         self.layer_load: list[float | None] = []  # the last step's load factors
         self.smoothed_load: list[float | None] | None = None  # their moving average (what decisions use)
+        self.recent_loads: deque[list[float | None]] = deque(maxlen=LOAD_SAMPLE_STEPS)  # per step, newest last
         self.migration_cost: float | None = None  # measured seconds of the last migration
         self.profiled_costs: LayerCosts | None = None  # merged costs of the last profiled step
         self.profile_step = -(10**9)
@@ -125,7 +129,8 @@ class Rebalancer:
         reason = "; ".join(reasons) or None
         if reason and self._can_decide_from_counters(step, reason):
             if not acted:  # (a decision was just taken on a fresh profile: nothing to add)
-                self._rebalance(step, f"{reason} (load counters)", self.counter_costs(), [])
+                self._rebalance(step, f"{reason} (load counters)", self.counter_costs(), [],
+                                samples=self.counter_cost_samples())
             reason = None
         elif reason and self.profiled_costs is not None and not loads_near_profile(self.smoothed_load,
                                                                                     self._load_at_profile_list()):
@@ -165,6 +170,7 @@ class Rebalancer:
                                     for i, t in enumerate(self._load_sum)}
         self._decide_next = stats.profiled and self._profiled_steps >= self.policy.profile_steps
         self.layer_load = stats.layer_load
+        self.recent_loads.append(list(stats.layer_load))
         self.smoothed_load = smooth_load(self.smoothed_load, stats.layer_load, self.policy.ema_decay)
         self.policy.observe_busy(stats.rank_busy)
 
@@ -190,6 +196,15 @@ class Rebalancer:
     def counter_costs(self) -> LayerCosts:
         """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
         return scale_by_load(self.profiled_costs, self.smoothed_load, self._load_at_profile_list())
+
+    def counter_cost_samples(self) -> list[LayerCosts]:
+        """The last profiled costs under each recent step's own load factors: how much a move's
+        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.gain_is_clear`).
+        Empty when no layer reports its load (nothing varies that a profile does not show)."""
+        if not any(x is not None for loads in self.recent_loads for x in loads):
+            return []
+        at_profile = self._load_at_profile_list()
+        return [scale_by_load(self.profiled_costs, loads, at_profile) for loads in self.recent_loads]
 
     # ------------------------------------------------------------------ costs
     def cost_model(self) -> CostModel:
@@ -252,20 +267,21 @@ class Rebalancer:
         self.profiled_costs, self.profile_step = costs, step
         self._trace(step, costs)
         if self.policy.mode != "never" and not reason.startswith("repack"):
-            self._rebalance(step, reason, costs, events)
+            self._rebalance(step, reason, costs, events, samples=self.counter_cost_samples())
         target = self._repack_requested if self._repack_requested is not None else self.repack
         self._repack_requested = None
         if target != "off" and self.strategy.layout.pp_size > 1:
             self._repack(step, target, costs)
 
-    def _rebalance(self, step: int, reason: str, costs: LayerCosts, events: list[dict]) -> None:
+    def _rebalance(self, step: int, reason: str, costs: LayerCosts, events: list[dict],
+                   samples: list[LayerCosts] = ()) -> None:
         s = self.strategy
         model, before = self.cost_model(), s.partition
         cost = self.migration_cost
         if cost is None:
             cost = max(self.rank_wall) if self.rank_wall else 0.0  # first time: assume one step
         decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
-                               current=before, policy=self.policy, migration_cost=cost)
+                               current=before, policy=self.policy, migration_cost=cost, samples=samples)
         self.check_agreement(decision.after, new is not None, f"the decision at step {step}")
         self.policy.decided(step, applied=new is not None, left=before)
         if new is not None:

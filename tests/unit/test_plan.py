@@ -27,6 +27,7 @@ from lightning_dynmo.plan import (
 )
 from lightning_dynmo.plan.layout import PipelineLayout
 from lightning_dynmo.plan.measurements import loads_near_profile, scale_by_load, smooth_load
+from lightning_dynmo.plan.policy import gain_is_clear
 from lightning_dynmo.plan.schedules import choose_microbatches
 from lightning_dynmo.plan.validation import positive_int
 
@@ -270,4 +271,28 @@ def test_auto_refuses_to_return_to_a_partition_left_within_the_horizon():
     on_event = RebalancePolicy("on_event", horizon=10)
     on_event.decided(11, applied=True, left=b)
     d, new = decide(step=12, costs=heavy_last, current=a, policy=on_event, **common)
+    assert new == b
+
+
+def test_a_move_from_load_counters_must_gain_clearly_over_the_recent_steps():
+    """Decisions from load counters see each recent step's loads: a move that gains under some
+    steps' loads and loses under others' (a flipping per-step signal) is refused however large its
+    gain under the mean, and one that gains under every step's loads is taken."""
+    model = CostModel(microbatches=4)
+    heavy_last = lopsided()  # (0, 3, 4) is better
+    heavy_first = LayerCosts(tuple(reversed(heavy_last.forward)), tuple(reversed(heavy_last.backward)),
+                             (1,) * 4, (1.0,) * 4, (1.0,) * 4)  # (0, 1, 4) is better
+    a, b = Partition((0, 2, 4)), Partition((0, 3, 4))
+    assert gain_is_clear(model, [heavy_last] * 3, a, b) is None  # no variation, positive gain
+    assert gain_is_clear(model, [heavy_last], a, b) is None  # too few samples to judge: not refused
+    flipping = [heavy_last, heavy_first] * 4
+    why = gain_is_clear(model, flipping, a, b)
+    assert why is not None and why.startswith("refused: gain") and "8 steps" in why
+    common = dict(step=3, reason="r", costs=heavy_last, model=model, balancer="partition_time", current=a,
+                  migration_cost=0.0)
+    d, new = decide(policy=RebalancePolicy("auto"), samples=flipping, **common)
+    assert new is None and d.why == why
+    d, new = decide(policy=RebalancePolicy("auto"), samples=[heavy_last] * 8, **common)
+    assert new == b
+    d, new = decide(policy=RebalancePolicy("on_event"), samples=flipping, **common)  # events are not weighed
     assert new == b
