@@ -54,6 +54,8 @@ def _args(argv=None):
                     help="also run fixed 2-stage boundaries (all, or the listed first layers of stage 1; "
                          "rebalance never) and report the best one chosen in hindsight")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per configuration (default: the case's plan)")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="with --sweep: draw tokens/s per fixed boundary against the static and dynmo runs")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -231,6 +233,37 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1) -
     return res
 
 
+def plot_sweep(summary: dict, path: str) -> None:
+    """Bars: tokens/s of each fixed boundary (the best one chosen in hindsight is the ceiling of
+    whole-layer balancing); lines: the static baselines and dynmo, from the same rounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fixed = summary.get("tokens_per_sec_fixed") or {}
+    if not fixed:
+        raise SystemExit("--plot needs --sweep (the fixed boundaries are what it draws)")
+    ks = [int(k.split("_")[1]) for k in fixed]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.bar(ks, list(fixed.values()), color="0.75", label="fixed boundary (rebalance never)")
+    styles = {"uniform": ("tab:blue", "--"), "param": ("tab:orange", "--"), "dynmo": ("tab:green", "-")}
+    for name, (color, ls) in styles.items():
+        if name in summary["tokens_per_sec"]:
+            ax.axhline(summary["tokens_per_sec"][name], color=color, ls=ls, lw=2, label=name)
+    ax.set_xlabel("first layer of stage 1")
+    ax.set_ylabel("tokens/s")
+    ax.set_xticks(ks)
+    lo = min([*fixed.values(), *(summary["tokens_per_sec"][n] for n in styles if n in summary["tokens_per_sec"])])
+    ax.set_ylim(0.9 * lo, None)
+    ax.set_title(f"{summary['case']}: ceiling {summary.get('ceiling_speedup_vs_static')}x, "
+                 f"dynmo {summary.get('speedup_vs_static')}x over the better static", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     args = _args(argv)
     if "LOCAL_RANK" in os.environ:
@@ -266,6 +299,8 @@ def main(argv=None) -> None:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
     summary = _summarise(args.case, args.quick, runs, args.expert_parallel)
+    if args.plot:
+        plot_sweep(summary, args.plot)
     case = load(args.case)
     if hasattr(case, "launcher_extra"):  # figures from a job of its own (e.g. another process layout)
         summary.update(case.launcher_extra(args.quick))
