@@ -41,6 +41,7 @@ __all__ = [
     "aux_loss_grad_scaler",
     "aux_loss_scale",
     "configure_aux_loss",
+    "reset_aux_loss",
     "set_aux_loss_grad_scaler",
     "set_aux_loss_scale",
 ]
@@ -115,3 +116,11 @@ def configure_aux_loss(trainer) -> None:
     pipeline strategy rejects ``N > 1`` and scales by the same plugin's scaler)."""
     set_aux_loss_scale(1.0 / trainer.accumulate_grad_batches)
     set_aux_loss_grad_scaler(grad_scaler(trainer.precision_plugin))
+
+
+def reset_aux_loss() -> None:
+    """Unscaled auxiliary gradients again (scale 1, no grad scaler). The models call it when
+    ``fit`` ends, so plain autograd later in the same process is not scaled by a finished run's
+    factors (the settings are process-wide)."""
+    set_aux_loss_scale(1.0)
+    set_aux_loss_grad_scaler(None)

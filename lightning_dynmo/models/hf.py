@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.models._aux_loss import attach_aux_loss, configure_aux_loss
+from lightning_dynmo.models._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from lightning_dynmo.models._lm import CausalLMModule
 from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
 from lightning_dynmo.models.moe_router import load_balancing_loss
@@ -370,6 +370,9 @@ class HFCausalLM(CausalLMModule):
         # scaler's scale before backward; the router loss enters in backward and must be scaled
         # the same way (see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
+
+    def on_train_end(self) -> None:
+        reset_aux_loss()  # the aux-loss scaling is process-wide: leave none behind after fit
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..runtime.checkpointing import is_recomputing
-from ._aux_loss import attach_aux_loss, configure_aux_loss
+from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, GPTConfig
 
@@ -391,6 +391,9 @@ class MoDGPT(GPT):
         # scaler's scale before backward; scale the predictor's gradient the same way (the
         # pipeline strategy scales gradients instead; see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
+
+    def on_train_end(self) -> None:
+        reset_aux_loss()  # the aux-loss scaling is process-wide: leave none behind after fit
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Close the batch on every MoD block this rank holds (:meth:`MoDBlock.end_batch`).

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._aux_loss import attach_aux_loss, configure_aux_loss
+from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from .gpt import GPT, Block, GPTConfig
 from .moe_experts import GroupedExperts, SwiGLU
 from .moe_router import Routing, TopKRouter, load_balancing_loss, router_z_loss
@@ -410,3 +410,6 @@ class MoEGPT(GPT):
         # scale them the same way (the pipeline strategy scales gradients instead and rejects
         # accumulate_grad_batches > 1; it applies the same grad scaler; see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
+
+    def on_train_end(self) -> None:
+        reset_aux_loss()  # the aux-loss scaling is process-wide: leave none behind after fit

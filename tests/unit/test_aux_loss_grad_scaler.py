@@ -161,9 +161,11 @@ class _GradAfterUnscale(L.Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.grads = {n: p.grad.detach().float().clone() for n, p in pl_module.named_parameters()
                       if "router" in n and p.grad is not None}
+        self.registered = aux_loss_grad_scaler()
 
 
-def _router_grads(precision, aux_loss_coeff: float, tmp_path) -> dict[str, torch.Tensor]:
+def _router_grads(precision, aux_loss_coeff: float, tmp_path) -> tuple[dict[str, torch.Tensor], object]:
+    """Router gradients after unscale, and the grad scaler the aux losses used during the step."""
     data = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(3))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4)
     moe = dict(num_experts=4, top_k=2, capacity_factor=2.0, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=0.0)
@@ -175,17 +177,18 @@ def _router_grads(precision, aux_loss_coeff: float, tmp_path) -> dict[str, torch
                         callbacks=[record], default_root_dir=tmp_path, **kw)
     trainer.fit(model, loader)
     assert record.grads
-    return record.grads
+    assert aux_loss_grad_scaler() is None and aux_loss_scale() == 1.0  # on_train_end left nothing behind
+    return record.grads, record.registered
 
 
 def test_lightning_16_mixed_router_gradient_matches_fp32(tmp_path):
     """``precision="16-mixed"`` itself becomes bf16 on CPU, so the fp16 plugin is passed directly."""
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
-    fp16 = _router_grads(MixedPrecision("16-mixed", "cpu", scaler=scaler), 1.0, tmp_path)
-    assert aux_loss_grad_scaler() is scaler  # on_train_start registered the plugin's scaler
-    fp32 = _router_grads(None, 1.0, tmp_path)
-    assert aux_loss_grad_scaler() is None  # ... and a run without one clears it
-    no_aux = _router_grads(None, 0.0, tmp_path)
+    fp16, registered = _router_grads(MixedPrecision("16-mixed", "cpu", scaler=scaler), 1.0, tmp_path)
+    assert registered is scaler  # on_train_start registered the plugin's scaler
+    fp32, registered = _router_grads(None, 1.0, tmp_path)
+    assert registered is None  # ... and a run without one trains without it
+    no_aux, _ = _router_grads(None, 0.0, tmp_path)
     for name, want in fp32.items():
         aux_part = (want - no_aux[name]).norm()
         err = (fp16[name] - want).norm()
