@@ -4,8 +4,9 @@
     python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
     python benchmarks/dynamism.py --case sparse_attention --sweep [--quick]
 
-Launches itself with torchrun (2 ranks = 2 pipeline stages, gloo, 1 thread each; with
-``--expert-parallel N``, 2 x N ranks: N data-parallel replicas of the pipeline whose stages split
+Launches itself with torchrun (2 ranks = 2 pipeline stages by default, ``--stages S`` for more,
+gloo, 1 thread each, so it needs S free cores; with
+``--expert-parallel N``, S x N ranks: N data-parallel replicas of the pipeline whose stages split
 their experts N ways, for cases whose module sets ``EXPERT_PARALLEL = True``) and trains the
 same model, data and dynamism callback three times in one job:
 
@@ -56,6 +57,8 @@ def _args(argv=None):
     ap.add_argument("--rounds", type=int, default=None, help="rounds per configuration (default: the case's plan)")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="with --sweep: draw tokens/s per fixed boundary against the static and dynmo runs")
+    ap.add_argument("--stages", type=int, default=2,
+                    help="pipeline stages (one process each, 1 thread; needs as many free cores as processes)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -89,6 +92,7 @@ def _worker(args) -> None:
     plan = case.plan(args.quick)
     if args.rounds:
         plan["rounds"] = args.rounds
+    plan["stages"] = args.stages
     ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
     g = torch.Generator().manual_seed(0)
@@ -134,9 +138,9 @@ def _worker(args) -> None:
                                       plan)
         meter = Meter()
         options = dict(dict(rebalance_cooldown=1), **options)
-        strategy = DynMoStrategy(pipeline_parallel=2, microbatches=plan["microbatches"], plot=False, timeout=300,
+        strategy = DynMoStrategy(pipeline_parallel=args.stages, microbatches=plan["microbatches"], plot=False, timeout=300,
                                  expert_parallel=ep, **options)
-        trainer = L.Trainer(accelerator="cpu", devices=2 * ep, strategy=strategy, max_steps=plan["steps"],
+        trainer = L.Trainer(accelerator="cpu", devices=args.stages * ep, strategy=strategy, max_steps=plan["steps"],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, meter],
                             default_root_dir=tempfile.mkdtemp())
@@ -187,7 +191,7 @@ def _median_round(recs: list[dict]) -> dict:
     return med
 
 
-def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1) -> dict:
+def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, stages: int = 2) -> dict:
     runs = {k: _median_round(v) for k, v in rounds.items()}
     ok = {k: v for k, v in runs.items() if v.get("tokens_per_sec")}
     static = [k for k in ("uniform", "param") if k in ok]
@@ -197,7 +201,7 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1) -
         "benchmark": "dynamism",
         "case": case,
         "quick": quick,
-        "stages": 2,
+        "stages": stages,
         "data_parallel": expert_parallel,
         "expert_parallel": expert_parallel,
         "threads_per_rank": 1,
@@ -270,15 +274,19 @@ def main(argv=None) -> None:
         _worker(args)
         return
     has_experts = getattr(load(args.case), "EXPERT_PARALLEL", False)
+    if args.stages < 2:
+        sys.exit(f"--stages {args.stages}: a pipeline needs >= 2 stages")
+    if args.sweep and args.stages != 2:
+        sys.exit("--sweep enumerates the boundary of a 2-stage pipeline; use it with --stages 2")
     if args.expert_parallel < 1 or (args.expert_parallel > 1 and not has_experts):
         sys.exit(f"--expert-parallel {args.expert_parallel}: must be >= 1, and > 1 only for a case with experts (moe)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 * args.expert_parallel),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages * args.expert_parallel),
                "--standalone", os.path.abspath(__file__), "--case", args.case, "--out", out,
-               "--expert-parallel", str(args.expert_parallel)]
+               "--expert-parallel", str(args.expert_parallel), "--stages", str(args.stages)]
         if args.quick:
             cmd.append("--quick")
         if args.sweep:
@@ -298,7 +306,7 @@ def main(argv=None) -> None:
             else:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
-    summary = _summarise(args.case, args.quick, runs, args.expert_parallel)
+    summary = _summarise(args.case, args.quick, runs, args.expert_parallel, args.stages)
     if args.plot:
         plot_sweep(summary, args.plot)
     case = load(args.case)

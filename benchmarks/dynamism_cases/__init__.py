@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 
-CASES = ("freezing", "early_exit", "pruning", "mod", "moe", "sparse_attention")
+CASES = ("freezing", "early_exit", "pruning", "mod", "moe", "moe_dropless", "sparse_attention")
 
 
 def load(case: str):

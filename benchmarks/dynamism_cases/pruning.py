@@ -45,7 +45,7 @@ import sys
 import tempfile
 
 MODEL = dict(vocab_size=4608, block_size=64, n_layer=8, n_head=4, n_embd=192, dropout=0.0)
-UNIFORM = [0, 6, MODEL["n_layer"] + 3]  # the layer-count split of the 11 pipeline layers
+NUM_LAYERS = MODEL["n_layer"] + 3  # pipeline layers: embedding, blocks, final norm, head
 TOKEN_BYTES = 3
 # dense pre-training that produces the continual-training start point (~300 single-process steps)
 WARMUP = dict(steps=300, lr=3e-3, warmup_steps=10, batch=16, weight_decay=0.1, seed=0)
@@ -152,7 +152,10 @@ def dynmo_strategy(plan: dict) -> dict:
     # DynMo's Algorithm 1: each pruning step requests a profiled rebalance (no periodic or automatic
     # re-decisions: on this loaded machine two near-equal partitions would trade places on noise)
     # each decision on per-layer means over 3 profiled steps: on one step they flip-flopped
-    return dict(balancer="partition_time", rebalance="on_event", repack="auto", partition=UNIFORM, profile_steps=3)
+    from lightning_dynmo.plan.balancers import megatron_layout
+
+    uniform = list(megatron_layout(NUM_LAYERS, plan.get("stages", 2)).boundaries)  # dynmo starts where uniform is
+    return dict(balancer="partition_time", rebalance="on_event", repack="auto", partition=uniform, profile_steps=3)
 
 
 def extra(model, callbacks, strategy) -> dict:
