@@ -276,6 +276,8 @@ def main(argv=None) -> None:
     has_experts = getattr(load(args.case), "EXPERT_PARALLEL", False)
     if args.stages < 2:
         sys.exit(f"--stages {args.stages}: a pipeline needs >= 2 stages")
+    if args.plot and not args.sweep:
+        sys.exit("--plot draws the fixed boundaries of --sweep; pass --sweep too")
     if args.sweep and args.stages != 2:
         sys.exit("--sweep enumerates the boundary of a 2-stage pipeline; use it with --stages 2")
     if args.expert_parallel < 1 or (args.expert_parallel > 1 and not has_experts):
