@@ -1,14 +1,18 @@
 """``MoELoadMonitor``: logs expert load per MoE layer and asks a pipeline to rebalance when it shifts."""
 from __future__ import annotations
 
-from ..dynamic._dist import pipeline_layers
-from ..models.moe import MoEBlock
+from torch import nn
+
+from ..dynamic._dist import local_layers, pipeline_layers
+from ..models.moe import MoEBlock, MoELayer
 from ..protocol import RemoteLayer
 from ._layer_monitor import LayerLoadMonitor
 
 
 class MoELoadMonitor(LayerLoadMonitor):
-    """Logs how each :class:`~lightning_dynmo.models.MoEBlock` spreads tokens over its experts and
+    """Logs how each MoE layer (an :class:`~lightning_dynmo.models.MoEBlock`, or a block such as a
+    :class:`~lightning_dynmo.models.MoDBlock` whose ``mlp`` is an :class:`~lightning_dynmo.models.MoELayer`)
+    spreads tokens over its experts and
     requests a rebalance from a :class:`~lightning_dynmo.protocol.PipelineControl` strategy when
     the blocks' relative work shifts (:class:`LayerLoadMonitor`).
 
@@ -34,23 +38,23 @@ class MoELoadMonitor(LayerLoadMonitor):
     tracked = "load"
     tracked_name = "relative work"
 
-    def monitored(self, pl_module) -> list[tuple[int, MoEBlock]]:
-        return self.local_layers(pl_module, MoEBlock)
+    def monitored(self, pl_module) -> list[tuple[int, nn.Module]]:
+        return [(i, layer) for i, layer in local_layers(pl_module) if has_moe_mlp(layer)]
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         layers = pipeline_layers(pl_module) or []
-        if not any(isinstance(layer, (MoEBlock, RemoteLayer)) for layer in layers):
+        if not any(has_moe_mlp(layer) or isinstance(layer, RemoteLayer) for layer in layers):
             raise TypeError(
-                f"MoELoadMonitor needs a model whose pipeline layers include MoEBlock layers "
-                f"(e.g. lightning_dynmo.models.MoEGPT), got {type(pl_module).__name__}"
+                f"MoELoadMonitor needs a model whose pipeline layers include MoE layers "
+                f"(e.g. lightning_dynmo.models.MoEGPT, or MoDGPT with moe=...), got {type(pl_module).__name__}"
             )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         for _, block in self.monitored(pl_module):
-            block.reset_routing_stats()
+            block.mlp.reset_routing_stats()
 
-    def layer_values(self, block: MoEBlock) -> tuple[float, ...] | None:
-        stats = block.routing_stats()
+    def layer_values(self, block: nn.Module) -> tuple[float, ...] | None:
+        stats = block.mlp.routing_stats()
         if stats is None:
             return None
         counts = stats.expert_counts.double()
@@ -64,3 +68,8 @@ class MoELoadMonitor(LayerLoadMonitor):
         pl_module.log("moe/max_over_mean_load", max(s["max_over_mean"] for s in stats.values()), **log)
         pl_module.log("moe/dropped_fraction", sum(s["dropped"] for s in stats.values()) / len(stats), **log)
         pl_module.log("moe/aux_loss", sum(s["balance_loss"] for s in stats.values()) / len(stats), **log)
+
+
+def has_moe_mlp(layer: nn.Module) -> bool:
+    """An :class:`MoEBlock`, or any block (e.g. a MoD block) whose ``mlp`` is an :class:`MoELayer`."""
+    return isinstance(layer, MoEBlock) or isinstance(getattr(layer, "mlp", None), MoELayer)

@@ -64,6 +64,7 @@ from ..runtime.checkpointing import is_recomputing
 from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, GPTConfig
+from .moe import MoEBlock, MoEConfig, MoELayer, RoutingCounts, install_moe, moe_block_ids
 
 __all__ = ["MoDConfig", "MoDBlock", "MoDGPT", "ROUTING_MODES", "GATES"]
 
@@ -216,6 +217,8 @@ class MoDBlock(Block):
     def reset_load(self) -> None:
         self._load_seen = 0
         self._load_computed = 0
+        if isinstance(getattr(self, "mlp", None), MoELayer):
+            self.mlp.load_window = RoutingCounts()  # unread (load_factor is the token fraction): keep it short
 
     def load_factor(self) -> float | None:
         """Computed token slots / tokens seen since :meth:`reset_load` (padding counts: it is
@@ -283,10 +286,11 @@ class MoDBlock(Block):
         return picked, aux, picked == target
 
     # ------------------------------------------------------------------ forward
-    def _update(self, x: Tensor, g: Tensor, attention: Tensor) -> Tensor:
-        """``x + g * (a + m)`` written so that ``g == 1`` gives ``Block.forward`` bitwise."""
+    def _update(self, x: Tensor, g: Tensor, attention: Tensor, valid: Tensor | None = None) -> Tensor:
+        """``x + g * (a + m)`` written so that ``g == 1`` gives ``Block.forward`` bitwise.
+        ``valid``: the packed rows' real slots, for an MoE ``mlp`` (it routes only those)."""
         h = x + attention
-        m = self.mlp(self.ln_2(h))
+        m = self.mlp(self.ln_2(h)) if valid is None else self.mlp(self.ln_2(h), valid)
         return (x + g * attention) + g * m
 
     def forward(self, x: Tensor) -> Tensor:
@@ -305,7 +309,8 @@ class MoDBlock(Block):
             xp, packing = pack(x, picked, per_row, width)
             a = packed_attention(self.attn, self.ln_1(xp), packing.valid, self.training)
             gp = gate.gather(1, packing.order)[..., None]
-            y = unpack(x, xp, self._update(xp, gp, a), packing)
+            valid = packing.valid if isinstance(self.mlp, MoELayer) else None
+            y = unpack(x, xp, self._update(xp, gp, a, valid), packing)
         if self.training and torch.is_grad_enabled():
             computed = b * (t if n == b * t else width)
             self.tokens_seen += b * t
@@ -335,22 +340,50 @@ class MoDGPT(GPT):
     Routers start at zero-mean noise (std 0.02), so with ``gate="sigmoid"`` each MoD block starts
     close to the plain block on the tokens it takes.
 
+    With ``moe``, blocks ``(i + 1) % moe.moe_every == 0`` also get MoE MLPs, drawn as
+    :class:`~lightning_dynmo.models.MoEGPT` draws them (:func:`~lightning_dynmo.models.moe.install_moe`):
+    a block that is not MoD becomes an :class:`~lightning_dynmo.models.MoEBlock`, a MoD block
+    keeps routing tokens and gets an :class:`~lightning_dynmo.models.MoELayer` as its ``mlp``,
+    which routes only the real slots of its packed rows (``MoELayer.forward(x, valid)``). MoE
+    inside MoD blocks is dropless only. Its ``load_factor`` stays the MoD token fraction.
+    Limit: under expert parallelism, a predictor/threshold MoD block that picks no token on one
+    replica skips its MoE layer and with it the replicas' token exchange; use expert_choice
+    routing there (it always picks tokens).
+
     Args:
         mod: a :class:`MoDConfig` or a dict of its fields (saved as a dict in ``hparams``).
+        moe: ``None`` (no MoE), or a :class:`~lightning_dynmo.models.MoEConfig` or a dict of its
+            fields (saved as a dict in ``hparams``).
         other args: as :class:`~lightning_dynmo.models.GPT`.
     """
 
-    def __init__(self, config=None, mod: MoDConfig | Mapping | None = None, **kwargs):
+    def __init__(self, config=None, mod: MoDConfig | Mapping | None = None,
+                 moe: MoEConfig | Mapping | None = None, **kwargs):
         mod = MoDConfig.from_any(mod).to_dict()  # save_hyperparameters reads this local (a dict)
-        super().__init__(config, **kwargs)
-        self.mod_config = MoDConfig(**mod)
-        cfg = self.config
-        ids = [i for i in range(cfg.n_layer) if self.mod_config.is_mod_block(i)]
+        moe_config = None if moe is None else MoEConfig.from_any(moe)
+        moe = None if moe_config is None else moe_config.to_dict()  # read by save_hyperparameters, as mod
+        mod_config = MoDConfig(**mod)
+        n_layer = GPTConfig.from_any(config).n_layer
+        ids = [i for i in range(n_layer) if mod_config.is_mod_block(i)]
         if not ids:
             raise ValueError(
-                f"MoD every={self.mod_config.every} exceeds n_layer={cfg.n_layer}, so no block would be a MoD "
-                f"block; use every <= {cfg.n_layer}"
+                f"MoD every={mod_config.every} exceeds n_layer={n_layer}, so no block would be a MoD "
+                f"block; use every <= {n_layer}"
             )
+        if moe_config is not None:
+            both = sorted(set(ids) & set(moe_block_ids(n_layer, moe_config)))
+            if both and moe_config.capacity_factor is not None:
+                raise ValueError(
+                    f"MoD blocks {both} are also MoE blocks (MoD every={mod_config.every}, "
+                    f"moe_every={moe_config.moe_every}), which supports dropless MoE only, but "
+                    f"capacity_factor={moe_config.capacity_factor}: per-sequence expert capacity is not defined "
+                    "for the packed rows a MoD block computes (their lengths vary with the routing). Use "
+                    "capacity_factor=None, or MoD every / moe_every whose blocks do not overlap"
+                )
+        super().__init__(config, **kwargs)
+        self.mod_config = mod_config
+        self.moe_config = moe_config
+        cfg = self.config
         seed = self.hparams.seed
         # a stream of its own, so that the GPT weights stay those of GPT(config, seed=seed)
         with torch.random.fork_rng(devices=[], enabled=seed is not None):
@@ -361,6 +394,8 @@ class MoDGPT(GPT):
                 block.load_state_dict(self.layers[1 + i].state_dict(), strict=False)
                 self._init_router(block)
                 self.layers[1 + i] = block
+        if moe_config is not None:
+            install_moe(self, moe_config, keep=(MoDBlock,))
 
     @staticmethod
     @torch.no_grad()
@@ -374,6 +409,12 @@ class MoDGPT(GPT):
     def mod_blocks(self) -> list[tuple[int, MoDBlock]]:
         """``(global layer index, block)`` of the MoD blocks this rank holds."""
         return [(i, l) for i, l in enumerate(self.layers) if isinstance(l, MoDBlock)]
+
+    def moe_blocks(self) -> list[tuple[int, Block]]:
+        """``(global layer index, block)`` of the blocks with an MoE MLP this rank holds:
+        :class:`~lightning_dynmo.models.MoEBlock` and MoD blocks whose ``mlp`` is an MoELayer."""
+        return [(i, l) for i, l in enumerate(self.layers)
+                if isinstance(l, MoEBlock) or isinstance(getattr(l, "mlp", None), MoELayer)]
 
     @torch.no_grad()
     def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:

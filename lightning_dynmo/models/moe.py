@@ -58,6 +58,7 @@ __all__ = [
     "RoutingStats",
     "SwiGLU",
     "TopKRouter",
+    "install_moe",
     "load_balancing_loss",
     "router_z_loss",
 ]
@@ -166,16 +167,21 @@ class RoutingCounts:
     training needs no host sync for them; readers convert."""
 
     forwards: int = 0
-    tokens: int = 0  # sum of B * T
-    causal_pairs: int = 0  # (query, key) pairs under the causal mask: sum of B * T (T + 1) / 2
+    tokens: int = 0  # tokens routed: sum of B * T (with a ``valid`` mask: of the valid tokens)
+    # (query, key) pairs under the causal mask: sum of B * T (T + 1) / 2; with a ``valid`` mask
+    # sum over rows of n (n + 1) / 2, n the row's valid tokens (the attention of packed rows)
+    causal_pairs: int = 0
     expert_tokens: Tensor | None = None  # [E] slots each expert processed (after capacity)
     balance_loss_sum: Tensor | None = None  # unscaled load-balancing loss, summed over forwards
     busiest_slots: Tensor | None = None  # slots the busiest expert shard received, summed over forwards
 
-    def add(self, b: int, t: int, expert_tokens: Tensor, busiest_slots: Tensor, balance_loss: Tensor) -> None:
+    def add(self, tokens: int, causal_pairs: int, expert_tokens: Tensor, busiest_slots: Tensor,
+            balance_loss: Tensor) -> None:
+        """One forward over ``tokens`` routed tokens with ``causal_pairs`` causal (query, key)
+        pairs (see :func:`routed_tokens`)."""
         self.forwards += 1
-        self.tokens += b * t
-        self.causal_pairs += b * t * (t + 1) // 2
+        self.tokens += tokens
+        self.causal_pairs += causal_pairs
         if self.expert_tokens is None:
             self.expert_tokens, self.balance_loss_sum = expert_tokens.clone(), balance_loss.detach().clone()
             self.busiest_slots = busiest_slots.clone()
@@ -183,6 +189,15 @@ class RoutingCounts:
             self.expert_tokens += expert_tokens
             self.balance_loss_sum += balance_loss.detach()
             self.busiest_slots += busiest_slots
+
+
+def routed_tokens(b: int, t: int, valid: Tensor | None) -> tuple[int, int]:
+    """``(tokens, causal pairs)`` of a forward over ``[B, T]`` tokens, only the ``valid`` ones if
+    given: a row with ``n`` valid tokens (a packed MoD row) attends over ``n (n + 1) / 2`` pairs."""
+    if valid is None:
+        return b * t, b * t * (t + 1) // 2
+    per_row = valid.sum(dim=1).tolist()  # host sync, only while recording
+    return sum(per_row), sum(n * (n + 1) // 2 for n in per_row)
 
 
 class MoELayer(nn.Module):
@@ -196,6 +211,13 @@ class MoELayer(nn.Module):
     (the strategy's per-step load signal) and ``stats_window`` (monitoring callbacks).
 
     ``aux_loss_coeff`` and ``z_loss_coeff`` are plain attributes, so a callback may schedule them.
+
+    ``forward(x, valid)``: ``valid [B, T]`` bool marks the real tokens of packed rows (a
+    :class:`~lightning_dynmo.models.MoDBlock`'s padding slots are ``False``). Only valid tokens
+    are routed to the experts (and the shared expert); padding slots get output 0 and count in
+    no statistic; the aux losses are per-row means over each row's valid tokens (a row without
+    one contributes 0 but still counts in the mean over rows, so micro-batching stays exact).
+    Dropless routing only: per-sequence capacity is not defined for packed rows.
     """
 
     def __init__(self, dim: int, expert_hidden: int, config: MoEConfig):
@@ -236,15 +258,58 @@ class MoELayer(nn.Module):
         shared = 0 if self.shared_expert is None else 3 * self.experts.dim * self.shared_expert.w1.out_features
         return self.experts.dim * self.num_experts + shared
 
+    # ------------------------------------------------------------------ statistics
+    def relative_work(self, tokens: int, causal_pairs: int, busiest: int) -> float:
+        """The work of this layer's block relative to dropless, balanced routing (see
+        :class:`MoEBlock`)."""
+        c = self.experts.dim
+        fixed = tokens * (4 * c * c + self.fixed_macs_per_token) + 2 * c * causal_pairs
+        full = fixed + tokens * self.top_k * self.macs_per_slot
+        return (fixed + busiest * self.macs_per_slot) / full
+
+    def window_work(self, window: RoutingCounts) -> float:
+        if window.tokens == 0:
+            return 1.0
+        return self.relative_work(window.tokens, window.causal_pairs, int(window.busiest_slots))
+
+    def routing_stats(self) -> RoutingStats | None:
+        """The monitoring window since :meth:`reset_routing_stats` (``None``: no forward)."""
+        window = self.stats_window
+        if window.forwards == 0:
+            return None
+        counts = window.expert_tokens.cpu()
+        kept = int(counts.sum())
+        return RoutingStats(
+            relative_work=self.window_work(window),
+            expert_counts=counts,
+            dropped_fraction=1.0 - kept / (window.tokens * self.top_k) if window.tokens else 0.0,
+            balance_loss=float(window.balance_loss_sum) / window.forwards,
+        )
+
+    def reset_routing_stats(self) -> None:
+        self.stats_window = RoutingCounts()
+
     # ------------------------------------------------------------------ forward
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, valid: Tensor | None = None) -> Tensor:
         b, t, c = x.shape
         k = self.top_k
+        if valid is not None:
+            if self.router.capacity_factor is not None:
+                raise ValueError(
+                    f"MoELayer(valid=...) supports dropless routing only (capacity_factor=None), got "
+                    f"capacity_factor={self.router.capacity_factor}: per-sequence capacity is not defined "
+                    "for packed rows with padding"
+                )
+            if valid.shape != (b, t) or valid.dtype != torch.bool:
+                raise ValueError(f"valid must be a [B, T] = {[b, t]} bool mask, got {list(valid.shape)} {valid.dtype}")
         routing = self.router(x)
         slots = torch.arange(b * t * k, device=x.device)
         if routing.keep is not None:
             # Host sync: the number of kept slots sizes the expert GEMMs (dropping saves work).
             slots = slots[routing.keep.reshape(-1)]
+        elif valid is not None:
+            # Host sync: only valid tokens' slots reach the experts
+            slots = slots[valid[..., None].expand(b, t, k).reshape(-1)]
         slot_expert = routing.experts.reshape(-1)[slots]
         order = torch.argsort(slot_expert, stable=True)  # group slots by expert, token order kept
         slots = slots[order]
@@ -255,19 +320,24 @@ class MoELayer(nn.Module):
         y = y * routing.weights.reshape(-1)[slots, None].to(y.dtype)
         out = torch.zeros(b * t, c, dtype=y.dtype, device=x.device).index_add_(0, tokens, y)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            if valid is None:
+                out = out + self.shared_expert(flat)
+            else:
+                real = valid.reshape(-1).nonzero().squeeze(1)
+                out = out.index_add(0, real, self.shared_expert(flat[real]).to(out.dtype))
         out = out.view(b, t, c)
 
         if not _records_routing(self):
             return out
         wants_balance_grad = self.aux_loss_coeff > 0
         with torch.set_grad_enabled(wants_balance_grad):
-            balance = load_balancing_loss(routing.probs, routing.experts, self.num_experts)
+            balance = load_balancing_loss(routing.probs, routing.experts, self.num_experts, valid)
+        tokens, pairs = routed_tokens(b, t, valid)
         for window in (self.load_window, self.stats_window):
-            window.add(b, t, counts, shard_slots.max(), balance)
+            window.add(tokens, pairs, counts, shard_slots.max(), balance)
         aux_loss = balance * self.aux_loss_coeff if wants_balance_grad else None
         if self.z_loss_coeff > 0:
-            z = router_z_loss(routing.logits) * self.z_loss_coeff
+            z = router_z_loss(routing.logits, valid) * self.z_loss_coeff
             aux_loss = z if aux_loss is None else aux_loss + z
         return out if aux_loss is None else attach_aux_loss(out, aux_loss, 1.0)
 
@@ -323,44 +393,67 @@ class MoEBlock(Block):
         """``(F + busiest * S) / (F + tokens * top_k * S)`` (see the class docstring) for forwards
         over ``tokens`` tokens with ``causal_pairs`` causal (query, key) pairs, whose busiest expert
         shard received ``busiest`` slots (summed over the forwards)."""
-        moe, c = self.mlp, self.mlp.experts.dim
-        fixed = tokens * (4 * c * c + moe.fixed_macs_per_token) + 2 * c * causal_pairs
-        full = fixed + tokens * moe.top_k * moe.macs_per_slot
-        return (fixed + busiest * moe.macs_per_slot) / full
-
-    def _window_work(self, window: RoutingCounts) -> float:
-        return self.relative_work(window.tokens, window.causal_pairs, int(window.busiest_slots))
+        return self.mlp.relative_work(tokens, causal_pairs, busiest)
 
     def load_factor(self) -> float | None:
         window = self.mlp.load_window
         if window.forwards == 0:
             return None
-        return self._window_work(window)
+        return self.mlp.window_work(window)
 
     def reset_load(self) -> None:
         self.mlp.load_window = RoutingCounts()
 
     def routing_stats(self) -> RoutingStats | None:
         """The monitoring window since :meth:`reset_routing_stats` (``None``: no forward)."""
-        window = self.mlp.stats_window
-        if window.forwards == 0:
-            return None
-        counts = window.expert_tokens.cpu()
-        kept = int(counts.sum())
-        return RoutingStats(
-            relative_work=self._window_work(window),
-            expert_counts=counts,
-            dropped_fraction=1.0 - kept / (window.tokens * self.mlp.top_k),
-            balance_loss=float(window.balance_loss_sum) / window.forwards,
-        )
+        return self.mlp.routing_stats()
 
     def reset_routing_stats(self) -> None:
-        self.mlp.stats_window = RoutingCounts()
+        self.mlp.reset_routing_stats()
 
     def expert_counts(self) -> Tensor:
         """Tokens each expert processed (after capacity) in the monitoring window, ``[E]`` int64."""
         stats = self.routing_stats()
         return torch.zeros(self.mlp.num_experts, dtype=torch.int64) if stats is None else stats.expert_counts
+
+
+def moe_block_ids(n_layer: int, moe: MoEConfig) -> list[int]:
+    """The blocks (0-based) that get an MoE MLP: ``(i + 1) % moe_every == 0``."""
+    blocks = [i for i in range(n_layer) if (i + 1) % moe.moe_every == 0]
+    if not blocks:
+        raise ValueError(
+            f"moe_every={moe.moe_every} leaves no MoE block among n_layer={n_layer} blocks; "
+            f"use moe_every <= {n_layer}"
+        )
+    return blocks
+
+
+def install_moe(model: GPT, moe: MoEConfig, keep: tuple[type, ...] = ()) -> None:
+    """Give every ``moe.moe_every``-th block of ``model`` an MoE MLP, from a stream seeded by
+    ``model.hparams.seed`` (what :class:`MoEGPT` has always drawn). A block becomes an
+    :class:`MoEBlock` with the dense block's norms and attention; one whose type is in ``keep``
+    (e.g. a :class:`~lightning_dynmo.models.MoDBlock`) stays what it is and only its ``mlp``
+    becomes an :class:`MoELayer`. Both get :meth:`MoELayer.init_weights`."""
+    cfg = model.config
+    blocks = moe_block_ids(cfg.n_layer, moe)
+    seed = model.hparams.seed
+    std, residual_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)  # as GPT._init_weights
+    with torch.random.fork_rng(devices=[], enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(seed)
+        for i in blocks:
+            ratio = cfg.block_mlp_ratio(i) if moe.expert_ratio is None else moe.expert_ratio
+            hidden = max(1, round(ratio * cfg.n_embd))
+            dense = model.layers[1 + i]
+            if isinstance(dense, keep):
+                block = dense
+                block.mlp = MoELayer(cfg.n_embd, hidden, moe)
+            else:
+                block = MoEBlock(cfg, moe, expert_hidden=hidden)
+                for name in ("ln_1", "attn", "ln_2"):
+                    getattr(block, name).load_state_dict(getattr(dense, name).state_dict())
+            block.mlp.init_weights(std, residual_std)
+            model.layers[1 + i] = block
 
 
 class MoEGPT(GPT):
@@ -378,27 +471,8 @@ class MoEGPT(GPT):
         moe_config = MoEConfig.from_any(moe)
         moe = moe_config.to_dict()  # noqa: F841
         super().__init__(config, **kwargs)
-        cfg = self.config
         self.moe_config = moe_config
-        blocks = [i for i in range(cfg.n_layer) if (i + 1) % moe_config.moe_every == 0]
-        if not blocks:
-            raise ValueError(
-                f"moe_every={moe_config.moe_every} leaves no MoE block among n_layer={cfg.n_layer} blocks; "
-                f"use moe_every <= {cfg.n_layer}"
-            )
-        seed = self.hparams.seed
-        std, residual_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layer)  # as GPT._init_weights
-        with torch.random.fork_rng(devices=[], enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            for i in blocks:
-                ratio = cfg.block_mlp_ratio(i) if moe_config.expert_ratio is None else moe_config.expert_ratio
-                block = MoEBlock(cfg, moe_config, expert_hidden=max(1, round(ratio * cfg.n_embd)))
-                dense = self.layers[1 + i]
-                for name in ("ln_1", "attn", "ln_2"):
-                    getattr(block, name).load_state_dict(getattr(dense, name).state_dict())
-                block.mlp.init_weights(std, residual_std)
-                self.layers[1 + i] = block
+        install_moe(self, moe_config)
 
     def moe_blocks(self) -> list[tuple[int, MoEBlock]]:
         """``(global layer index, block)`` of the MoE blocks this rank holds."""

@@ -31,23 +31,36 @@ class Routing:
     logits: Tensor
 
 
-def load_balancing_loss(probs: Tensor, experts: Tensor, num_experts: int) -> Tensor:
+def load_balancing_loss(probs: Tensor, experts: Tensor, num_experts: int, valid: Tensor | None = None) -> Tensor:
     """Sequence-wise Switch/GShard loss (DeepSeek-V2): per row ``sum_i f_i P_i`` with
     ``f_i = E / (T k) * #(slots routed to i)`` (before capacity) and ``P_i = mean_t probs[:, i]``,
     then the mean over rows. Equals 1 for perfectly uniform routing.
 
-    ``probs [B, T, E]``, ``experts [B, T, k]``.
+    ``probs [B, T, E]``, ``experts [B, T, k]``. ``valid [B, T]`` bool (packed rows): ``T`` and the
+    means run over each row's valid tokens only; a row without one contributes 0 and still counts
+    in the mean over rows (so a micro-batch's loss is the mean of its rows' losses).
     """
     b, t, k = experts.shape
     routed = torch.zeros(b, t, num_experts, dtype=probs.dtype, device=probs.device)
     routed.scatter_(2, experts, 1.0)
-    f = routed.sum(dim=1) * (num_experts / (t * k))
-    return (f * probs.mean(dim=1)).sum(dim=-1).mean()
+    if valid is None:
+        f = routed.sum(dim=1) * (num_experts / (t * k))
+        return (f * probs.mean(dim=1)).sum(dim=-1).mean()
+    mask = valid[..., None].to(probs.dtype)
+    n = valid.sum(dim=1, keepdim=True).clamp(min=1).to(probs.dtype)  # [B, 1]
+    f = (routed * mask).sum(dim=1) * num_experts / (n * k)
+    p = (probs * mask).sum(dim=1) / n
+    return (f * p).sum(dim=-1).mean()
 
 
-def router_z_loss(logits: Tensor) -> Tensor:
-    """ST-MoE router z-loss ``logsumexp(logits)^2``: mean over each row's tokens, then rows."""
-    return torch.logsumexp(logits, dim=-1).square().mean(dim=1).mean()
+def router_z_loss(logits: Tensor, valid: Tensor | None = None) -> Tensor:
+    """ST-MoE router z-loss ``logsumexp(logits)^2``: mean over each row's tokens (only the
+    ``valid [B, T]`` ones if given; a row without one gives 0), then rows."""
+    z = torch.logsumexp(logits, dim=-1).square()
+    if valid is None:
+        return z.mean(dim=1).mean()
+    n = valid.sum(dim=1).clamp(min=1).to(z.dtype)
+    return (torch.where(valid, z, 0.0).sum(dim=1) / n).mean()
 
 
 class TopKRouter(nn.Module):

@@ -1,6 +1,7 @@
 """Mixture-of-Depths training on a 2-rank pipeline (1F1B, a layer migration before every step)
 equals single-process Lightning training, in every routing mode, with the capacity annealed by
-the MixtureOfDepths callback, which also asks the pipeline to rebalance as the load shifts."""
+the MixtureOfDepths callback, which also asks the pipeline to rebalance as the load shifts; also
+with MoE MLPs in the MoD blocks (MoD + MoE)."""
 from __future__ import annotations
 
 import json
@@ -22,6 +23,11 @@ RUNS = [
          mod={"routing": routing, "capacity": 0.25, "every": 2, "predictor_loss_coeff": 0.1})
     for routing in ROUTING_MODES
 ]
+# MoD and MoE in one model: MoE MLPs in every block, so the MoD blocks' MLPs route only the real
+# slots of their packed rows (dropless), with both the MixtureOfDepths and MoELoadMonitor callbacks
+MOD_MOE = dict(RUNS[1], moe={"num_experts": 4, "top_k": 2, "moe_every": 1, "shared_expert": True,
+                             "aux_loss_coeff": 0.05, "z_loss_coeff": 0.01},
+               moe_monitor={"shift_threshold": 0.05})
 PIPELINE = dict(pp=2, schedule="1f1b", microbatches=4, balancer="test_shift", rebalance="every_n", rebalance_interval=1)
 # zero-bubble schedules split the backward into input and weight passes: the predictor's loss
 # (attached to a stage output) must survive that too
@@ -50,8 +56,9 @@ def _finish(proc: subprocess.Popen, out: Path) -> list[dict]:
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mod")
     # the single-process reference runs while the pipeline ranks wait on each other
-    pipe = _start(tmp / "pp2", [dict(r, **PIPELINE) for r in RUNS] + [dict(RUNS[1], **ZBV)], nproc=2)
-    ref = _start(tmp / "ref", RUNS, nproc=None)
+    pipe = _start(tmp / "pp2", [dict(r, **PIPELINE) for r in RUNS] + [dict(RUNS[1], **ZBV), dict(MOD_MOE, **PIPELINE)],
+                  nproc=2)
+    ref = _start(tmp / "ref", RUNS + [MOD_MOE], nproc=None)
     try:
         return _finish(*pipe), _finish(*ref)
     finally:
@@ -91,4 +98,19 @@ def test_mod_pp2_with_migrations_equals_single_process(results, routing):
 def test_predictor_loss_survives_the_split_backward_of_zero_bubble(results):
     pipe, ref = results
     assert ROUTING_MODES[1] == "predictor"
-    check_same_training(pipe[-1], ref[1])
+    check_same_training(pipe[len(RUNS)], ref[1])
+
+
+def test_mod_with_moe_pp2_with_migrations_equals_single_process(results):
+    pipe, ref = results
+    p, r = pipe[len(RUNS) + 1], ref[len(RUNS)]
+    check_same_training(p, r)
+    assert any(".mlp.experts.w1" in k and k.startswith("layers.2.") for k in torch.load(r["state"]))  # a MoD block's
+    assert p["callback"]["last_fractions"] == pytest.approx(r["callback"]["last_fractions"], nan_ok=True)
+    # the monitor sees every block's MoE MLP (layers 1-6; MoD blocks 2, 4, 6) on both sides, alike
+    sp, sr = p["moe_monitor"]["last_stats"], r["moe_monitor"]["last_stats"]
+    assert sorted(sr, key=int) == [str(i) for i in range(1, 7)] and sp.keys() == sr.keys()
+    for i in sr:
+        assert sp[i]["dropped"] == sr[i]["dropped"] == 0.0  # dropless
+        assert sp[i]["balance_loss"] == pytest.approx(sr[i]["balance_loss"], rel=1e-4), i
+        assert sp[i]["max_over_mean"] == pytest.approx(sr[i]["max_over_mean"], rel=1e-4), i

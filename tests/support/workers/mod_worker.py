@@ -3,7 +3,8 @@
 Usage: torchrun --nproc-per-node N tests/support/workers/mod_worker.py SPEC.json
        python tests/support/workers/mod_worker.py SPEC.json       (single process, no strategy)
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch, mod (MoDConfig fields),
-callback (MixtureOfDepths kwargs or absent), and for a pipeline pp, schedule, microbatches,
+moe (MoEConfig fields: MoE MLPs, also in MoD blocks; or absent), callback (MixtureOfDepths kwargs
+or absent), moe_monitor (MoELoadMonitor kwargs or absent), and for a pipeline pp, schedule, microbatches,
 balancer, rebalance, rebalance_interval. Rank 0 writes {"runs": [...]} with the losses, the
 strategy's rebalance history, the callback state and the path of the final full state dict.
 """
@@ -20,6 +21,7 @@ import lightning as L
 import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks.mod import MixtureOfDepths
+from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models.mod import MoDGPT
 
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
@@ -27,12 +29,15 @@ from tests.support.workers.common import LossRecorder, make_loader, make_model, 
 
 def build_model(cfg: dict) -> MoDGPT:
     """The shared test GPT (heterogeneous MLP widths) with MoD blocks."""
-    return MoDGPT(make_model(cfg).config, mod=cfg["mod"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
+    return MoDGPT(make_model(cfg).config, mod=cfg["mod"], moe=cfg.get("moe"), lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
                   seed=cfg.get("seed", 0))
 
 
 def build_callbacks(cfg: dict) -> list[L.Callback]:
-    return [MixtureOfDepths(**cfg["callback"])] if cfg.get("callback") is not None else []
+    cbs: list[L.Callback] = [MixtureOfDepths(**cfg["callback"])] if cfg.get("callback") is not None else []
+    if cfg.get("moe_monitor") is not None:
+        cbs.append(MoELoadMonitor(**cfg["moe_monitor"]))
+    return cbs
 
 
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
@@ -66,6 +71,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         "history": trainer.strategy.rebalance_history if pipeline else [],
         "callback": cbs[0].state_dict() if cbs else None,
     }
+    monitors = [cb for cb in cbs if isinstance(cb, MoELoadMonitor)]
+    if monitors:
+        result["moe_monitor"] = {"last_stats": monitors[0].last_stats, "requests": monitors[0].requests}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"mod_state{idx}.pt")
         torch.save(state, result["state"])
