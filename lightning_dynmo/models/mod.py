@@ -220,6 +220,13 @@ class MoDBlock(Block):
         if isinstance(getattr(self, "mlp", None), MoELayer):
             self.mlp.load_window = RoutingCounts()  # unread (load_factor is the token fraction): keep it short
 
+    @property
+    def may_skip_expert_exchange(self) -> bool:
+        """Whether a forward may skip this block's MoE layer altogether (predictor or threshold
+        routing can pick no token of a micro-batch): under expert parallelism the layer's token
+        exchange is a collective of the replicas, which must not be skipped on one of them."""
+        return isinstance(getattr(self, "mlp", None), MoELayer) and self.routing != "expert_choice"
+
     def load_factor(self) -> float | None:
         """Computed token slots / tokens seen since :meth:`reset_load` (padding counts: it is
         computed); ``None`` when no counted forward ran."""
@@ -346,9 +353,9 @@ class MoDGPT(GPT):
     keeps routing tokens and gets an :class:`~lightning_dynmo.models.MoELayer` as its ``mlp``,
     which routes only the real slots of its packed rows (``MoELayer.forward(x, valid)``). MoE
     inside MoD blocks is dropless only. Its ``load_factor`` stays the MoD token fraction.
-    Limit: under expert parallelism, a predictor/threshold MoD block that picks no token on one
-    replica skips its MoE layer and with it the replicas' token exchange; use expert_choice
-    routing there (it always picks tokens).
+    Under expert parallelism only ``expert_choice`` routing may hold MoE MLPs (it always picks
+    tokens): a predictor/threshold block that picks none on one replica would skip the replicas'
+    token exchange, so ``DynMoStrategy(expert_parallel>1)`` refuses such a model at setup.
 
     Args:
         mod: a :class:`MoDConfig` or a dict of its fields (saved as a dict in ``hparams``).

@@ -113,6 +113,13 @@ def check_expert_parallel_model(module: nn.Module, ep: int) -> None:
             f"expert_parallel={ep}, but {type(module).__name__} has no expert layers (modules like GroupedExperts "
             "that implement ShardsExperts) to shard; use expert_parallel=1 or an MoE model"
         )
+    skipping = [name for name, m in module.named_modules() if getattr(m, "may_skip_expert_exchange", False)]
+    if skipping:
+        raise ValueError(
+            f"expert_parallel={ep} cannot run {skipping[0]}: a block that may pick no token of a micro-batch (MoD "
+            "predictor or threshold routing) would skip its MoE layer's token exchange on one replica while the "
+            "others wait for it; use MoD routing='expert_choice' for blocks with MoE MLPs, or expert_parallel=1"
+        )
     bad = sorted({m.num_experts for _, m in found if m.num_experts % ep})
     if bad:
         raise ValueError(

@@ -204,3 +204,21 @@ def test_lightning_trains_and_the_monitor_sees_the_mod_blocks_moe_mlps():
         assert block.load_factor() == pytest.approx(0.5)  # the MoD token fraction, as without MoE
         stats = block.mlp.routing_stats()
         assert int(stats.expert_counts.sum()) == 8 * 8 * 2  # 8 of 16 tokens per row, top-2
+
+
+def test_expert_parallel_refuses_mod_blocks_that_may_skip_their_experts():
+    """Predictor or threshold routing can pick no token of a micro-batch; its block then skips the
+    MoE layer, whose token exchange under expert parallelism is a collective of the replicas: the
+    strategy's model check refuses it (expert_choice always picks tokens and is accepted)."""
+    from lightning_dynmo.models import MoDGPT
+    from lightning_dynmo.runtime.expert_parallel import check_expert_parallel_model
+
+    cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    moe = dict(num_experts=4, top_k=2, capacity_factor=None, moe_every=1)
+    for routing in ("predictor", "threshold"):
+        model = MoDGPT(cfg, mod=dict(every=1, routing=routing, capacity=0.5), moe=moe, seed=0)
+        with pytest.raises(ValueError, match="expert_choice"):
+            check_expert_parallel_model(model, 2)
+        check_expert_parallel_model(model, 1)  # no exchange without expert parallelism
+    check_expert_parallel_model(MoDGPT(cfg, mod=dict(every=1, routing="expert_choice", capacity=0.5), moe=moe,
+                                       seed=0), 2)
