@@ -20,6 +20,7 @@ CASES = {  # case -> (model class in the log line, callback, metric prefix the c
     "pruning": ("lightning_dynmo.models.GPT", "GradualPruning", None),  # prunes from step 90 (conf/dynamism/pruning.yaml)
     "moe": ("lightning_dynmo.models.MoEGPT", "MoELoadMonitor", "moe/"),
     "mod": ("lightning_dynmo.models.MoDGPT", "MixtureOfDepths", "mod/"),
+    "mod_moe": ("lightning_dynmo.models.MoDGPT", "MixtureOfDepths", "moe/"),  # the MoE monitor inside MoD blocks
     "sparse_attention": ("lightning_dynmo.models.GPT", "SparseAttentionMonitor", "attn/block_density_L"),
 }
 TINY = [

@@ -16,6 +16,7 @@ CASES = {
     "pruning": ("GPT", ["GradualPruning"]),
     "moe": ("MoEGPT", ["MoELoadMonitor"]),
     "mod": ("MoDGPT", ["MixtureOfDepths"]),
+    "mod_moe": ("MoDGPT", ["MixtureOfDepths", "MoELoadMonitor"]),
     "sparse_attention": ("GPT", ["SparseAttentionMonitor"]),
 }
 
