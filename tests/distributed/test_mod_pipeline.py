@@ -29,6 +29,10 @@ MOD_MOE = dict(RUNS[1], moe={"num_experts": 4, "top_k": 2, "moe_every": 1, "shar
                              "aux_loss_coeff": 0.05, "z_loss_coeff": 0.01},
                moe_monitor={"shift_threshold": 0.05})
 PIPELINE = dict(pp=2, schedule="1f1b", microbatches=4, balancer="test_shift", rebalance="every_n", rebalance_interval=1)
+# ... and under expert parallelism (pp=2 x dp=2, each replica holding half the experts), which
+# accepts MoE inside MoD blocks only with expert-choice routing (it always picks tokens); 16
+# samples = one global batch of 2 x 8, so every step closes an epoch
+MOD_MOE_EP = dict(MOD_MOE, mod=dict(RUNS[0]["mod"]), n_samples=16)
 # zero-bubble schedules split the backward into input and weight passes: the predictor's loss
 # (attached to a stage output) must survive that too
 ZBV = dict(PIPELINE, schedule="zbv")
@@ -114,3 +118,22 @@ def test_mod_with_moe_pp2_with_migrations_equals_single_process(results):
         assert sp[i]["dropped"] == sr[i]["dropped"] == 0.0  # dropless
         assert sp[i]["balance_loss"] == pytest.approx(sr[i]["balance_loss"], rel=1e-4), i
         assert sp[i]["max_over_mean"] == pytest.approx(sr[i]["max_over_mean"], rel=1e-4), i
+
+
+@pytest.fixture(scope="module")
+def ep_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mod_moe_ep")
+    jobs = [_start(tmp / "ep2", [dict(MOD_MOE_EP, **PIPELINE, expert_parallel=2)], nproc=4),
+            _start(tmp / "ref", [dict(MOD_MOE_EP, dp=2)], nproc=None)]
+    return [_finish(*job)[0] for job in jobs]
+
+
+def test_mod_with_moe_under_expert_parallelism_equals_single_process(ep_results):
+    ep, ref = ep_results
+    assert len(ep["history"]) >= STEPS - 1 and all(h["applied"] for h in ep["history"])
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    se, sr = torch.load(ep["state"]), torch.load(ref["state"])
+    assert se.keys() == sr.keys()
+    for k in sr:
+        assert se[k].shape == sr[k].shape, k  # whole experts, gathered from both replicas
+        torch.testing.assert_close(se[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)

@@ -52,6 +52,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             balancer=cfg.get("balancer", "uniform"),
             rebalance=cfg.get("rebalance", "never"),
             rebalance_interval=cfg.get("rebalance_interval", 1),
+            expert_parallel=cfg.get("expert_parallel", 1),
             plot=False,
             timeout=120,
         )
@@ -64,7 +65,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         gradient_clip_val=cfg.get("clip"), callbacks=[rec, *cbs], default_root_dir=out_dir, **kw,
     )
     model = build_model(cfg)
-    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"], reference=not pipeline))
+    dp = 1 if pipeline else cfg.get("dp", 1)  # a reference trains on the global batch of dp replicas
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp))
     state = trainer.strategy.lightning_module_state_dict() if pipeline else model.state_dict()
     result = {
         "losses": rec.losses,
