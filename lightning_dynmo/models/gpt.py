@@ -78,6 +78,10 @@ class GPTConfig:
     hash_center: str = "causal"
     # "auto" (FlexAttention on CUDA, our kernels on the CPU) | "kernel" | "flex"
     attention_backend: str = "auto"
+    # GPT-2's weight tying: the LM head uses the token embedding's matrix (one parameter, used by
+    # the first and the last pipeline layer; DynMoStrategy keeps one copy per owning rank and sums
+    # their gradients before each step, Megatron's way)
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -106,6 +110,8 @@ class GPTConfig:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if int(self.attention_block) != self.attention_block or self.attention_block < 1:
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -210,6 +216,8 @@ class GPT(CausalLMModule):
             layers += [FinalNorm(cfg), Head(cfg)]
             self.layers = nn.ModuleList(layers)
         self._init_weights()
+        if cfg.tie_embeddings:  # after init: the embedding's values win (the head's draw is dropped)
+            self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
         self._init_eval_metric()
 

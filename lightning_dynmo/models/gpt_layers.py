@@ -94,7 +94,8 @@ class FinalNorm(nn.Module):
 
 
 class Head(nn.Module):
-    """LM head ``[B,T,C] -> logits [B,T,V]``; untied from the embedding (stages may differ)."""
+    """LM head ``[B,T,C] -> logits [B,T,V]``; its weight is the token embedding's under
+    ``GPTConfig(tie_embeddings=True)``."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()

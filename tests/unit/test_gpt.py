@@ -202,3 +202,29 @@ def test_presets_and_errors():
         GPT({"n_layers": 3})
     with pytest.raises(ValueError, match="block_size"):
         tiny()(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_tied_embeddings_share_one_parameter_whose_gradient_sums_both_uses():
+    """GPT-2's tying: the head uses the token embedding's matrix; its gradient is the sum of the
+    embedding's and the head's gradients of the same model untied with equal values."""
+    import torch
+
+    from lightning_dynmo.models import GPT, GPTConfig
+
+    cfg = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    tied = GPT(GPTConfig(**cfg, tie_embeddings=True), seed=0)
+    untied = GPT(GPTConfig(**cfg), seed=0)
+    emb, head = tied.layers[0].wte.weight, tied.layers[-1].lm_head.weight
+    assert head is emb and torch.equal(emb, untied.layers[0].wte.weight)  # the embedding's values win
+    n = sum(p.numel() for p in untied.parameters())
+    assert sum(p.numel() for p in tied.parameters()) == n - emb.numel()
+    assert {"layers.0.wte.weight", f"layers.{len(tied.layers) - 1}.lm_head.weight"} <= tied.state_dict().keys()
+    with torch.no_grad():
+        untied.layers[-1].lm_head.weight.copy_(untied.layers[0].wte.weight)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (tied, untied):
+        m.pipeline_loss(m(x), x).backward()
+    want = untied.layers[0].wte.weight.grad + untied.layers[-1].lm_head.weight.grad
+    torch.testing.assert_close(emb.grad, want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        GPTConfig(**cfg, tie_embeddings="yes")

@@ -30,13 +30,10 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         dropout=0.0,
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
+        tie_embeddings=bool(cfg.get("tied", False)),
         **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
-    model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
-    if cfg.get("tied"):
-        layers = model.pipeline_layers()
-        layers[-1].lm_head.weight = layers[0].wte.weight
-    return model
+    return cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
 
 
 class EpochPermutation(torch.utils.data.Sampler):
