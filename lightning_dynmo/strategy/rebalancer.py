@@ -130,7 +130,7 @@ class Rebalancer:
         if reason and self._can_decide_from_counters(step, reason):
             if not acted:  # (a decision was just taken on a fresh profile: nothing to add)
                 self._rebalance(step, f"{reason} (load counters)", self.counter_costs(), [],
-                                samples=self.counter_cost_samples())
+                                samples=self.load_cost_samples())
             reason = None
         elif reason and self.profiled_costs is not None and not loads_near_profile(self.smoothed_load,
                                                                                     self._load_at_profile_list()):
@@ -197,7 +197,7 @@ class Rebalancer:
         """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
         return scale_by_load(self.profiled_costs, self.smoothed_load, self._load_at_profile_list())
 
-    def counter_cost_samples(self) -> list[LayerCosts]:
+    def load_cost_samples(self) -> list[LayerCosts]:
         """The last profiled costs under each recent step's own load factors: how much a move's
         predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.gain_is_clear`).
         Empty when no layer reports its load (nothing varies that a profile does not show)."""
@@ -267,7 +267,7 @@ class Rebalancer:
         self.profiled_costs, self.profile_step = costs, step
         self._trace(step, costs)
         if self.policy.mode != "never" and not reason.startswith("repack"):
-            self._rebalance(step, reason, costs, events, samples=self.counter_cost_samples())
+            self._rebalance(step, reason, costs, events, samples=self.load_cost_samples())
         target = self._repack_requested if self._repack_requested is not None else self.repack
         self._repack_requested = None
         if target != "off" and self.strategy.layout.pp_size > 1:
