@@ -274,8 +274,12 @@ def main(argv=None) -> None:
         _worker(args)
         return
     has_experts = getattr(load(args.case), "EXPERT_PARALLEL", False)
+    if args.rounds is not None and args.rounds < 1:
+        sys.exit(f"--rounds {args.rounds}: must be >= 1")
     if args.stages < 2:
         sys.exit(f"--stages {args.stages}: a pipeline needs >= 2 stages")
+    if args.sweep not in (None, "all") and not all(k.strip().isdigit() for k in args.sweep.split(",")):
+        sys.exit(f"--sweep {args.sweep}: give the first layers of stage 1 as integers, e.g. --sweep 3,4,5")
     if args.plot and not args.sweep:
         sys.exit("--plot draws the fixed boundaries of --sweep; pass --sweep too")
     if args.sweep and args.stages != 2:
