@@ -130,6 +130,9 @@ def ep_results(tmp_path_factory):
 
 def test_mod_with_moe_under_expert_parallelism_equals_single_process(ep_results):
     ep, ref = ep_results
+    full = MOD_MOE_EP["moe"]["num_experts"]
+    assert set(ref["expert_rows_per_rank"][0].values()) == {full}
+    assert all(n == full // 2 for r in ep["expert_rows_per_rank"] for n in r.values())  # each replica: half
     assert len(ep["history"]) >= STEPS - 1 and all(h["applied"] for h in ep["history"])
     torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     se, sr = torch.load(ep["state"]), torch.load(ref["state"])

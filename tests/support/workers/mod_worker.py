@@ -76,6 +76,14 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     monitors = [cb for cb in cbs if isinstance(cb, MoELoadMonitor)]
     if monitors:
         result["moe_monitor"] = {"last_stats": monitors[0].last_stats, "requests": monitors[0].requests}
+    # per rank: the expert rows each local MoE layer holds (half of them under expert_parallel=2)
+    rows = {i: int(block.mlp.experts.w1.shape[0]) for i, block in model.moe_blocks()}
+    if pipeline:
+        per_rank = [None] * world
+        torch.distributed.all_gather_object(per_rank, rows)
+        result["expert_rows_per_rank"] = per_rank
+    else:
+        result["expert_rows_per_rank"] = [rows]
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"mod_state{idx}.pt")
         torch.save(state, result["state"])
