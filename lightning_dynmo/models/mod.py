@@ -450,11 +450,8 @@ class MoDGPT(GPT):
         all-reduce per step, with calibrated predictor routing only), so that every replica
         moves its thresholds as one process seeing the whole batch would."""
         blocks = self.mod_blocks()
-        if not (self.mod_config.routing == "predictor" and self.mod_config.predictor_threshold == "calibrated"):
-            for _, block in blocks:
-                block.end_batch()
-            return
-        group, replicated = _data_parallel_group(self.trainer)
+        calibrated = self.mod_config.routing == "predictor" and self.mod_config.predictor_threshold == "calibrated"
+        group, replicated = _data_parallel_group(self.trainer) if calibrated else (None, False)
         if not replicated:
             for _, block in blocks:
                 block.end_batch()
