@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..dynamic._dist import local_layers, pipeline_layers
-from ..models.moe import MoEBlock, MoELayer
+from ..models.moe import has_moe_mlp
 from ..protocol import RemoteLayer
 from ._layer_monitor import LayerLoadMonitor
 
@@ -69,7 +69,3 @@ class MoELoadMonitor(LayerLoadMonitor):
         pl_module.log("moe/dropped_fraction", sum(s["dropped"] for s in stats.values()) / len(stats), **log)
         pl_module.log("moe/aux_loss", sum(s["balance_loss"] for s in stats.values()) / len(stats), **log)
 
-
-def has_moe_mlp(layer: nn.Module) -> bool:
-    """An :class:`MoEBlock`, or any block (e.g. a MoD block) whose ``mlp`` is an :class:`MoELayer`."""
-    return isinstance(layer, MoEBlock) or isinstance(getattr(layer, "mlp", None), MoELayer)

@@ -64,7 +64,7 @@ from ..runtime.checkpointing import is_recomputing
 from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, GPTConfig
-from .moe import MoEBlock, MoEConfig, MoELayer, RoutingCounts, install_moe, moe_block_ids
+from .moe import MoEConfig, RoutingCounts, has_moe_mlp, install_moe, moe_block_ids
 
 __all__ = ["MoDConfig", "MoDBlock", "MoDGPT", "ROUTING_MODES", "GATES"]
 
@@ -217,7 +217,7 @@ class MoDBlock(Block):
     def reset_load(self) -> None:
         self._load_seen = 0
         self._load_computed = 0
-        if isinstance(getattr(self, "mlp", None), MoELayer):
+        if has_moe_mlp(self):
             self.mlp.load_window = RoutingCounts()  # unread (load_factor is the token fraction): keep it short
 
     @property
@@ -225,7 +225,7 @@ class MoDBlock(Block):
         """Whether a forward may skip this block's MoE layer altogether (predictor or threshold
         routing can pick no token of a micro-batch): under expert parallelism the layer's token
         exchange is a collective of the replicas, which must not be skipped on one of them."""
-        return isinstance(getattr(self, "mlp", None), MoELayer) and self.routing != "expert_choice"
+        return has_moe_mlp(self) and self.routing != "expert_choice"
 
     def load_factor(self) -> float | None:
         """Computed token slots / tokens seen since :meth:`reset_load` (padding counts: it is
@@ -316,7 +316,7 @@ class MoDBlock(Block):
             xp, packing = pack(x, picked, per_row, width)
             a = packed_attention(self.attn, self.ln_1(xp), packing.valid, self.training)
             gp = gate.gather(1, packing.order)[..., None]
-            valid = packing.valid if isinstance(self.mlp, MoELayer) else None
+            valid = packing.valid if has_moe_mlp(self) else None
             y = unpack(x, xp, self._update(xp, gp, a, valid), packing)
         if self.training and torch.is_grad_enabled():
             computed = b * (t if n == b * t else width)
@@ -420,8 +420,7 @@ class MoDGPT(GPT):
     def moe_blocks(self) -> list[tuple[int, Block]]:
         """``(global layer index, block)`` of the blocks with an MoE MLP this rank holds:
         :class:`~lightning_dynmo.models.MoEBlock` and MoD blocks whose ``mlp`` is an MoELayer."""
-        return [(i, l) for i, l in enumerate(self.layers)
-                if isinstance(l, MoEBlock) or isinstance(getattr(l, "mlp", None), MoELayer)]
+        return [(i, l) for i, l in enumerate(self.layers) if has_moe_mlp(l)]
 
     @torch.no_grad()
     def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:

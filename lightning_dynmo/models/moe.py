@@ -58,6 +58,7 @@ __all__ = [
     "RoutingStats",
     "SwiGLU",
     "TopKRouter",
+    "has_moe_mlp",
     "install_moe",
     "load_balancing_loss",
     "router_z_loss",
@@ -415,6 +416,12 @@ class MoEBlock(Block):
         """Tokens each expert processed (after capacity) in the monitoring window, ``[E]`` int64."""
         stats = self.routing_stats()
         return torch.zeros(self.mlp.num_experts, dtype=torch.int64) if stats is None else stats.expert_counts
+
+
+def has_moe_mlp(layer: nn.Module) -> bool:
+    """Whether ``layer``'s MLP is an :class:`MoELayer`: an :class:`MoEBlock`, or another block
+    (e.g. a :class:`~lightning_dynmo.models.MoDBlock`) given one."""
+    return isinstance(getattr(layer, "mlp", None), MoELayer)
 
 
 def moe_block_ids(n_layer: int, moe: MoEConfig) -> list[int]:
