@@ -163,6 +163,18 @@ def _cell(case: str, layers: int, stages: int, profile: Profile, cfg: dict, layo
     }
 
 
+def _versus_block(cells: list[dict]) -> None:
+    """Adds ``speedup_vs_block_static`` to every finer cell: today's best static split at block
+    granularity over this cell's best dynamic one (what the finer cuts and balancing give
+    together; ``speedup_vs_static`` compares at the same granularity)."""
+    block = {(c["case"], c["layers"], c["stages"], c["schedule"]): c for c in cells if c["granularity"] == "block"}
+    for c in cells:
+        b = block.get((c["case"], c["layers"], c["stages"], c["schedule"]))
+        if b is not None and c["granularity"] != "block":
+            c["speedup_vs_block_static"] = (b["seconds_per_iteration"][b["best_static"]]
+                                            / c["seconds_per_iteration"][c["best_dynamic"]])
+
+
 def _figures(cells: dict[str, dict]) -> dict:
     """The JSON figures of one set of headline cells (case -> cell)."""
     first = next(iter(cells.values()), None)
@@ -172,6 +184,8 @@ def _figures(cells: dict[str, dict]) -> dict:
         "bubble_static": {c: round(x["bubble_static"], 4) for c, x in cells.items()},
         "bubble_dynamic": {c: round(x["bubble_dynamic"], 4) for c, x in cells.items()},
         "best_dynamic_balancer": {c: x["best_dynamic"] for c, x in cells.items()},
+        **({"speedup_vs_block_static": {c: round(x["speedup_vs_block_static"], 4) for c, x in cells.items()}}
+           if all("speedup_vs_block_static" in x for x in cells.values()) and cells else {}),
         "dense_efficiency": round(first["dense_efficiency"], 4) if first else None,
         "inherent_bubble": round(first["inherent_bubble"], 4) if first else None,
         "pipeline_layers": first["pipeline_layers"] if first else None,
@@ -192,6 +206,7 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         if S <= L + 3
     ]
     h = cfg["headline"]
+    _versus_block(cells)
 
     def headline(granularity: str, schedule: str) -> dict[str, dict]:
         return {c["case"]: c for c in cells if c["layers"] == h["layers"] and c["stages"] == h["stages"]
@@ -204,7 +219,8 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
             continue
         for name, lay in lays.items():
             cells += [_cell(case, h["layers"], h["stages"], profile, cfg, lay, sched) for case in cfg["cases"]]
-            by_schedule.setdefault(sched, {})[name] = _figures(headline(name, sched))
+        _versus_block(cells)
+        by_schedule[sched] = {name: _figures(headline(name, sched)) for name in lays}
     sens = {}
     for k in cfg["sensitivity_head_scale"]:
         p = _profile(cfg, k)

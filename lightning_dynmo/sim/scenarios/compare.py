@@ -56,14 +56,17 @@ class Comparison:
         return self.speedup[self.best_dynamic]
 
 
-def migration_seconds(old: Partition, new: Partition, costs: LayerCosts, link: Link, ranks: int) -> float:
+def migration_seconds(old: Partition, new: Partition, costs: LayerCosts, link: Link, ranks: int,
+                      schedule: str = "1f1b") -> float:
     """Time to move layers whose owner changes: each rank sends its leaving layers' state
-    (``costs.memory``) over ``link``; ranks send in parallel, the slowest sets the time."""
+    (``costs.memory``) over ``link``; ranks send in parallel, the slowest sets the time. Stages
+    sit on ranks as ``schedule`` places them (round robin, or ZBV's V)."""
     if old == new:
         return 0.0
+    spec = get_schedule(schedule)
     sent = [0.0] * ranks
     for layer in range(costs.num_layers):
-        a, b = old.stage_of(layer) % ranks, new.stage_of(layer) % ranks
+        a, b = spec.rank_of_stage(old.stage_of(layer), ranks), spec.rank_of_stage(new.stage_of(layer), ranks)
         if a != b:
             sent[a] += costs.memory[layer]
     return max(link.time(x) if x > 0 else 0.0 for x in sent)
@@ -135,7 +138,7 @@ def compare(
             if cur is None:
                 current[name] = new
             elif new != cur:
-                cost = migration_seconds(cur, new, seen, mlink, stages)
+                cost = migration_seconds(cur, new, seen, mlink, stages, schedule)
                 gain = model.predicted_step_time(seen, cur) - model.predicted_step_time(seen, new)
                 if gain * max(horizon, snap.iterations) > cost:
                     current[name], applied[name] = new, applied[name] + 1
