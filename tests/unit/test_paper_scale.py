@@ -132,3 +132,23 @@ def test_recipe_help_and_config():
     cfg = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "paper_scale.yaml"))
     cfg.pop("defaults"), cfg.pop("hydra")
     assert set(cfg) == set(DEFAULTS) and merged(cfg)["cases"] == list(CASES)
+
+
+def test_slow_changes_are_balanced_after_one_profiled_step():
+    """A snapshot lasting many iterations is balanced on its own costs (after one profiled step on
+    the old partition); one-iteration snapshots (per-step routing) on the previous one's."""
+    from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
+    from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
+    from lightning_dynmo.sim.scenarios import compare
+
+    model = CostModel(16)
+    traj = freezing(24, Profile.from_flops(), snapshots=3)
+    c = compare(traj, 4, dynamic=("partition_time",))
+    for snap, shown in zip(traj, c.partitions["partition_time"]):
+        part = Partition((0, *(int(r.split("-")[1]) + 1 for r in shown.split("|"))))
+        best = get_balancer("partition_time")(BalanceProblem(snap.costs, 4, model)).max_load
+        assert max(model.stage_times(snap.costs, part)) == best
+    heavy_first = LayerCosts([4.0] + [1.0] * 7, [0.0] * 8, [1] * 8, [0.0] * 8, [0.0] * 8)
+    heavy_last = LayerCosts([1.0] * 7 + [4.0], [0.0] * 8, [1] * 8, [0.0] * 8, [0.0] * 8)
+    lagged = compare([heavy_first, heavy_last], 2, dynamic=("partition_time",), static=("uniform",))
+    assert lagged.partitions["partition_time"][1] == lagged.partitions["partition_time"][0]  # known one step late

@@ -95,9 +95,13 @@ def compare(
 ) -> Comparison:
     """Static partitions (decided once, on the first snapshot, as Megatron-LM / DeepSpeed do;
     ``megatron`` is :func:`megatron_gpt_layout`, the others are registered balancers)
-    vs each ``dynamic`` balancer re-run every ``rebalance_every`` snapshots on the *previous*
-    snapshot's costs (a step's routing is known only once it ran; the first decision uses the
-    first snapshot). A dynamic decision is applied when its predicted saving over the next
+    vs each ``dynamic`` balancer re-run every ``rebalance_every`` snapshots. A snapshot of one
+    iteration (per-iteration routing) is balanced on the *previous* snapshot's costs (a step's
+    routing is known only once it ran; the first decision uses the first snapshot); a snapshot
+    that lasts longer (a slow change: freezing, early exit, pruning) is balanced on its own costs
+    after its first iteration, which runs on the old partition (Algorithm 1: profile the step
+    after the change, then balance), so a snapshot's length is not charged as decision lag.
+    A dynamic decision is applied when its predicted saving over the next
     ``max(horizon, snapshot iterations)`` iterations exceeds its migration time (the strategy's
     ``auto`` rule); migrations are charged over ``migration_link`` (default: the slowest link).
     ``stages`` are pipeline ranks; multi-stage schedules get the table's default virtual stages.
@@ -129,10 +133,12 @@ def compare(
     applied = dict.fromkeys(dynamic, 0)
     moved = dict.fromkeys(dynamic, 0.0)
     for t, snap in enumerate(snaps):
+        slow = snap.iterations > 1
+        before = dict(current)
         for name in dynamic:
             if t % rebalance_every:
                 continue
-            seen = snaps[max(0, t - 1)].costs
+            seen = (snap if slow else snaps[max(0, t - 1)]).costs
             cur = current[name]
             new = balance(name, seen, cur)
             if cur is None:
@@ -147,8 +153,15 @@ def compare(
         for name in names:
             part = fixed.get(name) or current[name]
             r = run(snap, part)
-            total[name] += snap.iterations * r.step_time
-            busy[name] += snap.iterations * sum(r.busy)
+            its = snap.iterations
+            old = before.get(name)
+            if slow and old is not None and old != part:  # the profiled first step, before the move
+                first = run(snap, old)
+                total[name] += first.step_time
+                busy[name] += sum(first.busy)
+                its -= 1
+            total[name] += its * r.step_time
+            busy[name] += its * sum(r.busy)
             series[name].append(r.step_time)
             parts[name].append(str(part))
     best_static = min(fixed, key=lambda n: total[n])
