@@ -20,18 +20,17 @@ from lightning_dynmo.models import GPT, GPTConfig
 
 
 def _batches(cfg: GPTConfig, batch: int, n: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One random batch, n times: random tokens cannot be predicted, a repeated batch can be
+    memorised, so a falling loss shows that the steps train."""
     g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        seq = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
-        out.append((seq[:, :-1].to(device), seq[:, 1:].to(device)))
-    return out
+    seq = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g).to(device)
+    return [(seq[:, :-1], seq[:, 1:])] * n
 
 
 def train(cfg: GPTConfig, batches, compile_model: bool, warmup: int) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg, seed=0).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     step_fn = torch.compile(model) if compile_model else model
     losses, times = [], []
     for i, (x, y) in enumerate(batches):
@@ -45,7 +44,7 @@ def train(cfg: GPTConfig, batches, compile_model: bool, warmup: int) -> dict:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     timed = sorted(times[warmup:])
     ms = 1e3 * timed[len(timed) // 2]
     tokens = batches[0][0].numel()
@@ -93,11 +92,14 @@ def main(argv=None) -> None:
         "compile_first_step_s": round(compiled["first_step_s"], 1),
         "loss_first": round(eager["losses"][0], 4), "loss_last_eager": round(eager["losses"][-1], 4),
         "loss_last_compiled": round(compiled["losses"][-1], 4), "max_loss_diff_eager_vs_compiled": round(diff, 4),
-        "losses_agree": diff < 5e-2 and eager["losses"][-1] < eager["losses"][0],
+        "losses_agree": diff < 5e-2,  # bf16: the two runs differ in rounding only
+        "trains": eager["losses"][-1] < eager["losses"][0] - 0.5 and compiled["losses"][-1] < compiled["losses"][0] - 0.5,
         "hash_sparse_flex": hash_sparse_step(args.quick),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }
     print(json.dumps(out))
+    if not (out["losses_agree"] and out["trains"] and out["hash_sparse_flex"]["grads_finite"]):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
