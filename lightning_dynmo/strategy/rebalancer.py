@@ -355,7 +355,6 @@ class Rebalancer:
         s.layout.partition = partition
         s.replica_pipeline_groups = groups
         s.pipeline_group = groups[s.layout.dp_rank] if not s.layout.released else None
-        s.layout.released_ranks = s.layout.topology.released_ranks(ranks)
         s.tied.update(s.layout, s.options.timeout)
         if s.layout.released:
             s.engines.clear()

@@ -191,7 +191,6 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.last_migration: MigrationStats | None = None
         self.last_batch_size: int | None = None
         self.last_microbatches: int | None = None
-        self.released_ranks: list[int] = []
         self._layers: nn.ModuleList | None = None
         self._layers_attr = ""
         self._held_grads = HeldGradients()
@@ -594,6 +593,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         partition = partition if isinstance(partition, Partition) else Partition(tuple(partition))
         self.rebalancer.migrate(partition, ranks=ranks)
         return self.released_ranks
+
+    @property
+    def released_ranks(self) -> list[int]:
+        """Global ranks re-packing has released so far (empty before any packing)."""
+        return list(self.layout.released_ranks) if self.layout is not None else []
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
