@@ -118,6 +118,7 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="balancer_later", n_layer=2, steps=3, balancer="rank_dependent_later", rebalance="every_n",
              rebalance_interval=1),
         dict(case="vector_loss", model="vector_loss", n_layer=2, steps=2),
+        dict(case="detached_loss", model="detached_loss", n_layer=2, steps=2),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -182,6 +183,13 @@ def test_a_non_deterministic_balancer_fails_on_every_rank(cases, when):
 # ---------------------------------------------------------------------------------- item 5
 def test_a_non_scalar_pipeline_loss_names_the_fix(cases):
     _assert_fails_everywhere(cases["vector_loss"], "pipeline_loss", "scalar", "[32]")
+
+
+# ------------------------------------------------------------------- issue 26, item 2
+def test_a_pipeline_loss_that_needs_no_grad_fails_on_every_rank(cases):
+    """One process raises on ``loss.backward()``; the pipeline used to train nothing."""
+    _assert_fails_everywhere(cases["detached_loss"], "DetachedLossGPT.pipeline_loss", "does not require grad",
+                             ".detach()")
 
 
 # ---------------------------------------------------------------------------------- item 9

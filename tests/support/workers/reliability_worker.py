@@ -80,6 +80,13 @@ class VectorLossGPT(GPT):
         return F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
 
 
+class DetachedLossGPT(GPT):
+    """``pipeline_loss`` of a detached output: one process raises, a pipeline must too."""
+
+    def pipeline_loss(self, output, target):
+        return super().pipeline_loss(output.detach(), target)
+
+
 class StepLoggingGPT(GPT):
     """A user model as many are written: logging in ``training_step`` and no pipeline loss hook."""
 
@@ -165,7 +172,7 @@ class WritePidsAndCrawl(L.Callback):
 # ---------------------------------------------------------------------------------- runs
 def build(cfg: dict, out_dir: str, idx: int):
     case = cfg["case"]
-    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
+    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "detached_loss": DetachedLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
     model = view_model(cfg) if cfg.get("model") == "view" else make_model(cfg, cls=model_cls)
     callbacks: list = []
     if case == "request_under_never":
