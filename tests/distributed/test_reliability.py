@@ -104,6 +104,7 @@ def _view_partition(schedule: str) -> list[int]:
     return [0, 2, 4, 6, 12] if get_schedule(schedule).multi else [0, 4, 12]
 
 
+ZERO_BUBBLE = [s for s in SCHEDULES if get_schedule(s).cost_schedule == "zero_bubble"]
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
                balancer="partition_time", rebalance="every_n", rebalance_interval=2, save_state=True, late_start=4)
 
@@ -119,6 +120,7 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
              rebalance_interval=1),
         dict(case="vector_loss", model="vector_loss", n_layer=2, steps=2),
         dict(case="detached_loss", model="detached_loss", n_layer=2, steps=2),
+        *[dict(case=f"profile_{s}", n_layer=4, steps=2, schedule=s, rebalance="on_event") for s in ZERO_BUBBLE],
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -190,6 +192,19 @@ def test_a_pipeline_loss_that_needs_no_grad_fails_on_every_rank(cases):
     """One process raises on ``loss.backward()``; the pipeline used to train nothing."""
     _assert_fails_everywhere(cases["detached_loss"], "DetachedLossGPT.pipeline_loss", "does not require grad",
                              ".detach()")
+
+
+# ------------------------------------------------------------------- issue 26, item 5
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_zero_bubble_profiles_the_first_stages_backward(cases, schedule):
+    """torch runs the first stage's whole backward in its weight pass (its input, token ids,
+    needs no gradient); its layers must not look free to the balancers and the simulator."""
+    res = cases[f"profile_{schedule}"]
+    assert _errors(res) == [None, None], _errors(res)
+    costs = res["per_rank"][0]["costs"]
+    assert all(b > 0 for b in costs["backward"]), costs
+    # the embedding and the first block sit on the first stage under every initial partition here
+    assert sum(costs["backward"][:2]) >= 0.2 * sum(costs["forward"][:2]), costs
 
 
 # ---------------------------------------------------------------------------------- item 9

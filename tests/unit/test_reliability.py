@@ -340,3 +340,17 @@ def test_one_replica_keeps_the_loader_and_seeds_a_global_rng_shuffle(monkeypatch
         orders.append([b[0].tolist() for b in loader])
     assert orders[0] == orders[1] and orders[0] != [b[0].tolist() for b in plain]
     assert isinstance(plain.sampler, SequentialSampler)
+
+
+def test_a_weight_pass_is_shared_by_forward_time_where_no_input_gradient_was_timed():
+    """Issue 26 item 5: a stage whose layers timed no input-gradient backward must not hand its
+    weight-gradient time to nobody (every layer looked free to the balancers)."""
+    from lightning_dynmo.runtime.profiler import PipelineProfiler
+
+    prof = PipelineProfiler(torch.device("cpu"))
+    prof.register_stage(0, range(0, 2))
+    prof.fwd.update({0: 1.0, 1: 3.0})
+    prof.fwd_calls.update({0: 1, 1: 1})
+    prof.wgt[0] = 8.0
+    times = prof.layer_times()
+    assert times[0] == (1.0, 2.0) and times[1] == (3.0, 6.0)

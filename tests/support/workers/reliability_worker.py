@@ -135,6 +135,22 @@ class RequestEveryStep(L.Callback):
         trainer.strategy.request_rebalance("test request")
 
 
+class ProfileOnce(L.Callback):
+    """Asks for a profile at step 0 (step 1 is profiled); at the end gathers the per-layer costs."""
+
+    def __init__(self):
+        self.costs = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            trainer.strategy.request_rebalance("profile for the test")
+
+    def on_train_end(self, trainer, pl_module):
+        costs, _ = trainer.strategy.gather_layer_costs()
+        self.costs = {"forward": list(costs.forward), "backward": list(costs.backward),
+                      "partition": list(trainer.strategy.partition.boundaries)}
+
+
 class BatchOrder(L.Callback):
     def __init__(self):
         self.first_tokens = []
@@ -179,6 +195,8 @@ def build(cfg: dict, out_dir: str, idx: int):
         callbacks.append(RequestEveryStep())
     if case == "order":
         callbacks.append(BatchOrder())
+    if case.startswith("profile"):
+        callbacks.append(ProfileOnce())
     if case in ("restart", "restart_reference"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=os.path.join(out_dir, f"ckpt{idx}"), save_last=True, every_n_train_steps=cfg["ckpt_every"],
@@ -229,6 +247,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         "global_step": trainer.global_step,
         "hook_calls": getattr(trainer.lightning_module, "hook_calls", None),
         "order": next((c.first_tokens for c in callbacks if isinstance(c, BatchOrder)), None),
+        "costs": next((c.costs for c in callbacks if isinstance(c, ProfileOnce)), None),
     }
     per_rank = [None] * world
     dist.all_gather_object(per_rank, local)
