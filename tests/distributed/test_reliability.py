@@ -121,6 +121,10 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="vector_loss", model="vector_loss", n_layer=2, steps=2),
         dict(case="detached_loss", model="detached_loss", n_layer=2, steps=2),
         *[dict(case=f"profile_{s}", n_layer=4, steps=2, schedule=s, rebalance="on_event") for s in ZERO_BUBBLE],
+        dict(case="short_setup", n_layer=2, steps=2, balancer="one_layer_short"),
+        dict(case="short_later", n_layer=2, steps=3, balancer="one_layer_short_later", rebalance="every_n",
+             rebalance_interval=1),
+        dict(case="bare_partition", n_layer=2, steps=2, balancer="bare_partition"),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -205,6 +209,16 @@ def test_zero_bubble_profiles_the_first_stages_backward(cases, schedule):
     assert all(b > 0 for b in costs["backward"]), costs
     # the embedding and the first block sit on the first stage under every initial partition here
     assert sum(costs["backward"][:2]) >= 0.2 * sum(costs["forward"][:2]), costs
+
+
+# ------------------------------------------------------------------- issue 26, item 10
+@pytest.mark.parametrize("case,needles", [
+    ("short_setup", ["'one_layer_short'", "(4 layers in 2 stages)", "5 layers in 2 stages"]),
+    ("short_later", ["'one_layer_short_later'", "problem.num_layers"]),
+    ("bare_partition", ["'bare_partition'", "returned Partition, not a BalanceResult", "wrap it"]),
+])
+def test_a_balancer_result_of_the_wrong_kind_or_size_fails_on_every_rank_naming_it(cases, case, needles):
+    _assert_fails_everywhere(cases[case], "BalancerResultError", *needles)
 
 
 # ---------------------------------------------------------------------------------- item 9

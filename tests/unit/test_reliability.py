@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import warnings
 from pathlib import Path
 
@@ -354,3 +355,35 @@ def test_a_weight_pass_is_shared_by_forward_time_where_no_input_gradient_was_tim
     prof.wgt[0] = 8.0
     times = prof.layer_times()
     assert times[0] == (1.0, 2.0) and times[1] == (3.0, 6.0)
+
+
+def test_every_balancer_result_is_checked_naming_the_balancer():
+    """Issue 26 item 10: a wrong-size partition or a bare Partition fails where the balancer is
+    called (it used to fail deep in placement with IndexError / AttributeError)."""
+    from lightning_dynmo import BalancerResultError, BalanceProblem, BalanceResult, CostModel, LayerCosts, register_balancer
+    from lightning_dynmo.plan.balancers import unregister_balancer
+
+    problem = BalanceProblem(LayerCosts.from_params([1, 2, 3, 4]), 2, CostModel(4))
+    outputs = {"t_bare": Partition((0, 2, 4)),
+               "t_short": BalanceResult(Partition((0, 1, 3)), 1, 0.0, 0.0, "short"),
+               "t_three": BalanceResult(Partition((0, 1, 2, 4)), 1, 0.0, 0.0, "three"),
+               "t_ok": BalanceResult(Partition((0, 3, 4)), 1, 0.0, 0.0, "ok")}
+    for name, out in outputs.items():
+        register_balancer(name, override=True)(lambda p, out=out: out)
+    try:
+        for name, needle in [("t_bare", "returned Partition, not a BalanceResult"), ("t_short", "3 layers in 2 stages"),
+                             ("t_three", "4 layers in 3 stages")]:
+            with pytest.raises(BalancerResultError, match=f"balancer '{name}'.*{re.escape(needle)}"):
+                get_balancer(name)(problem)
+        assert get_balancer("t_ok")(problem) is outputs["t_ok"]
+    finally:
+        for name in outputs:
+            unregister_balancer(name)
+
+
+def test_infeasible_partition_error_formats_without_a_capacity():
+    from lightning_dynmo import InfeasiblePartitionError
+
+    err = InfeasiblePartitionError(None, None, 4, 2)
+    assert str(err) == "no partition of 4 layers into 2 stages fits the memory capacity"
+    assert "1e+06 bytes per stage" in str(InfeasiblePartitionError(1e6, 2e6, 4, 2))

@@ -129,6 +129,28 @@ def rank_dependent_later(problem):
     return _shifted(problem, -int(os.environ.get("RANK", "0")))
 
 
+@register_balancer("one_layer_short", override=True)
+def one_layer_short(problem):
+    """Wrong size: splits one layer fewer than the problem has."""
+    b = list(get_balancer("uniform")(problem).partition.boundaries)
+    b[-1] -= 1
+    return BalanceResult(partition=Partition(tuple(b)), rounds=1, predicted_step_time=0.0, max_load=0.0, name="short")
+
+
+@register_balancer("one_layer_short_later", override=True)
+def one_layer_short_later(problem):
+    """Right at setup (no current partition), one layer short at every later decision."""
+    if problem.current is None:
+        return get_balancer("uniform")(problem)
+    return one_layer_short(problem)
+
+
+@register_balancer("bare_partition", override=True)
+def bare_partition(problem):
+    """Returns a Partition where a BalanceResult is due."""
+    return get_balancer("uniform")(problem).partition
+
+
 # ---------------------------------------------------------------------------------- callbacks
 class RequestEveryStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
