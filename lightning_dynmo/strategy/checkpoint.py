@@ -12,8 +12,9 @@ fails on every rank with the same message before any collective:
 * every floating-point tensor of the model and optimizer state must be finite;
 * with ``strict=True`` the keys must be exactly the whole model's (the error names the missing and
   unexpected keys, as ``nn.Module.load_state_dict`` does), and shapes must always match;
-* the optimizer state must have the module's optimizer's groups, parameter counts and, for every
-  per-parameter tensor, its parameter's shape.
+* the optimizer state must come from the module's optimizer type (its param groups' settings,
+  e.g. SGD's ``momentum`` where Adam has ``betas``) and have its groups, parameter counts and, for
+  every per-parameter tensor, its parameter's shape.
 
 Expert parallelism: a rank holds one shard of each expert parameter (dim 0 split over its expert
 peers). Saving gathers the shards (and their optimizer state) into whole tensors over the peers
@@ -218,6 +219,23 @@ def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: 
     module.load_state_dict(state, strict=False)
 
 
+def optimizer_type_problems(o: int, optimizer, sd: Any) -> list[str]:
+    """A state dict saved by another optimizer type: its param groups carry settings the module's
+    optimizer does not have *and* lack some it has (one side alone is a torch version adding or
+    dropping a setting). torch would load it and fail at the first step (``KeyError: 'step'``)."""
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping) or not opt.param_groups:
+        return []
+    saved, own = set(groups[0]) - {"params"}, set(opt.param_groups[0]) - {"params"}
+    if not (saved - own and own - saved):
+        return []
+    return [f"optimizer_states[{o}] was saved by another optimizer type than the module's {type(opt).__name__}: its "
+            f"param groups have {sorted(saved - own)} where {type(opt).__name__}'s have {sorted(own - saved)}. Resume "
+            "with the optimizer it was saved with, or load only the weights (the checkpoint's 'state_dict' into "
+            "the module) and start the optimizer afresh"]
+
+
 def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> None:
     """Load the optimizer state of this rank's parameters from a single-process state dict."""
     states = checkpoint["optimizer_states"]
@@ -225,7 +243,8 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
     if len(states) != len(optimizers):
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
     shapes = strategy.full_state_shapes
-    problems = [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
+    problems = [p for o, (opt, sd) in enumerate(zip(optimizers, states)) for p in optimizer_type_problems(o, opt, sd)]
+    problems = problems or [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
     if problems:
         raise CheckpointError(
             "the checkpoint's optimizer state does not fit the module's optimizer: " + "; ".join(problems[:_MAX_LISTED])

@@ -69,6 +69,7 @@ from .collectives import WorldCollectives
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
+from .partial_batch import BatchSizes, check_last_batch
 from .rebalancer import Rebalancer
 from .recorder import log_step
 
@@ -197,6 +198,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
         self._batch_checked = False
+        self._batch_sizes = BatchSizes()
         self._apply_step = True
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
@@ -437,8 +439,10 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
 
     # ------------------------------------------------------------------ pipeline execution
     def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
-        m = self.choose_microbatches(inputs.shape[0])
-        if train:
+        o = self.options  # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
+        m, partial = self._batch_sizes.microbatches(o.schedule, inputs.shape[0], self.layout.pp_size, o.virtual_stages,
+                                                    o.microbatches)
+        if train and not partial:
             self.last_microbatches = m
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
                               self.pipeline_group, self.root_device)
@@ -468,6 +472,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
     def layer_load(self) -> list[float | None]:
         """Each layer's load factor in the last step (layers implementing ReportsLoad), same everywhere."""
         return list(self.rebalancer.layer_load)
+
+    def on_train_start(self) -> None:
+        o = self.options
+        check_last_batch(self.lightning_module.trainer.train_dataloader, o.schedule, self.layout.pp_size,
+                         o.virtual_stages, o.microbatches)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.rebalancer.before_step(self.lightning_module.trainer.global_step)

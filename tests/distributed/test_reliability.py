@@ -42,6 +42,28 @@ def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (), timeout: 
     return proc, results
 
 
+def _single_process_losses(cfg: dict, steps: int, ckpt_path: str | None = None) -> list[float]:
+    """Per-step losses of plain single-process Lightning on the workers' model and loader."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        class Losses(L.Callback):
+            def __init__(self):
+                self.losses = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.losses.append(float(outputs["loss"]))
+
+        rec = Losses()
+        L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                  gradient_clip_val=cfg.get("clip", 1.0), callbacks=[rec]).fit(
+            make_model(cfg), train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
+    return rec.losses
+
+
 def _fit_and_save(cfg: dict, path: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -63,7 +85,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     """A valid 4-layer checkpoint and damaged variants of it."""
     tmp = tmp_path_factory.mktemp("ckpts")
     paths = {name: tmp / f"{name}.ckpt" for name in
-             ("valid", "six_layers", "other_shape", "optim_count", "optim_shape", "nan_weight", "inf_optim", "random")}
+             ("valid", "six_layers", "other_shape", "optim_count", "optim_shape", "sgd_state", "nan_weight", "inf_optim", "random")}
     _fit_and_save(BASE_CKPT, paths["valid"])
     _fit_and_save({"n_layer": 6}, paths["six_layers"])
     _fit_and_save({"n_layer": 4, "mlp_ratios": [1, 4, 2, 4]}, paths["other_shape"])
@@ -81,6 +103,14 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         opt["state"].pop(last, None)
 
     variant("optim_count", drop_last_param)
+
+    def sgd_state(ck):  # what SGD(momentum=0.9) saves for the same parameters
+        opt = ck["optimizer_states"][0]
+        sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9).state_dict()["param_groups"][0]
+        opt["param_groups"] = [{**sgd, "params": g["params"]} for g in opt["param_groups"]]
+        opt["state"] = {i: {"momentum_buffer": st["exp_avg"].clone()} for i, st in opt["state"].items()}
+
+    variant("sgd_state", sgd_state)
     variant("optim_shape", lambda ck: ck["optimizer_states"][0]["state"][1].update(exp_avg=torch.zeros(3)))
     variant("nan_weight", lambda ck: ck["state_dict"]["layers.2.attn.qkv.weight"].view(-1)[5].fill_(float("nan")))
     variant("inf_optim", lambda ck: ck["optimizer_states"][0]["state"][3]["exp_avg_sq"].view(-1)[0].fill_(float("inf")))
@@ -93,6 +123,7 @@ BAD_CHECKPOINTS = [
     ("other_shape", ["size mismatch", "layers.4.mlp.fc.weight"]),
     ("optim_count", ["optimizer", "parameters"]),
     ("optim_shape", ["optimizer", "exp_avg", "[3]"]),
+    ("sgd_state", ["another optimizer type", "AdamW", "'momentum'", "'betas'", "saved with"]),
     ("nan_weight", ["non-finite", "layers.2.attn.qkv.weight"]),
     ("inf_optim", ["non-finite", "exp_avg_sq"]),
     ("random", ["is not a checkpoint"]),
@@ -105,6 +136,8 @@ def _view_partition(schedule: str) -> list[int]:
 
 
 ZERO_BUBBLE = [s for s in SCHEDULES if get_schedule(s).cost_schedule == "zero_bubble"]
+# 30 samples in batches of 8: the 4th batch of each epoch holds 6, which microbatches=4 does not divide
+PARTIAL = dict(n_layer=2, steps=5, n_samples=30, drop_last=False, microbatches=4)
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
                balancer="partition_time", rebalance="every_n", rebalance_interval=2, save_state=True, late_start=4)
 
@@ -125,6 +158,8 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="short_later", n_layer=2, steps=3, balancer="one_layer_short_later", rebalance="every_n",
              rebalance_interval=1),
         dict(case="bare_partition", n_layer=2, steps=2, balancer="bare_partition"),
+        dict(PARTIAL, case="partial_last_batch"),
+        dict(PARTIAL, case="partial_unrunnable", n_samples=25),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -221,6 +256,22 @@ def test_a_balancer_result_of_the_wrong_kind_or_size_fails_on_every_rank_naming_
     _assert_fails_everywhere(cases[case], "BalancerResultError", *needles)
 
 
+# ------------------------------------------------------------------- issue 26, item 11
+def test_a_partial_last_batch_trains_like_one_process(cases):
+    """It runs as fewer micro-batches (3 of 2 samples: the mean loss over its 6 samples); it used
+    to fail at that step."""
+    res = cases["partial_last_batch"]
+    assert _errors(res) == [None, None], _errors(res)
+    reference = _single_process_losses(PARTIAL, PARTIAL["steps"])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_partial_last_batch_no_schedule_can_run_fails_before_the_first_step(cases):
+    res = cases["partial_unrunnable"]  # 1 sample left: 1F1B on 2 ranks needs 2 micro-batches
+    _assert_fails_everywhere(res, "PartialBatchError", "holds 1 samples (8 in the others)", "drop_last=True")
+    assert all(r["losses"] == [] for r in res["per_rank"]), res
+
+
 # ---------------------------------------------------------------------------------- item 9
 def test_skipped_training_step_warns_once_and_the_loss_hook_runs(cases):
     warned = [w for w in cases["warn_training_step"]["per_rank"][0]["warnings"] if "training_step" in w]
@@ -268,24 +319,8 @@ def test_a_tied_checkpoint_resumes_on_the_pipeline_like_in_one_process(cases, ch
     and continues with the losses of a single-process resume."""
     res = cases["ckpt_tied_resume"]
     assert _errors(res) == [None, None], _errors(res)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        class Losses(L.Callback):
-            def __init__(self):
-                self.losses = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.losses.append(float(outputs["loss"]))
-
-        rec = Losses()
-        L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0,
-                  callbacks=[rec]).fit(make_model(TIED_CKPT), train_dataloaders=make_loader(TIED_CKPT, 8),
-                                       ckpt_path=checkpoints["tied"])
-    finally:
-        torch.set_num_threads(threads)
-    assert res["per_rank"][0]["losses"] == pytest.approx(rec.losses, rel=1e-5)
+    reference = _single_process_losses(TIED_CKPT, 3, ckpt_path=checkpoints["tied"])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
     state = torch.load(res["state"])
     assert torch.equal(state["layers.0.wte.weight"], state["layers.6.lm_head.weight"])
 

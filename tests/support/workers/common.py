@@ -70,7 +70,7 @@ def make_loader(cfg: dict, batch: int, reference: bool = False, dp: int | None =
         dp = max(1, batch // cfg["batch"]) if reference and cfg.get("batch") else 1
     if reference and dp > 1:
         return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
-    return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)
+    return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=cfg.get("drop_last", True))
 
 
 def shift_one_boundary(problem):
