@@ -9,6 +9,9 @@ fails on every rank with the same message before any collective:
 
 * the file is read with ``weights_only=True`` (tensors and plain containers only), and a file that
   is not a torch checkpoint at all is called that, not answered with unpickling advice;
+* every entry of the archive must match the CRC-32 the zip format stores for it (``torch.load``
+  does not check it, so flipped bytes inside a tensor would load silently); the error names the
+  damaged entry;
 * every floating-point tensor of the model and optimizer state must be finite;
 * with ``strict=True`` the keys must be exactly the whole model's (the error names the missing and
   unexpected keys, as ``nn.Module.load_state_dict`` does), and shapes must always match;
@@ -59,6 +62,8 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
             head = fh.read(2)
         if not head.startswith(b"\x80"):  # neither torch.save's zip archive nor a (legacy) pickle
             raise CheckpointError(f"{path} is not a checkpoint: it is not a torch.save archive")
+    if local and zipfile.is_zipfile(path):
+        check_archive(path)
     try:
         ckpt = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     except FileNotFoundError:
@@ -82,6 +87,22 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
         )
     check_finite(ckpt, path)
     return ckpt
+
+
+def check_archive(path) -> None:
+    """Every entry of the ``torch.save`` zip archive ``path`` against its stored CRC-32."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as err:  # a damaged header, a short read
+        raise CheckpointError(f"{path} is damaged: its archive cannot be read ({err}). Resume from another "
+                              "checkpoint") from None
+    if bad is not None:
+        what = "a tensor's storage" if "/data/" in bad else "the pickled structure" if bad.endswith(".pkl") else "an entry"
+        raise CheckpointError(
+            f"{path} is damaged: archive entry {bad!r} ({what}) does not match its CRC-32 checksum, so the file "
+            "changed after it was written (disk, copy or transfer error). Resume from another checkpoint"
+        )
 
 
 def _nonfinite(t) -> bool:

@@ -76,6 +76,20 @@ def _fit_and_save(cfg: dict, path: Path) -> None:
         torch.set_num_threads(threads)
 
 
+def _flip_bytes_inside(path: Path, entry: str) -> bytes:
+    """The file's bytes with 4 bytes inverted in the middle of zip entry ``entry`` (stored, not
+    compressed, as torch.save writes it): a valid archive structure, changed tensor values."""
+    import zipfile
+
+    data = bytearray(path.read_bytes())
+    info = zipfile.ZipFile(path).getinfo(entry)
+    head = info.header_offset
+    name_len, extra_len = int.from_bytes(data[head + 26:head + 28], "little"), int.from_bytes(data[head + 28:head + 30], "little")
+    start = head + 30 + name_len + extra_len + info.file_size // 2
+    data[start:start + 4] = bytes(b ^ 0xFF for b in data[start:start + 4])
+    return bytes(data)
+
+
 BASE_CKPT = {"n_layer": 4}
 TIED_CKPT = {"n_layer": 4, "tied": True}
 
@@ -115,6 +129,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     variant("nan_weight", lambda ck: ck["state_dict"]["layers.2.attn.qkv.weight"].view(-1)[5].fill_(float("nan")))
     variant("inf_optim", lambda ck: ck["optimizer_states"][0]["state"][3]["exp_avg_sq"].view(-1)[0].fill_(float("inf")))
     paths["random"].write_bytes(os.urandom(4096))
+    paths["flipped_bytes"] = tmp / "flipped_bytes.ckpt"
+    paths["flipped_bytes"].write_bytes(_flip_bytes_inside(paths["valid"], "archive/data/5"))
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -127,6 +143,7 @@ BAD_CHECKPOINTS = [
     ("nan_weight", ["non-finite", "layers.2.attn.qkv.weight"]),
     ("inf_optim", ["non-finite", "exp_avg_sq"]),
     ("random", ["is not a checkpoint"]),
+    ("flipped_bytes", ["is damaged", "'archive/data/5'", "a tensor's storage", "CRC-32"]),
 ]
 
 

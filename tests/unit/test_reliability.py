@@ -164,6 +164,18 @@ def test_random_bytes_are_not_a_checkpoint(tmp_path):
     assert "weights_only=False" not in str(err.value)
 
 
+@pytest.mark.parametrize("entry", ["good/data/3", "good/data.pkl"])  # torch.save names entries after the file
+def test_flipped_bytes_inside_a_checkpoint_are_refused_naming_the_entry(tmp_path, entry):
+    """Issue 26 item 3: torch.load does not check the zip CRCs, so this file loads (wrong values)."""
+    from tests.distributed.test_reliability import _flip_bytes_inside
+
+    good, bad = tmp_path / "good.ckpt", tmp_path / "bad.ckpt"
+    _tiny_checkpoint(good)
+    bad.write_bytes(_flip_bytes_inside(good, entry))
+    with pytest.raises(Exception, match=rf"bad.ckpt is damaged: archive entry '{entry}'.*CRC-32"):
+        DynMoStrategy().load_checkpoint(bad)
+
+
 def test_checkpoints_load_with_weights_only_true(tmp_path, monkeypatch):
     path = tmp_path / "ok.ckpt"
     _tiny_checkpoint(path)
