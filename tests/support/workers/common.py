@@ -16,6 +16,22 @@ from lightning_dynmo.plan.balancers import BalanceResult
 from lightning_dynmo.models import GPT, GPTConfig
 
 
+class SGDGPT(GPT):
+    """The test GPT trained by SGD with momentum (the module's LR schedule kept): an update is
+    the gradient times the LR, so a constant factor in the gradient (a missing data-parallel
+    divisor or micro-batch mean) changes the weights, where Adam's normalisation cancels it."""
+
+    def configure_optimizers(self):
+        conf = super().configure_optimizers()
+        adam = conf["optimizer"]
+        sgd = torch.optim.SGD([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adam.param_groups],
+                              lr=self.hparams.lr, momentum=0.9)
+        sched = conf["lr_scheduler"]["scheduler"]
+        conf["optimizer"] = sgd
+        conf["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(sgd, sched.lr_lambdas[0])
+        return conf
+
+
 def make_model(cfg: dict, cls: type = GPT) -> GPT:
     """The test GPT; ``cfg["gpt"]``: further GPTConfig fields; ``cfg["tied"]``: the LM head shares
     the token embedding's weight (GPT-2's tying), so the parameter is used by the first and the
@@ -33,6 +49,7 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         tie_embeddings=bool(cfg.get("tied", False)),
         **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
+    cls = SGDGPT if cfg.get("optimizer") == "sgd" and cls is GPT else cls
     return cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
 
 
