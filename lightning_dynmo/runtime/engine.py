@@ -300,6 +300,10 @@ class EngineCache:
             self._engines[key] = engine
         return engine
 
+    def layer_specs(self) -> list[TensorSpec] | None:
+        """Per-layer output specs of the first shape seen (grad-ness is the same for every shape)."""
+        return next(iter(self._layer_specs.values()), None)
+
     def activation_bytes(self) -> list[float] | None:
         """Per-layer output bytes per micro-batch of the first shape seen (None before any step)."""
         specs = next(iter(self._layer_specs.values()), None)

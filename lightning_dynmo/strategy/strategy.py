@@ -53,7 +53,6 @@ from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, s
 from ..runtime.engine import EngineCache, Placement
 from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
-from ..runtime.batches import check_same_batch
 from ..runtime.groups import build_groups
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
@@ -71,6 +70,7 @@ from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_sto
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
 from .partial_batch import BatchSizes, check_last_batch
 from .rebalancer import Rebalancer
+from .step_guard import check_before_run
 from .recorder import log_step
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,6 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._layers_attr = ""
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
-        self._batch_checked = False
         self._batch_sizes = BatchSizes()
         self._apply_step = True
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
@@ -484,10 +483,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
-        if not self._batch_checked:
-            self._batch_checked = True
-            if self.pipeline_parallel > 1:
-                check_same_batch(inputs, targets, self.pipeline_group, self.global_rank, self.root_device)
+        if not self.released:  # same batch everywhere, grad-ness unchanged (strategy/step_guard.py)
+            check_before_run(self, inputs, targets, module.trainer.global_step)
         now = time.perf_counter()
         self.last_batch_size = int(inputs.shape[0])
         losses, busy, wall, loads = None, 0.0, 0.0, {}

@@ -23,7 +23,7 @@ import torch
 from lightning_dynmo import available_schedules
 from lightning_dynmo.plan.schedules import get_schedule
 from tests.support.multiproc import ROOT, run_worker, worker_env
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import FreezeThenUnfreeze, make_loader, make_model
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "reliability_worker.py"
@@ -42,7 +42,7 @@ def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (), timeout: 
     return proc, results
 
 
-def _single_process_losses(cfg: dict, steps: int, ckpt_path: str | None = None) -> list[float]:
+def _single_process_losses(cfg: dict, steps: int, ckpt_path: str | None = None, callbacks=()) -> list[float]:
     """Per-step losses of plain single-process Lightning on the workers' model and loader."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -57,7 +57,7 @@ def _single_process_losses(cfg: dict, steps: int, ckpt_path: str | None = None) 
         rec = Losses()
         L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                  gradient_clip_val=cfg.get("clip", 1.0), callbacks=[rec]).fit(
+                  gradient_clip_val=cfg.get("clip", 1.0), callbacks=[rec, *callbacks]).fit(
             make_model(cfg), train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=ckpt_path)
     finally:
         torch.set_num_threads(threads)
@@ -155,6 +155,8 @@ def _view_partition(schedule: str) -> list[int]:
 ZERO_BUBBLE = [s for s in SCHEDULES if get_schedule(s).cost_schedule == "zero_bubble"]
 # 30 samples in batches of 8: the 4th batch of each epoch holds 6, which microbatches=4 does not divide
 PARTIAL = dict(n_layer=2, steps=5, n_samples=30, drop_last=False, microbatches=4)
+# the whole first stage (layers 0-1 of 7) frozen before the first step, unfrozen by hand at step 2
+UNFREEZE = dict(n_layer=4, steps=5, partition=[0, 2, 7], rebalance="never", unfreeze={"n": 2, "freeze_at": 0, "unfreeze_at": 2})
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
                balancer="partition_time", rebalance="every_n", rebalance_interval=2, save_state=True, late_start=4)
 
@@ -177,6 +179,9 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="bare_partition", n_layer=2, steps=2, balancer="bare_partition"),
         dict(PARTIAL, case="partial_last_batch"),
         dict(PARTIAL, case="partial_unrunnable", n_samples=25),
+        dict(case="augment", n_layer=2, steps=4, augment=True, dropout=0.1),
+        dict(UNFREEZE, case="unfreeze"),
+        dict(case="finetune", n_layer=4, steps=4, n_samples=16, partition=[0, 2, 7], rebalance="never"),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -287,6 +292,33 @@ def test_a_partial_last_batch_no_schedule_can_run_fails_before_the_first_step(ca
     res = cases["partial_unrunnable"]  # 1 sample left: 1F1B on 2 ranks needs 2 micro-batches
     _assert_fails_everywhere(res, "PartialBatchError", "holds 1 samples (8 in the others)", "drop_last=True")
     assert all(r["losses"] == [] for r in res["per_rank"]), res
+
+
+# ------------------------------------------------------------------- issue 26, item 1
+def test_batches_that_drift_apart_after_the_first_step_stop_every_rank(cases):
+    """A dataset augmenting with the global RNG, dropout on: the ranks' RNGs drift apart after
+    step 0, so stage 0's inputs and the last stage's targets came from different draws."""
+    res = cases["augment"]
+    _assert_fails_everywhere(res, "PipelineBatchMismatchError", "different batches (step 1)", "global RNG",
+                             "torch.Generator().manual_seed")
+    assert all(len(r["losses"]) == 1 for r in res["per_rank"]), res  # step 0 agreed and trained
+
+
+# ------------------------------------------------------------------- issue 26, item 8
+def test_unfreezing_a_frozen_stage_by_hand_trains_like_one_process(cases):
+    """The stages were built while stage 0 was frozen (it sent no gradient); it used to fail in
+    torch's stage backward on one rank and hang the other."""
+    res = cases["unfreeze"]
+    assert _errors(res) == [None, None], _errors(res)
+    reference = _single_process_losses(UNFREEZE, UNFREEZE["steps"], callbacks=[FreezeThenUnfreeze(**UNFREEZE["unfreeze"])])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_param_group_added_mid_run_is_refused_on_every_rank(cases):
+    res = cases["finetune"]  # BaseFinetuning.unfreeze_and_add_param_group at epoch 1 (step 2)
+    _assert_fails_everywhere(res, "OptimizerGroupsChangedError", "unfreeze_and_add_param_group", "configure_optimizers",
+                             "requires_grad_(True)")
+    assert all(len(r["losses"]) == 2 for r in res["per_rank"]), res
 
 
 # ---------------------------------------------------------------------------------- item 9

@@ -399,3 +399,21 @@ def test_infeasible_partition_error_formats_without_a_capacity():
     err = InfeasiblePartitionError(None, None, 4, 2)
     assert str(err) == "no partition of 4 layers into 2 stages fits the memory capacity"
     assert "1e+06 bytes per stage" in str(InfeasiblePartitionError(1e6, 2e6, 4, 2))
+
+
+def test_the_batch_digest_sees_a_reordered_batch_and_stale_gradness_is_found():
+    """Issue 26 items 1 and 8: the per-step checks of strategy/step_guard.py."""
+    from lightning_dynmo.runtime.engine import TensorSpec
+    from lightning_dynmo.strategy.step_guard import batch_digest, stale_gradness
+
+    x = torch.arange(32).reshape(4, 8)
+    assert batch_digest(x) == batch_digest(x.clone())
+    assert batch_digest(x) != batch_digest(x[[1, 0, 2, 3]])  # same values, other order
+    layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    for p in layers[0].parameters():
+        p.requires_grad_(False)
+    built_frozen = [TensorSpec((1, 2), torch.float32, False), TensorSpec((1, 2), torch.float32, True)]
+    assert not stale_gradness(layers, [0, 1], built_frozen) and not stale_gradness(layers, [0], None)
+    for p in layers[0].parameters():
+        p.requires_grad_(True)  # unfrozen by hand: layer 0's output now needs a gradient
+    assert stale_gradness(layers, [0], built_frozen) and not stale_gradness(layers, [1], built_frozen)

@@ -43,7 +43,7 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         n_layer=n_layer,
         n_head=2,
         n_embd=cfg.get("n_embd", 32),
-        dropout=0.0,
+        dropout=cfg.get("dropout", 0.0),
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
         tie_embeddings=bool(cfg.get("tied", False)),
@@ -111,6 +111,21 @@ def shift_one_boundary(problem):
 # the same user balancer under the names the workers use
 for _name in ("test_cycle", "test_shift"):
     register_balancer(_name, override=True)(shift_one_boundary)
+
+
+class FreezeThenUnfreeze(L.Callback):
+    """What a user (or Lightning's BaseFinetuning) does by hand: ``requires_grad_(False)`` on the
+    first ``n`` pipeline layers at step ``freeze_at``, ``requires_grad_(True)`` at ``unfreeze_at``,
+    without telling the strategy (layers another rank holds have no parameters here)."""
+
+    def __init__(self, n: int, freeze_at: int, unfreeze_at: int):
+        self.n, self.freeze_at, self.unfreeze_at = n, freeze_at, unfreeze_at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in (self.freeze_at, self.unfreeze_at):
+            for layer in list(pl_module.pipeline_layers())[: self.n]:
+                for p in layer.parameters():
+                    p.requires_grad_(trainer.global_step == self.unfreeze_at)
 
 
 class LossRecorder(L.Callback):

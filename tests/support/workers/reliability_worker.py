@@ -27,7 +27,7 @@ from lightning_dynmo import DynMoStrategy, Partition, register_balancer
 from lightning_dynmo.models import GPT
 from lightning_dynmo.plan.balancers import BalanceResult, get_balancer
 
-from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.common import FreezeThenUnfreeze, LossRecorder, make_loader, make_model, run_spec
 
 
 # ---------------------------------------------------------------------------------- modules
@@ -103,6 +103,43 @@ class HookGPT(GPT):
 
     def on_pipeline_train_loss(self, loss, batch, batch_idx):
         self.hook_calls = getattr(self, "hook_calls", []) + [(int(batch_idx), float(loss))]
+
+
+class AugmentedTokens(torch.utils.data.Dataset):
+    """Token sequences with one position replaced by a token drawn from the *global* RNG (an
+    augmentation as many datasets write it): the draws follow each rank's RNG."""
+
+    def __init__(self, cfg: dict):
+        x, y = make_loader(cfg, 1).dataset.tensors
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i].clone()
+        x[int(torch.randint(0, x.numel(), ()))] = int(torch.randint(0, 64, ()))
+        return x, self.y[i]
+
+
+class FinetuneFirstLayers(L.pytorch.callbacks.BaseFinetuning):
+    """Lightning's own fine-tuning recipe: the first two layers frozen before the optimizer is
+    built, unfrozen and added as a new param group at epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(list(pl_module.pipeline_layers())[:2])
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(list(pl_module.pipeline_layers())[:2], optimizer)
+
+
+class SeedGlobalRNG(L.Callback):
+    """``torch.manual_seed`` on every rank when training starts (what ``seed_everything`` does):
+    the ranks' global RNGs agree there and drift apart as dropout runs on some ranks only."""
+
+    def on_train_start(self, trainer, pl_module):
+        torch.manual_seed(1234)
 
 
 # ---------------------------------------------------------------------------------- balancers
@@ -217,6 +254,12 @@ def build(cfg: dict, out_dir: str, idx: int):
         callbacks.append(RequestEveryStep())
     if case == "order":
         callbacks.append(BatchOrder())
+    if cfg.get("augment"):
+        callbacks.append(SeedGlobalRNG())
+    if case == "finetune":
+        callbacks.append(FinetuneFirstLayers())
+    if case == "unfreeze":
+        callbacks.append(FreezeThenUnfreeze(**cfg["unfreeze"]))
     if case.startswith("profile"):
         callbacks.append(ProfileOnce())
     if case in ("restart", "restart_reference"):
@@ -259,7 +302,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         warnings.simplefilter("always")
         try:
             for _ in range(2 if cfg["case"] == "fit_twice" else 1):  # a second fit on the split module must refuse
-                trainer.fit(model, train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=cfg.get("resume"))
+                loader = make_loader(cfg, cfg.get("batch", 8))
+                if cfg.get("augment"):
+                    loader = torch.utils.data.DataLoader(AugmentedTokens(cfg), batch_size=cfg.get("batch", 8))
+                trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
         except Exception as err:  # noqa: BLE001 - recorded and compared by the test
             error = f"{type(err).__name__}: {err}"
     local = {
