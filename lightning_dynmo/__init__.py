@@ -5,6 +5,7 @@
 from .plan.balancers import (
     BalanceProblem,
     BalanceResult,
+    BalancerResultError,
     InfeasiblePartitionError,
     available_balancers,
     get_balancer,
@@ -22,6 +23,7 @@ from .strategy import DynMoStrategy
 __all__ = [
     "BalanceProblem",
     "BalanceResult",
+    "BalancerResultError",
     "CostModel",
     "Decision",
     "DynMoStrategy",

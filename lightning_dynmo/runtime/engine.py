@@ -59,6 +59,19 @@ def check_loss_value(loss, loss_fn: LossFn) -> str | None:
     return None
 
 
+def check_loss_grad(loss_fn: LossFn, output: torch.Tensor, needs_grad: bool, target: torch.Tensor) -> str | None:
+    """:func:`check_loss_value`, plus: a loss of an output that needs a gradient must need one
+    too (``out.detach()`` in the loss would train nothing, where one process raises)."""
+    with torch.enable_grad():
+        loss = loss_fn(output.detach().requires_grad_(needs_grad), target)
+    problem = check_loss_value(loss, loss_fn)
+    if problem is None and needs_grad and not loss.requires_grad:
+        problem = (f"{loss_name(loss_fn)}(output, target) returned a loss that does not require grad, so no "
+                   "gradient would reach any layer (single-process Lightning raises here too). Compute the loss "
+                   "from `output` without `.detach()`, `.item()` or `torch.no_grad()`")
+    return problem
+
+
 def checked_loss(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` with a check that names the fix (the schedule calls it on the last stage)."""
 
@@ -161,7 +174,7 @@ def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor,
                     dist.send_object_list([(act.cpu(), act_rg)], dst=ranks[nxt], group=group, device=obj_device)
             elif loss_fn is not None and microbatch_target is not None:
                 try:
-                    problem = check_loss_value(loss_fn(act, microbatch_target), loss_fn)
+                    problem = check_loss_grad(loss_fn, act, act_rg, microbatch_target)
                 except Exception as err:  # noqa: BLE001 - reported on every rank below
                     problem = f"{loss_name(loss_fn)}(output, target) raised {type(err).__name__}: {err}"
     gathered: list = [None] * len(ranks)
@@ -286,6 +299,10 @@ class EngineCache:
                                     self._layer_specs[spec_key], self.profiler, recompute)
             self._engines[key] = engine
         return engine
+
+    def layer_specs(self) -> list[TensorSpec] | None:
+        """Per-layer output specs of the first shape seen (grad-ness is the same for every shape)."""
+        return next(iter(self._layer_specs.values()), None)
 
     def activation_bytes(self) -> list[float] | None:
         """Per-layer output bytes per micro-batch of the first shape seen (None before any step)."""

@@ -9,11 +9,15 @@ fails on every rank with the same message before any collective:
 
 * the file is read with ``weights_only=True`` (tensors and plain containers only), and a file that
   is not a torch checkpoint at all is called that, not answered with unpickling advice;
+* every entry of the archive must match the CRC-32 the zip format stores for it (``torch.load``
+  does not check it, so flipped bytes inside a tensor would load silently); the error names the
+  damaged entry;
 * every floating-point tensor of the model and optimizer state must be finite;
 * with ``strict=True`` the keys must be exactly the whole model's (the error names the missing and
   unexpected keys, as ``nn.Module.load_state_dict`` does), and shapes must always match;
-* the optimizer state must have the module's optimizer's groups, parameter counts and, for every
-  per-parameter tensor, its parameter's shape.
+* the optimizer state must come from the module's optimizer type (its param groups' settings,
+  e.g. SGD's ``momentum`` where Adam has ``betas``) and have its groups, parameter counts and, for
+  every per-parameter tensor, its parameter's shape.
 
 Expert parallelism: a rank holds one shard of each expert parameter (dim 0 split over its expert
 peers). Saving gathers the shards (and their optimizer state) into whole tensors over the peers
@@ -58,6 +62,8 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
             head = fh.read(2)
         if not head.startswith(b"\x80"):  # neither torch.save's zip archive nor a (legacy) pickle
             raise CheckpointError(f"{path} is not a checkpoint: it is not a torch.save archive")
+    if local and zipfile.is_zipfile(path):
+        check_archive(path)
     try:
         ckpt = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     except FileNotFoundError:
@@ -81,6 +87,22 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
         )
     check_finite(ckpt, path)
     return ckpt
+
+
+def check_archive(path) -> None:
+    """Every entry of the ``torch.save`` zip archive ``path`` against its stored CRC-32."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as err:  # a damaged header, a short read
+        raise CheckpointError(f"{path} is damaged: its archive cannot be read ({err}). Resume from another "
+                              "checkpoint") from None
+    if bad is not None:
+        what = "a tensor's storage" if "/data/" in bad else "the pickled structure" if bad.endswith(".pkl") else "an entry"
+        raise CheckpointError(
+            f"{path} is damaged: archive entry {bad!r} ({what}) does not match its CRC-32 checksum, so the file "
+            "changed after it was written (disk, copy or transfer error). Resume from another checkpoint"
+        )
 
 
 def _nonfinite(t) -> bool:
@@ -218,6 +240,23 @@ def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: 
     module.load_state_dict(state, strict=False)
 
 
+def optimizer_type_problems(o: int, optimizer, sd: Any) -> list[str]:
+    """A state dict saved by another optimizer type: its param groups carry settings the module's
+    optimizer does not have *and* lack some it has (one side alone is a torch version adding or
+    dropping a setting). torch would load it and fail at the first step (``KeyError: 'step'``)."""
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping) or not opt.param_groups:
+        return []
+    saved, own = set(groups[0]) - {"params"}, set(opt.param_groups[0]) - {"params"}
+    if not (saved - own and own - saved):
+        return []
+    return [f"optimizer_states[{o}] was saved by another optimizer type than the module's {type(opt).__name__}: its "
+            f"param groups have {sorted(saved - own)} where {type(opt).__name__}'s have {sorted(own - saved)}. Resume "
+            "with the optimizer it was saved with, or load only the weights (the checkpoint's 'state_dict' into "
+            "the module) and start the optimizer afresh"]
+
+
 def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> None:
     """Load the optimizer state of this rank's parameters from a single-process state dict."""
     states = checkpoint["optimizer_states"]
@@ -225,7 +264,8 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
     if len(states) != len(optimizers):
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
     shapes = strategy.full_state_shapes
-    problems = [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
+    problems = [p for o, (opt, sd) in enumerate(zip(optimizers, states)) for p in optimizer_type_problems(o, opt, sd)]
+    problems = problems or [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
     if problems:
         raise CheckpointError(
             "the checkpoint's optimizer state does not fit the module's optimizer: " + "; ".join(problems[:_MAX_LISTED])

@@ -14,12 +14,13 @@ import math
 import time
 import zlib
 from collections import deque
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..plan.balancers import BalanceProblem, get_balancer
+from ..plan.balancers import BalanceProblem, BalancerResultError, get_balancer
 from ..plan.cost_model import CostModel, LayerCosts
 from ..plan.measurements import loads_near_profile, merge_layer_costs, scale_by_load, smooth_load
 from ..plan.migration_plan import MigrationPlan
@@ -242,9 +243,21 @@ class Rebalancer:
         params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         problem = BalanceProblem(costs=LayerCosts.from_params(params), num_stages=s.layout.num_stages,
                                  model=self.cost_model(), current=None)
-        partition = get_balancer(self.balancer)(problem).partition
+        with self.agreed_failure("the initial partition at setup"):
+            partition = get_balancer(self.balancer)(problem).partition
         self.check_agreement(str(partition), True, "the initial partition at setup")
         return partition
+
+    @contextmanager
+    def agreed_failure(self, what: str):
+        """A balancer result that fails its check (``BalancerResultError``) on some ranks is
+        raised on every rank: the failing ranks join the agreement all-reduce the others make
+        next, so no rank waits in it alone."""
+        try:
+            yield
+        except BalancerResultError as err:
+            self.check_agreement(f"error: {err}", False, what)
+            raise
 
     def check_agreement(self, result: str | None, applied: bool, what: str) -> None:
         """Every rank must have reached the same result (one all-reduce over the world)."""
@@ -280,8 +293,9 @@ class Rebalancer:
         cost = self.migration_cost
         if cost is None:
             cost = max(self.rank_wall) if self.rank_wall else 0.0  # first time: assume one step
-        decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
-                               current=before, policy=self.policy, migration_cost=cost, samples=samples)
+        with self.agreed_failure(f"the decision at step {step}"):
+            decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
+                                   current=before, policy=self.policy, migration_cost=cost, samples=samples)
         self.check_agreement(decision.after, new is not None, f"the decision at step {step}")
         self.policy.decided(step, applied=new is not None, left=before)
         if new is not None:
@@ -299,10 +313,11 @@ class Rebalancer:
             self._record(base.with_(why="refused: no step has run yet"))
             return
         try:
-            plan = plan_repack(
-                costs, before, self.cost_model(), ranks_before, target, self.balancer,
-                lambda r: s.choose_microbatches(s.last_batch_size, pp=r), s.layout.virtual, self.repack_tolerance,
-            )
+            with self.agreed_failure(f"the re-pack decision at step {step}"):
+                plan = plan_repack(
+                    costs, before, self.cost_model(), ranks_before, target, self.balancer,
+                    lambda r: s.choose_microbatches(s.last_batch_size, pp=r), s.layout.virtual, self.repack_tolerance,
+                )
         except RepackRefused as err:
             self.check_agreement(None, False, f"the re-pack decision at step {step}")
             self._record(base.with_(why=f"refused: {err}"))

@@ -53,7 +53,6 @@ from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, s
 from ..runtime.engine import EngineCache, Placement
 from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
-from ..runtime.batches import check_same_batch
 from ..runtime.groups import build_groups
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
@@ -69,7 +68,9 @@ from .collectives import WorldCollectives
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
+from .partial_batch import BatchSizes, check_last_batch
 from .rebalancer import Rebalancer
+from .step_guard import check_before_run
 from .recorder import log_step
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._layers_attr = ""
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
-        self._batch_checked = False
+        self._batch_sizes = BatchSizes()
         self._apply_step = True
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
@@ -436,8 +437,10 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
 
     # ------------------------------------------------------------------ pipeline execution
     def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
-        m = self.choose_microbatches(inputs.shape[0])
-        if train:
+        o = self.options  # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
+        m, partial = self._batch_sizes.microbatches(o.schedule, inputs.shape[0], self.layout.pp_size, o.virtual_stages,
+                                                    o.microbatches)
+        if train and not partial:
             self.last_microbatches = m
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
                               self.pipeline_group, self.root_device)
@@ -468,16 +471,19 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         """Each layer's load factor in the last step (layers implementing ReportsLoad), same everywhere."""
         return list(self.rebalancer.layer_load)
 
+    def on_train_start(self) -> None:
+        o = self.options
+        check_last_batch(self.lightning_module.trainer.train_dataloader, o.schedule, self.layout.pp_size,
+                         o.virtual_stages, o.microbatches)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.rebalancer.before_step(self.lightning_module.trainer.global_step)
 
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
-        if not self._batch_checked:
-            self._batch_checked = True
-            if self.pipeline_parallel > 1:
-                check_same_batch(inputs, targets, self.pipeline_group, self.global_rank, self.root_device)
+        if not self.released:  # same batch everywhere, grad-ness unchanged (strategy/step_guard.py)
+            check_before_run(self, inputs, targets, module.trainer.global_step)
         now = time.perf_counter()
         self.last_batch_size = int(inputs.shape[0])
         losses, busy, wall, loads = None, 0.0, 0.0, {}

@@ -21,7 +21,7 @@ EXPECTED = {
     "accumulate_grad_batches": r"ValueError: DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches`",
     "manual_optimisation": r"PipelineProtocolError: .*needs automatic optimisation",
     "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
-    "different_batches": r"RuntimeError: rank {rank}: the ranks of one pipeline received different batches",
+    "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different batches \(step 0\)",
     "checkpoint_two_optimizers": r"checkpoint has 2 optimizers, the module configures 1",
 }
 # a damaged checkpoint lacks an entry of rank 0's layers and one of rank 1's

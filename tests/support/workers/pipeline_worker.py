@@ -61,6 +61,19 @@ class ReleaseListener(L.Callback):
         self.ranks = list(ranks)
 
 
+def _pipeline_grad_norm(trainer) -> float:
+    """The whole model's gradient norm: local norms summed over the pipeline group (NaN on a
+    released rank, which joins no collective)."""
+    s = trainer.strategy
+    if s.released:
+        return math.nan
+    grads = [p.grad for p in trainer.lightning_module.parameters() if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+    sq = local.double().square().reshape(1)
+    dist.all_reduce(sq, group=s.pipeline_group)
+    return float(sq.sqrt())
+
+
 class StepProbe(L.Callback):
     """Per step, on every rank: the whole model's gradient norm *before* clipping (local norms
     summed over the pipeline group; what ``clip_grad_norm_`` would see in one process), the
@@ -74,6 +87,16 @@ class StepProbe(L.Callback):
         self._saved = 0
         self._hooks = None
 
+        self.post_clip_norms: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.gradient_clip_val and not getattr(self, "_stepping", False):
+            # right after the update (a pre-hook would run before Lightning's closure): the norm
+            # clipping left (the optimizers here leave .grad as it was)
+            self._stepping = True
+            for opt in trainer.optimizers:
+                opt.register_step_post_hook(lambda *_: self.post_clip_norms.append(_pipeline_grad_norm(trainer)))
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._saved = 0
 
@@ -85,15 +108,7 @@ class StepProbe(L.Callback):
         self._hooks.__enter__()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        s = trainer.strategy
-        if s.released:
-            self.grad_norms.append(math.nan)
-            return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
-        sq = local.double().square().reshape(1)
-        dist.all_reduce(sq, group=s.pipeline_group)
-        self.grad_norms.append(float(sq.sqrt()))
+        self.grad_norms.append(_pipeline_grad_norm(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._hooks.__exit__(None, None, None)
@@ -193,7 +208,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "released_hook_per_rank": [x[5] for x in per_rank], "saved_tensors_per_rank": [x[6] for x in per_rank],
               "strategy_released_ranks_per_rank": [x[7] for x in per_rank],
               "repack_to_returned_per_rank": [x[8] for x in per_rank],
-              "grad_norms": probe.grad_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
+              "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None}
     if trainer.global_rank == 0:
