@@ -17,8 +17,10 @@ a rebalance would migrate. ``diffusion_pairs_only`` is diffusion without widenin
 local fixed point that stalls on staircases.
 
 Last line: JSON with ``partition_optimal_fraction`` (partition_time and partition_param exact on
-every instance: 1.0), ``partition_ms_96x32`` (mean ms of partition_time on 96 layers x 32
-stages, bandwidth and capacity on), ``diffusion_mean_ratio`` / ``diffusion_worst_ratio``
+every instance: 1.0), ``partition_ms_96x32`` and ``partition_ms_200x32`` (mean ms of
+partition_time on 96 or 200 layers x 32 stages, bandwidth and capacity on, every shape; the
+``partition_max_ms_*`` keys give the slowest call, ``partition_cpu_ms_*`` the mean process CPU
+time, which a loaded machine inflates least; target for 200 x 32: under 50 ms), ``diffusion_mean_ratio`` / ``diffusion_worst_ratio``
 (diffusion_time), ``diffusion_param_worst_ratio`` (max stage parameters / optimum) and per
 balancer mean / worst ratio, worst ratio per shape, ms per call and layers moved.
 
@@ -43,6 +45,7 @@ from lightning_dynmo.plan.balancers.exact import min_peak_memory  # noqa: E402
 from lightning_dynmo.plan.cost_model import CostModel, LayerCosts  # noqa: E402
 
 SHAPES = ("uniform", "lognormal", "few_heavy", "frozen_prefix", "early_exit")
+SPEED_SIZES = ((96, 32), (200, 32))  # layers x stages timed with links and memory on (target: 200 x 32 < 50 ms)
 BALANCERS = ("uniform", "param", "partition_time", "partition_param", "diffusion_time", "diffusion_param")
 
 
@@ -135,13 +138,16 @@ def run(instances: int, seed: int) -> dict:
                 optimal.append(peak_params == opt_params)
             elif n == "diffusion_param":
                 param_ratio.append(peak_params / opt_params)
-    speed = []
-    for shape in SHAPES:
-        problem = instance(random.Random(seed + 1), shape, 96, 32, True, True)
-        for _ in range(3):
-            t0 = time.perf_counter()
-            get_balancer("partition_time")(problem)
-            speed.append((time.perf_counter() - t0) * 1e3)
+    speed = {size: [] for size in SPEED_SIZES}
+    cpu = {size: [] for size in SPEED_SIZES}  # process CPU time: what a loaded machine inflates least
+    for L, S in SPEED_SIZES:
+        for shape in SHAPES:
+            problem = instance(random.Random(seed + 1), shape, L, S, True, True)
+            for _ in range(3):
+                t0, c0 = time.perf_counter(), time.process_time()
+                get_balancer("partition_time")(problem)
+                speed[L, S].append((time.perf_counter() - t0) * 1e3)
+                cpu[L, S].append((time.process_time() - c0) * 1e3)
     table = {
         n: {
             "mean_ratio": round(statistics.fmean(ratio[n]), 4),
@@ -156,7 +162,9 @@ def run(instances: int, seed: int) -> dict:
         "benchmark": "balancers",
         "instances": instances,
         "partition_optimal_fraction": statistics.fmean(optimal),
-        "partition_ms_96x32": round(statistics.fmean(speed), 2),
+        **{f"partition_ms_{L}x{S}": round(statistics.fmean(v), 2) for (L, S), v in speed.items()},
+        **{f"partition_max_ms_{L}x{S}": round(max(v), 2) for (L, S), v in speed.items()},
+        **{f"partition_cpu_ms_{L}x{S}": round(statistics.fmean(v), 2) for (L, S), v in cpu.items()},
         "diffusion_mean_ratio": table["diffusion_time"]["mean_ratio"],
         "diffusion_worst_ratio": table["diffusion_time"]["worst_ratio"],
         "diffusion_param_worst_ratio": round(max(param_ratio), 4),

@@ -8,8 +8,12 @@ Everything is simulated by :mod:`lightning_dynmo.sim` (torch's schedule order, t
 balancers and cost model): per-layer costs from a measured profile of the paper's GPT block,
 changed over training by synthetic models of each dynamism case. The run directory gets
 ``report.md``, ``paper_scale.png`` and ``results.json``; the last line printed is one JSON object
-whose ``projected_speedup_vs_static`` maps each case to its speedup at the headline cell
-(default: 48 layers on 24 stages), with bubble fractions before/after and the packing figures.
+whose ``projected_speedup_vs_static`` maps each case to its speedup (best dynamic over best static
+at the same granularity) at the headline cell (default: 48 layers on 24 stages, sub-layer
+granularity: attention and MLP halves, the LM head + loss in ``head_chunks`` vocabulary chunks),
+with ``fluid_ceiling`` per case, ``dense_efficiency``, bubble fractions before/after, the
+block-granularity figures (``granularities``), the zero-bubble schedules (``schedules``) and the
+packing figures.
 """
 from __future__ import annotations
 

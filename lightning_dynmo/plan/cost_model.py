@@ -273,6 +273,16 @@ class CostModel:
         transient = max((costs.activation[i] for i in self.recompute if start <= i < stop), default=0.0)
         return costs.memory_sum(start, stop) + k * kept + transient
 
+    def memory_fn(self, costs: LayerCosts, stage: int, num_stages: int):
+        """``f(start, stop)`` == ``segment_memory(costs, start, stop, stage, num_stages)``, bit for
+        bit, without the per-call overhead (balancers evaluate it thousands of times)."""
+        if self.recompute:
+            return lambda i, j: self.segment_memory(costs, i, j, stage, num_stages)
+        k = self.inflight(stage, num_stages)
+        mp, ap = costs._memory_prefix, costs._activation_prefix
+        pm, dm, pa, da = mp.p, mp.den, ap.p, ap.den
+        return lambda i, j: (pm[j] - pm[i]) / dm + k * ((pa[j] - pa[i]) / da)
+
     # ---- activation checkpointing -----------------------------------------------------------
     def with_recompute(self, layers) -> "CostModel":
         """This model with ``layers`` (indices) under activation checkpointing."""

@@ -5,6 +5,14 @@ Driven by ``recipes/paper_scale.py`` (Hydra, ``conf/paper_scale.yaml``); :func:`
 plain dict with the same keys, so tests run it on a tiny grid. Everything here is *simulated*: the
 per-layer costs are a measured H100 profile of the paper's GPT block changed by synthetic models
 of each case (:mod:`lightning_dynmo.sim.scenarios`, which lists every parameter's source).
+
+Each cell is simulated at the headline ``granularity`` (``sublayer``: attention and MLP halves,
+the LM head + loss in ``head_chunks`` vocabulary chunks) and, with ``compare_block``, at block
+granularity beside it; the headline cell is also run under the zero-bubble ``schedules``. Two
+yardsticks come with every cell: ``fluid_ceiling``, the speedup over the best static partition
+if every rank held exactly its share of the work (the schedule's own bubble kept, transfers and
+all-reduce free), and ``dense_efficiency``, that ideal over the best partition's step time for
+the model without dynamism. The report and plot are :mod:`.report`'s.
 """
 from __future__ import annotations
 
@@ -14,18 +22,11 @@ import math
 import time
 from pathlib import Path
 
-from .scenarios import (CASES, PER_ITERATION, Profile, compare, dense, load_profile, repack_projection)
+from .report import PAPER, plot, report
+from .scenarios import (CASES, PER_ITERATION, Comparison, Profile, Snapshot, compare, dense, load_profile,
+                        repack_projection)
+from .scenarios.snapshot import check_granularity
 from .simulate import DataParallel, Link
-
-#: The DynMo paper's figures (seeds/001), for side-by-side reading only (never used as targets).
-PAPER = {
-    "speedup": {"moe": 1.23, "pruning": 3.18, "freezing": 2.23, "sparse_attention": 4.02, "early_exit": 4.52,
-                "mod": 1.17},
-    "bubble": {"moe": (0.25, 0.08), "mod": (0.18, 0.04)},
-    "packing": {"pruning": (8, 5.8)},
-    "note": "early exit and sparse attention speedups are over the model without the dynamism "
-            "(paper 4.1); the others over the best of static Megatron-LM / DeepSpeed",
-}
 
 DEFAULTS: dict = {
     "quick": False,
@@ -36,6 +37,10 @@ DEFAULTS: dict = {
     "stages": [8, 16, 24],
     "headline": {"layers": 48, "stages": 24},
     "schedule": "1f1b",
+    "schedules": ["zbv", "zero_bubble"],
+    "granularity": "sublayer",
+    "head_chunks": 8,
+    "compare_block": True,
     "microbatches_per_stage": 4,
     "static": ["megatron", "uniform", "param"],
     "dynamic": ["partition_time", "partition_param", "diffusion_time", "diffusion_param"],
@@ -66,6 +71,7 @@ def merged(cfg: dict | None) -> dict:
     bad = [c for c in out["cases"] if c not in CASES]
     if bad:
         raise ValueError(f"unknown cases {bad}; valid: {sorted(CASES)}")
+    check_granularity(out["granularity"], out["head_chunks"])
     if out["quick"]:
         h = out["headline"]
         out["layers"] = sorted({h["layers"]})
@@ -85,12 +91,22 @@ def links(stages: int, net: dict) -> list[Link]:
     return [ib if (r + 1) % g == 0 or r == stages - 1 else nv for r in range(stages)]
 
 
-def _trajectory(case: str, layers: int, profile: Profile, cfg: dict):
+def layouts(cfg: dict) -> dict[str, dict]:
+    """The granularities simulated, headline first: name -> ``granularity`` / ``head_chunks``."""
+    head = {"granularity": cfg["granularity"],
+            "head_chunks": int(cfg["head_chunks"]) if cfg["granularity"] == "sublayer" else 1}
+    out = {cfg["granularity"]: head}
+    if cfg["compare_block"] and cfg["granularity"] != "block":
+        out["block"] = {"granularity": "block", "head_chunks": 1}
+    return out
+
+
+def _trajectory(case: str, layers: int, profile: Profile, cfg: dict, layout: dict):
     if case in PER_ITERATION:
-        return CASES[case](layers, profile, snapshots=int(cfg["per_iteration_snapshots"]))
+        return CASES[case](layers, profile, snapshots=int(cfg["per_iteration_snapshots"]), **layout)
     if case == "pruning":
-        return CASES[case](layers, profile)
-    return CASES[case](layers, profile, snapshots=int(cfg["snapshots"]))
+        return CASES[case](layers, profile, **layout)
+    return CASES[case](layers, profile, snapshots=int(cfg["snapshots"]), **layout)
 
 
 def _dp(case: str, cfg: dict) -> DataParallel:
@@ -106,18 +122,30 @@ def _profile(cfg: dict, head_scale: float | None = None) -> Profile:
     return p if k == 1.0 else dataclasses.replace(p, head=(k * p.head[0], k * p.head[1]))
 
 
-def _cell(case: str, layers: int, stages: int, profile: Profile, cfg: dict) -> dict:
-    traj = _trajectory(case, layers, profile, cfg)
+def ideal_seconds(trajectory: list[Snapshot], stages: int, microbatches: int, inherent: float) -> float:
+    """Iteration-weighted step time if every rank held exactly 1/stages of the work: its
+    per-micro-batch share times m, over 1 - the schedule's own bubble (free links, no
+    all-reduce)."""
+    return math.fsum(s.iterations * s.costs.time_sum(0, s.costs.num_layers) / stages * microbatches / (1 - inherent)
+                     for s in trajectory)
+
+
+def _cell(case: str, layers: int, stages: int, profile: Profile, cfg: dict, layout: dict,
+          schedule: str | None = None) -> dict:
+    schedule = schedule or cfg["schedule"]
+    traj = _trajectory(case, layers, profile, cfg, layout)
     kw = dict(link=links(stages, cfg["network"]), dp=_dp(case, cfg), horizon=float(cfg["horizon"]))
     m = int(cfg["microbatches_per_stage"]) * stages
-    c = compare(traj, stages, cfg["schedule"], m, static=cfg["static"], dynamic=cfg["dynamic"], **kw)
-    ref = compare(dense(layers, profile), stages, cfg["schedule"], m, static=cfg["static"], dynamic=cfg["dynamic"],
-                  **kw)
+    c = compare(traj, stages, schedule, m, static=cfg["static"], dynamic=cfg["dynamic"], **kw)
+    dense_traj = dense(layers, profile, **layout)
+    ref = compare(dense_traj, stages, schedule, m, static=cfg["static"], dynamic=cfg["dynamic"], **kw)
     its = sum(c.iterations)
     per_it = {n: t / its for n, t in c.step_time.items()}
     dense_static = min(ref.step_time[n] for n in cfg["static"]) / sum(ref.iterations)
     return {
         "case": case, "layers": layers, "stages": stages, "gpus": stages * _dp(case, cfg).replicas,
+        "granularity": layout["granularity"], "head_chunks": layout["head_chunks"], "schedule": schedule,
+        "pipeline_layers": traj[0].costs.num_layers,
         "seconds_per_iteration": per_it,
         "speedup_vs_static": c.best_speedup,
         "speedup": c.speedup,
@@ -129,6 +157,38 @@ def _cell(case: str, layers: int, stages: int, profile: Profile, cfg: dict) -> d
         "rebalances": c.rebalances, "migration_seconds": c.migration_seconds,
         "series": {n: c.series[n] for n in (c.best_static, c.best_dynamic)}, "iterations": c.iterations,
         "dense_speedup_vs_static": ref.best_speedup,
+        "fluid_ceiling": c.step_time[c.best_static] / ideal_seconds(traj, stages, m, c.inherent_bubble),
+        "dense_efficiency": ideal_seconds(dense_traj, stages, m, ref.inherent_bubble) / min(ref.step_time.values()),
+        "dense_best": min(ref.step_time, key=ref.step_time.get),
+    }
+
+
+def _versus_block(cells: list[dict]) -> None:
+    """Adds ``speedup_vs_block_static`` to every finer cell: today's best static split at block
+    granularity over this cell's best dynamic one (what the finer cuts and balancing give
+    together; ``speedup_vs_static`` compares at the same granularity)."""
+    block = {(c["case"], c["layers"], c["stages"], c["schedule"]): c for c in cells if c["granularity"] == "block"}
+    for c in cells:
+        b = block.get((c["case"], c["layers"], c["stages"], c["schedule"]))
+        if b is not None and c["granularity"] != "block":
+            c["speedup_vs_block_static"] = (b["seconds_per_iteration"][b["best_static"]]
+                                            / c["seconds_per_iteration"][c["best_dynamic"]])
+
+
+def _figures(cells: dict[str, dict]) -> dict:
+    """The JSON figures of one set of headline cells (case -> cell)."""
+    first = next(iter(cells.values()), None)
+    return {
+        "projected_speedup_vs_static": {c: round(x["speedup_vs_static"], 4) for c, x in cells.items()},
+        "fluid_ceiling": {c: round(x["fluid_ceiling"], 4) for c, x in cells.items()},
+        "bubble_static": {c: round(x["bubble_static"], 4) for c, x in cells.items()},
+        "bubble_dynamic": {c: round(x["bubble_dynamic"], 4) for c, x in cells.items()},
+        "best_dynamic_balancer": {c: x["best_dynamic"] for c, x in cells.items()},
+        **({"speedup_vs_block_static": {c: round(x["speedup_vs_block_static"], 4) for c, x in cells.items()}}
+           if all("speedup_vs_block_static" in x for x in cells.values()) and cells else {}),
+        "dense_efficiency": round(first["dense_efficiency"], 4) if first else None,
+        "inherent_bubble": round(first["inherent_bubble"], 4) if first else None,
+        "pipeline_layers": first["pipeline_layers"] if first else None,
     }
 
 
@@ -138,34 +198,35 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
     cfg = merged(cfg)
     t0 = time.perf_counter()
     profile = _profile(cfg)
+    lays = layouts(cfg)
+    finest = next(iter(lays))
     cells = [
-        _cell(case, L, S, profile, cfg)
-        for case in cfg["cases"] for L in cfg["layers"] for S in cfg["stages"]
+        _cell(case, L, S, profile, cfg, lay)
+        for lay in lays.values() for case in cfg["cases"] for L in cfg["layers"] for S in cfg["stages"]
         if S <= L + 3
     ]
     h = cfg["headline"]
-    head = {c["case"]: c for c in cells if c["layers"] == h["layers"] and c["stages"] == h["stages"]}
+    _versus_block(cells)
+
+    def headline(granularity: str, schedule: str) -> dict[str, dict]:
+        return {c["case"]: c for c in cells if c["layers"] == h["layers"] and c["stages"] == h["stages"]
+                and c["granularity"] == granularity and c["schedule"] == schedule}
+
+    head = headline(finest, cfg["schedule"])
+    by_schedule = {}
+    for sched in cfg["schedules"]:
+        if sched == cfg["schedule"]:
+            continue
+        for name, lay in lays.items():
+            cells += [_cell(case, h["layers"], h["stages"], profile, cfg, lay, sched) for case in cfg["cases"]]
+        _versus_block(cells)
+        by_schedule[sched] = {name: _figures(headline(name, sched)) for name in lays}
     sens = {}
     for k in cfg["sensitivity_head_scale"]:
         p = _profile(cfg, k)
-        sens[str(k)] = {case: round(_cell(case, h["layers"], h["stages"], p, cfg)["speedup_vs_static"], 4)
+        sens[str(k)] = {case: round(_cell(case, h["layers"], h["stages"], p, cfg, lays[finest])["speedup_vs_static"], 4)
                         for case in cfg["cases"]}
-    rp = cfg["repack"]
-    packing = {}
-    for case in rp["cases"]:
-        if case not in cfg["cases"]:
-            continue
-        for L in cfg["layers"]:
-            traj = _trajectory(case, L, profile, cfg)
-            r = repack_projection(traj, int(rp["stages"]), cfg["schedule"], link=links(int(rp["stages"]), cfg["network"]),
-                                  dp=_dp(case, cfg), capacity=float(rp["capacity_gb"]) * 1e9,
-                                  tolerance=float(rp["tolerance"]), reference=str(rp["reference"]))
-            packing.setdefault(case, {})[str(L)] = {
-                "stages": int(rp["stages"]), "reference": r.reference, "ranks_over_time": r.ranks, "iterations": r.iterations,
-                "mean_gpus": round(r.mean_ranks, 3), "gpu_hours_saved_fraction": round(r.gpu_hours_saved_fraction, 4),
-                "min_throughput_ratio": round(min(r.throughput_ratio), 4),
-                "peak_stage_memory_gb": round(max(r.peak_stage_memory_gb), 2), "decisions": r.reasons,
-            }
+    packing = _packing(cfg, profile, lays[finest])
     summary = {
         "benchmark": "paper_scale",
         "simulated": True,
@@ -174,22 +235,23 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         "profile": profile.name,
         "head_scale": cfg["head_scale"],
         "schedule": cfg["schedule"],
+        "granularity": finest,
+        "head_chunks": lays[finest]["head_chunks"],
         "headline": {"layers": h["layers"], "stages": h["stages"]},
-        "projected_speedup_vs_static": {c: round(x["speedup_vs_static"], 4) for c, x in head.items()},
+        **_figures(head),
         "speedup_vs_megatron": {c: round(x["speedup_vs"].get("megatron", math.nan), 4) for c, x in head.items()},
         "speedup_vs_deepspeed_param": {c: round(x["speedup_vs"].get("param", math.nan), 4) for c, x in head.items()},
         "speedup_vs_dense_static": {c: round(x["speedup_vs_dense_static"], 4) for c, x in head.items()},
-        "best_dynamic_balancer": {c: x["best_dynamic"] for c, x in head.items()},
-        "bubble_static": {c: round(x["bubble_static"], 4) for c, x in head.items()},
-        "bubble_dynamic": {c: round(x["bubble_dynamic"], 4) for c, x in head.items()},
-        "inherent_bubble": round(next(iter(head.values()))["inherent_bubble"], 4) if head else None,
         "dense_model_speedup_vs_static": round(next(iter(head.values()))["dense_speedup_vs_static"], 4) if head else None,
+        "granularities": {name: _figures(headline(name, cfg["schedule"])) for name in lays},
+        "schedules": by_schedule,
         "packing": {c: {L: {k: v[k] for k in ("stages", "mean_gpus", "gpu_hours_saved_fraction", "min_throughput_ratio")}
                         for L, v in d.items()} for c, d in packing.items()},
         "sensitivity_head_scale": sens,
         "paper": PAPER,
         "grid": {"cases": cfg["cases"], "layers": cfg["layers"], "stages": cfg["stages"],
-                 "balancers": [*cfg["static"], *cfg["dynamic"]]},
+                 "balancers": [*cfg["static"], *cfg["dynamic"]], "granularities": list(lays),
+                 "schedules": [cfg["schedule"], *by_schedule]},
         "quick": bool(cfg["quick"]),
         "seconds": round(time.perf_counter() - t0, 1),
     }
@@ -207,124 +269,22 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
     return summary
 
 
-# ------------------------------------------------------------------------------ outputs
-def plot(cells: list[dict], packing: dict, cfg: dict, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    L = cfg["headline"]["layers"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.2))
-    for case in cfg["cases"]:
-        pts = sorted((c["stages"], c["speedup_vs_static"]) for c in cells if c["case"] == case and c["layers"] == L)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=case)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("pipeline stages")
-    ax.set_ylabel("speedup, best dynamic / best static")
-    ax.set_title(f"{L}-layer GPT (simulated)")
-    ax.legend(fontsize=8)
-    for case, d in packing.items():
-        v = d.get(str(L)) or next(iter(d.values()))
-        x, acc = [], 0.0
-        for it in v["iterations"]:
-            x.append(acc)
-            acc += it
-        ax2.step(x + [acc], v["ranks_over_time"] + v["ranks_over_time"][-1:], where="post",
-                 label=f"{case} (mean {v['mean_gpus']:.2f})")
-    ax2.set_xlabel("iteration")
-    ax2.set_ylabel("pipeline GPUs in use (per replica)")
-    ax2.set_title("re-packing (simulated)")
-    ax2.set_ylim(0, int(cfg["repack"]["stages"]) + 0.5)
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"Simulated from measured per-layer costs ({cfg['profile']}) and synthetic dynamism models",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _f(x, fmt=".2f"):
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
-
-
-def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: Profile) -> str:
-    h = summary["headline"]
-    lines = [
-        "# Paper-scale projection (simulated)",
-        "",
-        "**Everything below is simulated**, not measured at scale. Per-layer costs: "
-        f"{profile.source}; GPT with hidden {profile.hidden}, {profile.heads} heads, sequence {profile.seq}, "
-        f"micro-batch {profile.micro_batch}, vocabulary {profile.vocab} (the DynMo paper's appendix A), "
-        "embedding and LM head + loss included as pipeline layers"
-        + (f" (head cost x {cfg['head_scale']})" if cfg["head_scale"] != 1.0 else "") + ". "
-        "How each dynamism changes those costs over training is a synthetic model whose parameters and "
-        "sources are listed in `lightning_dynmo/sim/scenarios/__init__.py`. Schedule "
-        f"`{cfg['schedule']}`, {cfg['microbatches_per_stage']} x stages micro-batches, data parallelism "
-        f"{cfg['data_parallel']['replicas']}-way ({cfg['data_parallel']['moe_replicas']}-way for MoE/MoD, expert "
-        f"parallel over it), {cfg['network']['gpus_per_node']} GPUs per node (NVLink inside, InfiniBand between), "
-        "migrations charged, static partitions decided once.",
-        "",
-        f"## Headline: {h['layers']} layers on {h['stages']} pipeline stages",
-        "",
-        "| case | speedup vs best static | vs Megatron | vs DeepSpeed param | vs dense model (static) | "
-        "bubble static -> dynamic | paper |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for case in cfg["cases"]:
-        if case not in summary["projected_speedup_vs_static"]:
+def _packing(cfg: dict, profile: Profile, layout: dict) -> dict:
+    """Re-packing of the shrinking cases onto fewer ranks, per model depth."""
+    rp = cfg["repack"]
+    packing: dict = {}
+    for case in rp["cases"]:
+        if case not in cfg["cases"]:
             continue
-        pb = PAPER["bubble"].get(case)
-        paper = f"{PAPER['speedup'][case]}x" + (f"; bubble {pb[0]:.0%} -> {pb[1]:.0%}" if pb else "")
-        lines.append(
-            f"| {case} | **{_f(summary['projected_speedup_vs_static'][case], '.3f')}x** "
-            f"({summary['best_dynamic_balancer'][case]}) | {_f(summary['speedup_vs_megatron'][case], '.3f')}x | "
-            f"{_f(summary['speedup_vs_deepspeed_param'][case], '.3f')}x | "
-            f"{_f(summary['speedup_vs_dense_static'][case], '.3f')}x | "
-            f"{summary['bubble_static'][case]:.1%} -> {summary['bubble_dynamic'][case]:.1%} | {paper} |")
-    lines += [
-        "",
-        f"The schedule's own bubble with equal stages is {_f(summary['inherent_bubble'], '.1%')} (1F1B: (p-1)/(m+p-1)); "
-        "the paper's bubbles are for a zero-bubble schedule. The *dense* model (no dynamism) already gains "
-        f"{_f(summary['dense_model_speedup_vs_static'], '.3f')}x from time-based balancing over the best static "
-        "split, because the LM head + loss is one heavy layer.",
-        "",
-        "## All cells: speedup of the best dynamic balancer over the best static partition",
-        "",
-        "| case | layers | " + " | ".join(f"{s} stages" for s in cfg["stages"]) + " |",
-        "|---|---|" + "---|" * len(cfg["stages"]),
-    ]
-    for case in cfg["cases"]:
         for L in cfg["layers"]:
-            row = {c["stages"]: c for c in cells if c["case"] == case and c["layers"] == L}
-            lines.append(f"| {case} | {L} | " + " | ".join(
-                f"{row[s]['speedup_vs_static']:.3f}x ({row[s]['best_dynamic']})" if s in row else "-"
-                for s in cfg["stages"]) + " |")
-    lines += ["", "## Per balancer (seconds per iteration, headline cell)", "",
-              "| case | " + " | ".join([*cfg["static"], *cfg["dynamic"]]) + " |",
-              "|---|" + "---|" * (len(cfg["static"]) + len(cfg["dynamic"]))]
-    for case in cfg["cases"]:
-        c = next((c for c in cells if c["case"] == case and c["layers"] == h["layers"] and c["stages"] == h["stages"]), None)
-        if c:
-            lines.append(f"| {case} | " + " | ".join(f"{c['seconds_per_iteration'][n] * 1e3:.1f} ms"
-                                                     for n in [*cfg["static"], *cfg["dynamic"]]) + " |")
-    lines += ["", "## Re-packing (gradual shrinking of the work; pipeline GPUs per replica over training)", "",
-              "| case | layers | start | mean GPUs | GPU-hours saved | worst throughput ratio | peak stage memory |",
-              "|---|---|---|---|---|---|---|"]
-    for case, d in packing.items():
-        for L, v in d.items():
-            lines.append(f"| {case} | {L} | {v['stages']} | {v['mean_gpus']:.2f} | {v['gpu_hours_saved_fraction']:.1%} | "
-                         f"{v['min_throughput_ratio']:.3f} | {v['peak_stage_memory_gb']:.1f} GB |")
-    lines += ["", f"Paper: gradual pruning packs 8 -> {PAPER['packing']['pruning'][1]} GPUs on average.", ""]
-    if summary["sensitivity_head_scale"]:
-        lines += ["## Sensitivity: cost of the LM head + loss", "",
-                  "| head cost x | " + " | ".join(cfg["cases"]) + " |", "|---|" + "---|" * len(cfg["cases"]),
-                  f"| {cfg['head_scale']} (run) | " + " | ".join(
-                      _f(summary["projected_speedup_vs_static"].get(c), ".3f") for c in cfg["cases"]) + " |"]
-        for k, d in summary["sensitivity_head_scale"].items():
-            lines.append(f"| {k} | " + " | ".join(_f(d.get(c), ".3f") for c in cfg["cases"]) + " |")
-        lines += ["", "(0: blocks only, as a model without embedding/head layers would be.)", ""]
-    lines += ["![paper scale](paper_scale.png)", "", f"Simulated in {summary['seconds']} s.", ""]
-    return "\n".join(lines)
+            traj = _trajectory(case, L, profile, cfg, layout)
+            r = repack_projection(traj, int(rp["stages"]), cfg["schedule"], link=links(int(rp["stages"]), cfg["network"]),
+                                  dp=_dp(case, cfg), capacity=float(rp["capacity_gb"]) * 1e9,
+                                  tolerance=float(rp["tolerance"]), reference=str(rp["reference"]))
+            packing.setdefault(case, {})[str(L)] = {
+                "stages": int(rp["stages"]), "reference": r.reference, "ranks_over_time": r.ranks, "iterations": r.iterations,
+                "mean_gpus": round(r.mean_ranks, 3), "gpu_hours_saved_fraction": round(r.gpu_hours_saved_fraction, 4),
+                "min_throughput_ratio": round(min(r.throughput_ratio), 4),
+                "peak_stage_memory_gb": round(max(r.peak_stage_memory_gb), 2), "decisions": r.reasons,
+            }
+    return packing

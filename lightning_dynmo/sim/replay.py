@@ -56,62 +56,89 @@ def replay(
     grad = [True] * last if gradient is None else [bool(g) for g in gradient]
     if not len(crossing) == len(send) == len(recv) == len(grad) == last:
         raise ValueError(f"need one crossing, send, recv and gradient entry per stage boundary ({last})")
-    done: dict[tuple[str, int, int], float] = {}  # ("F" | "B", stage, mb) -> end time
-
-    def source(op: Op) -> tuple[tuple[str, int, int], int | None]:
-        """The action whose output ``op`` consumes, and the boundary it crosses (None: none)."""
-        s, i = op.stage, op.mb
-        if op.kind == "F":
-            return ("F", s - 1, i), (s - 1 if s > 0 else None)
-        if op.kind == "W" or s == last or not grad[s]:
-            return ("B" if op.kind == "W" else "F", s, i), None
-        return ("B", s + 1, i), s
-
-    def remote(hop: int | None) -> bool:
-        return hop is not None and rank_of[hop] != rank_of[hop + 1]
-
-    def sent_over(op: Op) -> int | None:
-        """The boundary ``op``'s output crosses to another rank (None: it stays on the rank)."""
-        s = op.stage
-        if op.kind == "F" and s < last:
-            hop = s
-        elif op.kind in ("B", "I") and s > 0 and grad[s - 1]:
-            hop = s - 1
-        else:
-            return None
-        return hop if remote(hop) else None
-
+    cached = _PLANS.get((id(ops), tuple(grad)))
+    if cached is None or cached[0] is not ops:
+        if len(_PLANS) > 64:
+            _PLANS.clear()
+        cached = _PLANS[(id(ops), tuple(grad))] = (ops, _plan(ops, tuple(grad), rank_of, last))
+    plan = cached[1]
+    stages = last + 1
+    m = 1 + max(op.mb for rank_ops in ops for op in rank_ops)
+    dur = [float(d) for kind in _KINDS for d in (durations[kind] if kind in durations else [0.0] * stages)]
+    done: list[float | None] = [None] * (2 * stages * m)  # end of (F | B, stage, mb)
     spans: list[list[Span]] = [[] for _ in ops]
+    new = tuple.__new__  # Span(...) without NamedTuple's Python-level __new__ (hundreds of thousands per projection)
     clock = [0.0] * len(ops)
     pos = [0] * len(ops)
     remaining = sum(len(r) for r in ops)
     while remaining:
         progressed = False
-        for r, rank_ops in enumerate(ops):
-            while pos[r] < len(rank_ops):
-                op = rank_ops[pos[r]]
-                src, hop = source(op)
-                if op.kind == "F" and op.stage == 0:
+        for r, rank_plan in enumerate(plan):
+            k, clk, out_spans, n = pos[r], clock[r], spans[r], len(rank_plan)
+            while k < n:
+                op, d, src, hop, out, key = rank_plan[k]
+                if src < 0:
                     t = 0.0
                 else:
-                    t = done.get(src)
+                    t = done[src]
                     if t is None:
                         break
-                free = clock[r]
-                if remote(hop):
+                free = clk
+                if hop >= 0:
                     t += crossing[hop]
                     free += recv[hop]
-                start = max(free, t)
-                end = start + durations[op.kind][op.stage]
-                out = sent_over(op)
-                clock[r] = end + (0.0 if out is None else send[out])
-                if op.kind != "W":
-                    done[("F" if op.kind == "F" else "B", op.stage, op.mb)] = end
-                spans[r].append(Span(r, op, start, end))
-                pos[r] += 1
-                remaining -= 1
+                start = free if free > t else t
+                end = start + dur[d]
+                clk = end + send[out] if out >= 0 else end
+                if key >= 0:
+                    done[key] = end
+                out_spans.append(new(Span, (r, op, start, end)))
+                k += 1
+            if k != pos[r]:
+                remaining -= k - pos[r]
+                pos[r], clock[r] = k, clk
                 progressed = True
         if not progressed:
             blocked = {r: str(ops[r][pos[r]]) for r in range(len(ops)) if pos[r] < len(ops[r])}
             raise RuntimeError(f"the action order cannot finish: every rank waits on a missing input {blocked}")
     return [s for rank_spans in spans for s in rank_spans]
+
+
+_KINDS = ("F", "B", "I", "W")
+_PLANS: dict[tuple[int, tuple[bool, ...]], tuple] = {}  # (id(ops), gradient) -> (ops, plan): orders repeat
+
+
+def _plan(ops, grad, rank_of, last) -> list[list[tuple]]:
+    """Per rank, each action as ``(op, duration index, source key, inbound boundary, outbound
+    boundary, output key)``: integer keys into the replay's tables, -1 for none (a boundary
+    counts only where it joins two ranks)."""
+    stages = last + 1
+    m = 1 + max(op.mb for rank_ops in ops for op in rank_ops)
+
+    def key(kind: str, s: int, i: int) -> int:
+        return ((0 if kind == "F" else 1) * stages + s) * m + i
+
+    def remote(hop: int | None) -> int:
+        return hop if hop is not None and rank_of[hop] != rank_of[hop + 1] else -1
+
+    out = []
+    for rank_ops in ops:
+        rows = []
+        for op in rank_ops:
+            s, i, kind = op.stage, op.mb, op.kind
+            if kind == "F":  # consumes the previous stage's forward
+                src, hop = (key("F", s - 1, i) if s > 0 else -1), (s - 1 if s > 0 else None)
+            elif kind == "W" or s == last or not grad[s]:  # its own I / its own forward
+                src, hop = key("B" if kind == "W" else "F", s, i), None
+            else:  # the next stage's input gradient
+                src, hop = key("B", s + 1, i), s
+            if kind == "F" and s < last:
+                sent = s
+            elif kind in ("B", "I") and s > 0 and grad[s - 1]:
+                sent = s - 1
+            else:
+                sent = None
+            rows.append((op, _KINDS.index(kind) * stages + s, src, remote(hop), remote(sent),
+                         -1 if kind == "W" else key("F" if kind == "F" else "B", s, i)))
+        out.append(rows)
+    return out

@@ -29,7 +29,7 @@ from ..plan.cost_model import CostModel, LayerCosts
 from ..plan.partition import Partition
 from ..plan.schedules import get_schedule
 from .actions import schedule_ops
-from .replay import replay
+from .replay import Span, replay
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,17 @@ class SimResult:
     bubble_fraction: float  # idle share of ranks x step_time, counting only compute as busy
     busy: tuple[float, ...]  # compute seconds per pipeline rank
     allreduce: tuple[float, ...]  # data-parallel all-reduce seconds per pipeline rank
-    events: tuple[dict, ...]  # compute chunks in lightning_dynmo.plotting's timeline format
+    spans: tuple[Span, ...] = ()  # every compute action's timing
+
+    @property
+    def events(self) -> tuple[dict, ...]:
+        """Compute chunks in lightning_dynmo.plotting's timeline format (built on demand: a
+        projection simulates thousands of steps and plots none of them)."""
+        return tuple(
+            {"rank": sp.rank, "stage": sp.op.stage, "kind": "B" if sp.op.kind == "I" else sp.op.kind,
+             "mb": sp.op.mb, "start": sp.start, "end": sp.end}
+            for sp in self.spans
+        )
 
 
 def _links(link: Link | Sequence[Link], pp: int) -> list[Link]:
@@ -191,10 +201,5 @@ def simulate(
                 allreduce[r] += t
             end[r] = max(end[r], channel)
     step = max(end)
-    events = tuple(
-        {"rank": sp.rank, "stage": sp.op.stage, "kind": "B" if sp.op.kind == "I" else sp.op.kind,
-         "mb": sp.op.mb, "start": sp.start, "end": sp.end}
-        for sp in spans
-    )
     bubble = 1.0 - math.fsum(busy) / (pp * step) if step > 0 else 0.0
-    return SimResult(step, bubble, tuple(busy), tuple(allreduce), events)
+    return SimResult(step, bubble, tuple(busy), tuple(allreduce), tuple(spans))

@@ -72,7 +72,7 @@ def test_dense_reference_and_frozen_prefix():
 
 
 TINY = {"layers": [8], "stages": [2, 4], "headline": {"layers": 8, "stages": 4}, "snapshots": 3,
-        "per_iteration_snapshots": 3, "dynamic": ["partition_time", "diffusion_time"],
+        "per_iteration_snapshots": 3, "dynamic": ["partition_time", "diffusion_time"], "head_chunks": 2,
         "sensitivity_head_scale": [0.0], "repack": {"stages": 4, "cases": ["pruning"]}}
 
 
@@ -88,7 +88,17 @@ def test_projection_on_a_tiny_grid(tmp_path):
     assert 0 < s["inherent_bubble"] < 1
     assert s["packing"]["pruning"]["8"]["stages"] == 4 and s["packing"]["pruning"]["8"]["mean_gpus"] <= 4
     assert set(s["sensitivity_head_scale"]["0.0"]) == set(CASES)
-    assert len(s["cells"]) == len(CASES) * 2
+    # 2 stage counts x 2 granularities at 1F1B, + the headline cell under 2 zero-bubble schedules x 2 granularities
+    assert len(s["cells"]) == len(CASES) * (2 * 2 + 2 * 2)
+    assert s["granularity"] == "sublayer" and s["head_chunks"] == 2 and s["pipeline_layers"] == 2 * 8 + 2 + 2
+    assert set(s["granularities"]) == {"sublayer", "block"} and set(s["schedules"]) == {"zbv", "zero_bubble"}
+    assert s["granularities"]["block"]["pipeline_layers"] == 8 + 3
+    for figs in [*s["granularities"].values(), *(f for d in s["schedules"].values() for f in d.values())]:
+        assert 0 < figs["dense_efficiency"] <= 1
+        for case in CASES:  # nothing beats every rank holding exactly its share (links and all-reduce free)
+            assert figs["projected_speedup_vs_static"][case] <= figs["fluid_ceiling"][case] * (1 + 1e-9)
+    assert s["schedules"]["zbv"]["sublayer"]["inherent_bubble"] < s["inherent_bubble"]  # zero bubble: smaller
+    assert set(s["speedup_vs_block_static"]) == set(CASES) and "speedup_vs_block_static" not in s["granularities"]["block"]
     report = (tmp_path / "report.md").read_text()
     assert "simulated" in report.lower() and "| moe |" in report and "paper_scale.png" in report
     assert (tmp_path / "paper_scale.png").stat().st_size > 10_000
@@ -101,6 +111,10 @@ def test_config_checks_and_links():
         merged({"stagez": [4]})
     with pytest.raises(ValueError, match="unknown cases"):
         merged({"cases": ["nope"]})
+    with pytest.raises(ValueError, match="granularity"):
+        merged({"granularity": "layer"})
+    with pytest.raises(ValueError, match="head_chunks"):
+        merged({"head_chunks": 0})
     q = merged({"quick": True})
     assert q["layers"] == [48] and q["stages"] == [8, 24] and len(q["dynamic"]) == 2
     net = DEFAULTS["network"]

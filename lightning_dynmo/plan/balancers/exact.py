@@ -18,7 +18,8 @@ stage is extended at either end. Cost is O(S L^2) in the worst case, far less in
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
+from fractions import Fraction
 from typing import NamedTuple
 
 from ..partition import Partition
@@ -50,10 +51,11 @@ def memory_limits(problem: BalanceProblem) -> list[list[int]] | None:
     for s in range(S):
         k = model.inflight(s, S)
         if k not in by_k:
+            mem = model.memory_fn(costs, s, S)
             lo = [0] * (L + 1)
             i = 0
             for j in range(1, L + 1):
-                while i < j and model.segment_memory(costs, i, j, s, S) > cap:
+                while i < j and mem(i, j) > cap:
                     i += 1
                 lo[j] = i
             by_k[k] = lo
@@ -83,42 +85,121 @@ def min_peak_memory(problem: BalanceProblem) -> float:
     return prev[L]
 
 
-def bottleneck(obj: Objective, lo: list[list[int]] | None, run: Run) -> float:
-    """OPT of ``run``: its smallest achievable heaviest-stage load (INF if nothing fits)."""
+Window = tuple[list[int], list[int]]  # smallest and largest end of each stage of a run
+
+
+def _units(obj: Objective, ub: float) -> int:
+    """An integer ``D`` with ``load(i, j) <= ub  =>  p[j] - p[i] <= D`` (the load's first term is
+    a correctly rounded quotient and ``recv >= 0``; the margin covers the rounding)."""
+    return int(Fraction(ub) * obj.den * Fraction(1 + 2**-50)) + 1
+
+
+def windows(obj: Objective, run: Run, ub: float) -> Window | None:
+    """For each stage of ``run``, the smallest and largest end over every split whose stages'
+    compute parts are all <= ``ub`` (a relaxation of ``load <= ub``: receive times and memory
+    dropped), by greedy reach from both ends (exact for additive monotone loads). Every split
+    with heaviest load <= ``ub`` ends its stages inside these windows. None: no such split."""
+    a, c, x, y = run
+    p, n, D = obj.p, run.stop - run.first, _units(obj, ub)
+    hi, lo = [0] * n, [0] * n
+    e = x
+    for t in range(n):
+        far = bisect_right(p, p[e] + D, e, y + 1) - 1
+        e = min(far, y - (n - 1 - t))
+        if e < x + t + 1:
+            return None
+        hi[t] = e
+    if hi[-1] != y:
+        return None
+    lo[-1] = f = y
+    for t in range(n - 1, 0, -1):
+        i = max(bisect_left(p, p[f] - D, x, f), x + t)
+        if i >= f or i > hi[t - 1]:
+            return None
+        lo[t - 1] = f = i
+    return lo, hi
+
+
+def _upper_bound(obj: Objective, run: Run) -> float:
+    """A heaviest-stage load some split of ``run`` achieves: the compute-only optimum (greedy
+    stage counts, bisected to 1e-6) plus the largest receive time."""
+    a, c, x, y = run
+    p, n = obj.p, c - a
+
+    def stages(D: int) -> int:
+        e, k = x, 0
+        while e < y and k <= n:
+            e = bisect_right(p, p[e] + D, e, y + 1) - 1
+            k += 1
+        return k
+
+    lo = max(max(p[i + 1] - p[i] for i in range(x, y)), (p[y] - p[x]) // n) - 1  # infeasible
+    hi = p[y] - p[x]  # feasible: one stage
+    while hi - lo > max(1, hi >> 20):
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stages(mid) <= n else (mid, hi)
+    return hi / obj.den + max(obj.recv[x:y])
+
+
+def _dp(obj: Objective, lo: list[list[int]] | None, run: Run, win: Window | None) -> float:
+    """Smallest heaviest-stage load of ``run`` over splits ending each stage inside ``win``."""
     a, c, x, y = run
     p, den, recv = obj.p, obj.den, obj.recv
+    n = c - a
+    wlo, whi = win if win is not None else ([x + t + 1 for t in range(n - 1)] + [y],
+                                            [y - (n - 1 - t) for t in range(n)])
     prev = [INF] * (y + 1)
-    for j in range(x + 1, y - (c - 1 - a) + 1):
+    for j in range(wlo[0], whi[0] + 1):
         if lo is None or lo[a][j] <= x:
             prev[j] = (p[j] - p[x]) / den + recv[x]
-    for s in range(a + 1, c):
-        first = x + s - a  # earliest start of stage s (one layer per earlier stage)
+    for t in range(1, n):
+        s = a + t
+        ilo, ihi = wlo[t - 1], whi[t - 1]  # where stage s can start
         cur = [INF] * (y + 1)
         los = None if lo is None else lo[s]
-        # floor[i] = min(prev[first..i]): once it reaches ``best``, no earlier start can help.
+        # floor[i] = min(prev[ilo..i]): once it reaches ``best``, no earlier start can help.
         floor, acc = [INF] * (y + 1), INF
-        for i in range(first, y + 1):
+        for i in range(ilo, ihi + 1):
             acc = min(acc, prev[i])
             floor[i] = acc
-        for j in range(y if s == c - 1 else first + 1, y - (c - 1 - s) + 1):
+        for j in range(wlo[t], whi[t] + 1):
             best = INF
             pj = p[j]
-            imin = first if los is None else max(first, los[j])
-            for i in range(j - 1, imin - 1, -1):
+            imin = ilo if los is None else max(ilo, los[j])
+            for i in range(min(j - 1, ihi), imin - 1, -1):
                 seg = (pj - p[i]) / den
                 if seg >= best or floor[i] >= best:  # earlier starts cannot do better
                     break
                 v = prev[i]
                 if v >= best:
                     continue
-                t = seg + recv[i]
-                if t > v:
-                    v = t
+                t_ = seg + recv[i]
+                if t_ > v:
+                    v = t_
                 if v < best:
                     best = v
             cur[j] = best
         prev = cur
     return prev[y]
+
+
+def bottleneck(obj: Objective, lo: list[list[int]] | None, run: Run) -> float:
+    """OPT of ``run``: its smallest achievable heaviest-stage load (INF if nothing fits).
+
+    The DP only visits stage ends inside the :func:`windows` of an upper bound ``ub``; a result
+    ``<= ub`` is then OPT (every split within ``ub`` lies inside them). Otherwise the result is
+    itself achievable, so a second pass inside its own windows is exact; INF falls back to the
+    full DP."""
+    if run.stop - run.first <= 2:
+        return _dp(obj, lo, run, None)
+    ub = _upper_bound(obj, run)
+    win = windows(obj, run, ub)
+    v = INF if win is None else _dp(obj, lo, run, win)
+    if v <= ub:
+        return v
+    if v < INF:
+        return _dp(obj, lo, run, windows(obj, run, v))
+    return _dp(obj, lo, run, None)
 
 
 def _moved(ref: tuple[int, ...] | None, s: int, i: int, j: int) -> int:
@@ -135,11 +216,13 @@ def solve_run(
     lexicographically smallest."""
     a, c, x, y = run
     p, den, recv = obj.p, obj.den, obj.recv
+    # every split within opt ends its stages inside these windows (see bottleneck)
+    wlo, whi = windows(obj, run, opt) or ([x] * (c - a), [y] * (c - a))
 
     def last_end(s: int, i: int) -> int:
         """Largest end j of stage s starting at i with load <= opt that fits memory (< i+1 if
         none); both conditions are monotone in j, so bisect."""
-        hi = y - (c - 1 - s)
+        hi = min(y - (c - 1 - s), whi[s - a])
         if lo is not None:
             hi = min(hi, bisect_right(lo[s], i) - 1)
         pi, r = p[i], recv[i]
@@ -161,7 +244,7 @@ def solve_run(
         starts, acc = [], 0
         for j in range(x + 1, y + 1):
             acc += mark[j]
-            if acc:
+            if acc and wlo[s - a] <= j:
                 starts.append(j)
 
     # G[s - a][i]: fewest moved layers for stages s..c-1 covering i..y-1 within the optimum.

@@ -21,15 +21,17 @@ def _as_snapshots(trajectory: Sequence[Snapshot | LayerCosts]) -> list[Snapshot]
     return [s if isinstance(s, Snapshot) else Snapshot(s, 1.0, tuple(s.activation)) for s in trajectory]
 
 
-def megatron_gpt_layout(num_layers: int, num_stages: int, prefix: int = 1, suffix: int = 2) -> Partition:
+def megatron_gpt_layout(num_layers: int, num_stages: int, prefix: int = 1, suffix: int = 2,
+                        per_block: int = 1) -> Partition:
     """Megatron-LM's GPT layout: the transformer blocks split into equal counts (remainder on
-    the first stages), the embedding (``prefix`` layers) added to the first stage and the final
-    norm + head (``suffix`` layers) to the last. (The ``uniform`` balancer instead counts
-    every pipeline layer, embedding and head included, as one.)"""
-    blocks = num_layers - prefix - suffix
-    if blocks < num_stages:
+    the first stages; a block's ``per_block`` pipeline layers stay together), the embedding
+    (``prefix`` layers) added to the first stage and the final norm + head (``suffix`` layers)
+    to the last. (The ``uniform`` balancer instead counts every pipeline layer, embedding and
+    head included, as one.)"""
+    blocks, rest = divmod(num_layers - prefix - suffix, per_block)
+    if blocks < num_stages or rest:
         return megatron_layout(num_layers, num_stages)
-    sizes = list(megatron_layout(blocks, num_stages).sizes)
+    sizes = [per_block * n for n in megatron_layout(blocks, num_stages).sizes]
     sizes[0] += prefix
     sizes[-1] += suffix
     return Partition.from_sizes(sizes)
@@ -54,14 +56,17 @@ class Comparison:
         return self.speedup[self.best_dynamic]
 
 
-def migration_seconds(old: Partition, new: Partition, costs: LayerCosts, link: Link, ranks: int) -> float:
+def migration_seconds(old: Partition, new: Partition, costs: LayerCosts, link: Link, ranks: int,
+                      schedule: str = "1f1b") -> float:
     """Time to move layers whose owner changes: each rank sends its leaving layers' state
-    (``costs.memory``) over ``link``; ranks send in parallel, the slowest sets the time."""
+    (``costs.memory``) over ``link``; ranks send in parallel, the slowest sets the time. Stages
+    sit on ranks as ``schedule`` places them (round robin, or ZBV's V)."""
     if old == new:
         return 0.0
+    spec = get_schedule(schedule)
     sent = [0.0] * ranks
     for layer in range(costs.num_layers):
-        a, b = old.stage_of(layer) % ranks, new.stage_of(layer) % ranks
+        a, b = spec.rank_of_stage(old.stage_of(layer), ranks), spec.rank_of_stage(new.stage_of(layer), ranks)
         if a != b:
             sent[a] += costs.memory[layer]
     return max(link.time(x) if x > 0 else 0.0 for x in sent)
@@ -104,9 +109,11 @@ def compare(
     links = [link] if isinstance(link, Link) else list(link)
     mlink = migration_link or min(links, key=lambda x: x.bandwidth or math.inf)
 
+    prefix, per_block, suffix = snaps[0].layout
+
     def balance(name: str, costs: LayerCosts, current: Partition | None) -> Partition:
         if name == "megatron":
-            return megatron_gpt_layout(costs.num_layers, S)
+            return megatron_gpt_layout(costs.num_layers, S, prefix, suffix, per_block)
         return get_balancer(name)(BalanceProblem(costs, S, model, current)).partition
 
     def run(costs_snap: Snapshot, part: Partition):
@@ -131,7 +138,7 @@ def compare(
             if cur is None:
                 current[name] = new
             elif new != cur:
-                cost = migration_seconds(cur, new, seen, mlink, stages)
+                cost = migration_seconds(cur, new, seen, mlink, stages, schedule)
                 gain = model.predicted_step_time(seen, cur) - model.predicted_step_time(seen, new)
                 if gain * max(horizon, snap.iterations) > cost:
                     current[name], applied[name] = new, applied[name] + 1

@@ -172,7 +172,12 @@ class Profile:
         return int(self.params.get("block", 12 * self.hidden**2 + 13 * self.hidden))
 
     def mlp_params(self) -> int:
+        """One MLP (an MoE expert): fc1 and fc2 with biases."""
         return 8 * self.hidden**2 + 5 * self.hidden
+
+    def mlp_half_params(self) -> int:
+        """A block's MLP half: its LayerNorm and MLP (the attention half holds the rest)."""
+        return self.mlp_params() + 2 * self.hidden
 
 
 @lru_cache(maxsize=8)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from .profile import Profile, load_profile
-from .snapshot import Snapshot, gpt_snapshot
+from .snapshot import Block, Snapshot, dense_block, gpt_snapshot
 
 
 def _ar1(rng: random.Random, std: float, persistence: float, steps: int) -> list[float]:
@@ -52,9 +52,10 @@ def logit_std_for_spread(spread: float, experts: int = 8, draws: int = 4000) -> 
 
 def moe(layers: int, profile: Profile | None = None, snapshots: int = 24, every: int = 1, experts: int = 8,
         top_k: int = 2, expert_parallel: int = 8, capacity_factor: float | None = None, max_spread: float = 0.4,
-        persistence: float = 0.9, seed: int = 0) -> list[Snapshot]:
+        persistence: float = 0.9, seed: int = 0, **layout) -> list[Snapshot]:
     """Mixture of experts with expert parallelism; one snapshot per iteration (the routing
-    changes every step). Block ``i`` is MoE when ``(i + 1) % every == 0``."""
+    changes every step). Block ``i`` is MoE when ``(i + 1) % every == 0``; the experts are its
+    MLP half (the attention half is unchanged)."""
     profile = profile or load_profile()
     if experts % expert_parallel:
         raise ValueError(f"experts={experts} must be a multiple of expert_parallel={expert_parallel}")
@@ -68,54 +69,58 @@ def moe(layers: int, profile: Profile | None = None, snapshots: int = 24, every:
     full, dense_mlp = profile.block(1.0), profile.mlp(T)
     group_tokens = top_k * T * expert_parallel  # token-expert assignments of one micro-batch over the EP group
     cap = None if capacity_factor is None else capacity_factor * group_tokens / experts
-    bp = profile.block_params() + (per_rank - 1) * profile.mlp_params()  # one rank's share of the experts
-    params = [bp if i in logits else profile.block_params() for i in range(layers)]
+    extra = (per_rank - 1) * profile.mlp_params()  # one rank's share of the experts beyond one
+    params = [profile.block_params() + (extra if i in logits else 0) for i in range(layers)]
+    mlp_params = [profile.mlp_half_params() + (extra if i in logits else 0) for i in range(layers)]
+    dense = dense_block(profile)
     out = []
     for t in range(snapshots):
         blocks = []
         for i in range(layers):
             if i not in logits:
-                blocks.append(full)
+                blocks.append(dense)
                 continue
             share = _softmax([e[t] for e in logits[i]])
             load = [group_tokens * s if cap is None else min(group_tokens * s, cap) for s in share]
             busiest = max(sum(load[r * per_rank:(r + 1) * per_rank]) for r in range(expert_parallel))
             expert = profile.mlp(busiest)
-            blocks.append(tuple(x - d + e for x, d, e in zip(full, dense_mlp, expert)))
-        out.append(gpt_snapshot(profile, blocks, iterations=1.0, block_params=params, label=f"iteration {t}"))
+            blocks.append(Block(tuple(x - d + e for x, d, e in zip(full, dense_mlp, expert)), expert))
+        out.append(gpt_snapshot(profile, blocks, iterations=1.0, block_params=params, mlp_params=mlp_params,
+                                label=f"iteration {t}", **layout))
     return out
 
 
 def mixture_of_depths(layers: int, profile: Profile | None = None, snapshots: int = 24, every: int = 2,
                       capacity: float = 0.125, noise: float = 0.05, persistence: float = 0.9,
-                      seed: int = 0) -> list[Snapshot]:
+                      seed: int = 0, **layout) -> list[Snapshot]:
     """Blocks ``every-1, 2 every-1, ...`` take a routed fraction of the tokens that drifts
-    around ``capacity`` (clipped to [1/64, 1]); one snapshot per iteration."""
+    around ``capacity`` (clipped to [1/64, 1]), in both halves; one snapshot per iteration."""
     profile = profile or load_profile()
     rng = random.Random(seed)
     routed = {i: _ar1(rng, noise, persistence, snapshots) for i in range(layers) if (i + 1) % every == 0}
     out = []
     for t in range(snapshots):
-        blocks = [profile.block(min(1.0, max(1 / 64, capacity + routed[i][t])) if i in routed else 1.0)
+        blocks = [dense_block(profile, min(1.0, max(1 / 64, capacity + routed[i][t])) if i in routed else 1.0)
                   for i in range(layers)]
-        out.append(gpt_snapshot(profile, blocks, iterations=1.0, label=f"iteration {t}"))
+        out.append(gpt_snapshot(profile, blocks, iterations=1.0, label=f"iteration {t}", **layout))
     return out
 
 
 def sparse_attention(layers: int, profile: Profile | None = None, snapshots: int = 24, buckets: int = 4,
-                     max_logit_std: float = 1.5, persistence: float = 0.9, seed: int = 0) -> list[Snapshot]:
+                     max_logit_std: float = 1.5, persistence: float = 0.9, seed: int = 0,
+                     **layout) -> list[Snapshot]:
     """Hash-bucketed causal attention: layer l computes sum_b p_b^2 of its score blocks, p_b the
-    share of tokens in bucket b; one snapshot per iteration."""
+    share of tokens in bucket b (its attention half only); one snapshot per iteration."""
     profile = profile or load_profile()
     rng = random.Random(seed)
     logits = [[_ar1(rng, rng.uniform(0.0, max_logit_std), persistence, snapshots) for _ in range(buckets)]
               for _ in range(layers)]
-    full, attn = profile.block(1.0), profile.attention(1.0)
+    full, attn, mlp = profile.block(1.0), profile.attention(1.0), profile.mlp(profile.tokens)
     out = []
     for t in range(snapshots):
         blocks = []
         for lg in logits:
             d = sum(p * p for p in _softmax([b[t] for b in lg]))
-            blocks.append(tuple(x - a * (1 - d) for x, a in zip(full, attn)))
-        out.append(gpt_snapshot(profile, blocks, iterations=1.0, label=f"iteration {t}"))
+            blocks.append(Block(tuple(x - a * (1 - d) for x, a in zip(full, attn)), mlp))
+        out.append(gpt_snapshot(profile, blocks, iterations=1.0, label=f"iteration {t}", **layout))
     return out
