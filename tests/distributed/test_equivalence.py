@@ -25,6 +25,7 @@ from tests.support.workers.common import make_loader, make_model
 from tests.support.multiproc import run_worker
 
 from lightning_dynmo import available_balancers, available_schedules
+from lightning_dynmo.runtime.activations import run_layers
 
 pytestmark = pytest.mark.slow
 SCHEDULES = available_schedules()
@@ -107,9 +108,7 @@ def microbatched_reference(cfg: dict, dp: int, microbatches: list[int] | None = 
                 xr, yr = x[r::dp], y[r::dp]
                 per_mb = []
                 for xm, ym in zip(torch.tensor_split(xr, m), torch.tensor_split(yr, m)):
-                    h = xm
-                    for layer in layers:
-                        h = layer(h)
+                    h = run_layers(layers, model.pipeline_inputs(xm, ym))  # the pipeline's calling convention
                     model.pipeline_loss(h, ym).backward()
                     per_mb.append([p.grad for p in model.parameters()])
                     opt.zero_grad(set_to_none=True)
