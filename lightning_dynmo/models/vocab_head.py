@@ -57,13 +57,14 @@ class StreamingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, m, s, tl, targets, start: int):
         ctx.autocast = _autocast_state(h.device.type)
-        logits = F.linear(h, weight).float()
+        logits = F.linear(h, weight).float()  # this slice's logits: the one [tokens, V/k] buffer
         m_new = torch.maximum(m, logits.amax(dim=-1))
-        s_new = s * torch.exp(m - m_new) + torch.exp(logits - m_new.unsqueeze(-1)).sum(dim=-1)
         local = targets - start
         inside = (local >= 0) & (local < weight.shape[0])
         picked = logits.gather(-1, local.clamp(0, weight.shape[0] - 1).unsqueeze(-1)).squeeze(-1)
         tl_new = tl + torch.where(inside, picked, torch.zeros_like(picked))
+        s_new = s * torch.exp(m - m_new) + logits.sub_(m_new.unsqueeze(-1)).exp_().sum(dim=-1)
+        del logits
         ctx.save_for_backward(h, weight, m, m_new, local, inside)
         ctx.mark_non_differentiable(m_new)
         return h.clone(), m_new, s_new, tl_new
@@ -72,20 +73,17 @@ class StreamingCrossEntropy(torch.autograd.Function):
     def backward(ctx, g_h, g_m, g_s, g_tl):
         h, weight, m, m_new, local, inside = ctx.saved_tensors
         enabled, dtype = ctx.autocast
-        with torch.no_grad(), \
-                torch.autocast(h.device.type, dtype=dtype, enabled=enabled):
-            logits = F.linear(h, weight).float()
+        with torch.no_grad(), torch.autocast(h.device.type, dtype=dtype, enabled=enabled):
+            g_logits = F.linear(h, weight).float()  # recomputed, then turned into its gradient in place
         g_s = torch.zeros_like(m_new) if g_s is None else g_s.float()
         g_tl = torch.zeros_like(m_new) if g_tl is None else g_tl.float()
-        g_logits = torch.exp(logits - m_new.unsqueeze(-1)) * g_s.unsqueeze(-1)
-        del logits
+        g_logits.sub_(m_new.unsqueeze(-1)).exp_().mul_(g_s.unsqueeze(-1))  # d s / d logit = exp(logit - m)
         rows = local.clamp(0, weight.shape[0] - 1).unsqueeze(-1)
         g_logits.scatter_add_(-1, rows, (g_tl * inside).unsqueeze(-1))
-        flat = g_logits.reshape(-1, weight.shape[0])
         g_input = (g_logits @ weight.float()).to(h.dtype)
         if g_h is not None:
             g_input = g_input + g_h
-        g_weight = (flat.t() @ h.reshape(-1, h.shape[-1]).float()).to(weight.dtype)
+        g_weight = (g_logits.reshape(-1, weight.shape[0]).t() @ h.reshape(-1, h.shape[-1]).float()).to(weight.dtype)
         g_s_in = g_s * torch.exp(m - m_new)
         return g_input, g_weight, None, g_s_in, g_tl, None, None
 
