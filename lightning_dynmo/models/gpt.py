@@ -34,6 +34,7 @@ from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, E
 from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds, head_logits
 from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.runtime.merged_parameters import merge_state, split_state
 from lightning_dynmo.runtime.materialize import layer_seed
 
 __all__ = [
@@ -179,6 +180,24 @@ class GPTConfig:
         return sorted(_PRESETS)
 
 
+def _prefixed(module: "GPT", prefix: str) -> dict:
+    return {prefix + k: [(prefix + n, r) for n, r in v] for k, v in module.checkpoint_merges().items()}
+
+
+def _merge_head_hook(module, state_dict, prefix, local_metadata):
+    merged = merge_state(state_dict, _prefixed(module, prefix))
+    if merged is not state_dict:
+        state_dict.clear()
+        state_dict.update(merged)
+
+
+def _split_head_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    split = split_state(state_dict, _prefixed(module, prefix))
+    if split is not state_dict:
+        state_dict.clear()
+        state_dict.update(split)
+
+
 _PRESETS: dict[str, dict[str, Any]] = {
     # unit tests: milliseconds per step
     "tiny": dict(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
@@ -238,6 +257,9 @@ class GPT(CausalLMModule):
                            for j, (a, b) in enumerate(bounds)]
             self.layers = nn.ModuleList(layers)
         self._init_weights()
+        if cfg.head_chunks > 1:  # checkpoints name the head as one matrix, whatever head_chunks is
+            self._register_state_dict_hook(_merge_head_hook)
+            self._register_load_state_dict_pre_hook(_split_head_hook, with_module=True)
         if cfg.tie_embeddings:  # after init: the embedding's values win (the head's draw is dropped)
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
@@ -301,6 +323,15 @@ class GPT(CausalLMModule):
         if self.config.head_chunks > 1:  # the last chunk's per-token NLL: only the mean is left
             return output.mean()
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+    def checkpoint_merges(self) -> dict[str, list[tuple[str, int]]]:
+        """The chunked head's rows as one ``layers.<head>.lm_head.weight`` in checkpoints
+        (runtime/merged_parameters.py), so a run resumes under another ``head_chunks``."""
+        if self.config.head_chunks == 1:
+            return {}
+        h = self.head_index
+        bounds = chunk_bounds(self.config.vocab_size, self.config.head_chunks)
+        return {f"layers.{h}.lm_head.weight": [(f"layers.{h + j}.lm_head.weight", b - a) for j, (a, b) in enumerate(bounds)]}
 
     @property
     def head_index(self) -> int:

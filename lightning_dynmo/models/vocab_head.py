@@ -18,9 +18,9 @@ gradient; losses and gradients equal the unchunked head's within fp32 rounding.
 
 Parameters: chunk ``j`` is its own layer with its own ``lm_head.weight`` rows, so it migrates
 alone. Initialisation draws the whole ``[V, C]`` matrix from the head layer's seed and keeps the
-slice, so a chunked model starts from the unchunked model's weights; :func:`merge_head_state`
-and :func:`split_head_state` translate state dicts (and per-parameter optimizer tensors) between
-the two layouts, so a checkpoint carries one ``layers.<head>.lm_head.weight`` whatever ``k``.
+slice, so a chunked model starts from the unchunked model's weights. Checkpoints carry one
+``layers.<head>.lm_head.weight`` whatever ``k`` (``GPT.checkpoint_merges`` and
+``runtime/merged_parameters.py``: model and optimizer state), so a run resumes under another ``k``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_logits", "merge_head_state", "split_head_state"]
+__all__ = ["HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_logits"]
 
 
 def chunk_bounds(vocab_size: int, chunks: int) -> list[tuple[int, int]]:
@@ -131,33 +131,3 @@ class HeadChunk(nn.Module):
 def head_logits(chunks, h: torch.Tensor) -> torch.Tensor:
     """Full logits from the chunks (sampling and inspection only; training never builds them)."""
     return torch.cat([F.linear(h, c.lm_head.weight) for c in chunks], dim=-1)
-
-
-def _key(prefix: str, index: int) -> str:
-    return f"{prefix}{index}.lm_head.weight"
-
-
-def merge_head_state(state: dict, prefix: str, head: int, chunks: int) -> dict:
-    """``state`` with the chunk keys ``<prefix><head + j>.lm_head.weight`` (all ``chunks`` of
-    them present) replaced by one unchunked key ``<prefix><head>.lm_head.weight``; unchanged
-    when some chunk is missing or ``chunks == 1``."""
-    keys = [_key(prefix, head + j) for j in range(chunks)]
-    if chunks == 1 or not all(k in state for k in keys):
-        return state
-    merged = torch.cat([state[k] for k in keys], dim=0)
-    out = {k: v for k, v in state.items() if k not in keys[1:]}
-    out[keys[0]] = merged
-    return out
-
-
-def split_head_state(state: dict, prefix: str, head: int, bounds: list[tuple[int, int]]) -> dict:
-    """``state`` with an unchunked ``<prefix><head>.lm_head.weight`` (``V`` rows) replaced by the
-    chunk keys of ``bounds``; unchanged when it is absent or already a chunk."""
-    key = _key(prefix, head)
-    whole = state.get(key)
-    if len(bounds) == 1 or whole is None or not torch.is_tensor(whole) or whole.shape[0] != bounds[-1][1]:
-        return state
-    out = dict(state)
-    for j, (a, b) in enumerate(bounds):
-        out[_key(prefix, head + j)] = whole[a:b].clone()
-    return out

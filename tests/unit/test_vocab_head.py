@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.models.early_exit import EarlyExitGPT
-from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds, merge_head_state, split_head_state
+from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds
+from lightning_dynmo.runtime.merged_parameters import merge_optimizer_state, merge_state, split_optimizer_state
 
 
 def _pair(vocab: int, k: int, **kw) -> tuple[GPT, GPT]:
@@ -23,7 +24,7 @@ def _pair(vocab: int, k: int, **kw) -> tuple[GPT, GPT]:
 def _grads(model: GPT) -> dict[str, torch.Tensor]:
     """Parameter gradients by unchunked name (the chunks' rows concatenated)."""
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return merge_head_state(grads, "layers.", model.head_index, model.config.head_chunks)
+    return merge_state(grads, model.checkpoint_merges())
 
 
 def _loss_and_grads(model: GPT, x, y) -> tuple[torch.Tensor, dict]:
@@ -38,7 +39,7 @@ def _loss_and_grads(model: GPT, x, y) -> tuple[torch.Tensor, dict]:
 def test_chunked_loss_and_gradients_equal_the_unchunked_head(k, extra, batch):
     vocab = k + extra  # sizes not divisible by k included
     plain, chunked = _pair(vocab, k)
-    assert plain.state_dict().keys() == merge_head_state(chunked.state_dict(), "layers.", plain.head_index, k).keys()
+    assert plain.state_dict().keys() == chunked.state_dict().keys()  # one head matrix in checkpoints
     x = torch.randint(0, vocab, (batch, 8), generator=torch.Generator().manual_seed(k + extra))
     y = torch.randint(0, vocab, (batch, 8), generator=torch.Generator().manual_seed(k * extra + 1))
     want, want_g = _loss_and_grads(plain, x, y)
@@ -112,13 +113,39 @@ def test_chunk_bounds_cover_the_vocabulary_evenly():
 
 def test_state_dicts_translate_between_chunk_counts():
     plain, chunked = _pair(50, 4)
-    bounds = chunk_bounds(50, 4)
-    split = split_head_state(plain.state_dict(), "layers.", plain.head_index, bounds)
-    chunked.load_state_dict({k: v for k, v in split.items() if k in chunked.state_dict()})
-    for (a, b), layer in zip(bounds, chunked.layers[chunked.head_index:]):
+    chunked.load_state_dict(plain.state_dict())
+    for (a, b), layer in zip(chunk_bounds(50, 4), chunked.layers[chunked.head_index:]):
         torch.testing.assert_close(layer.lm_head.weight, plain.layers[-1].lm_head.weight[a:b])
-    merged = merge_head_state(chunked.state_dict(), "layers.", plain.head_index, 4)
-    assert merged.keys() == plain.state_dict().keys()
+    other = _pair(50, 1)[0]
+    torch.nn.init.zeros_(other.layers[-1].lm_head.weight)
+    other.load_state_dict(chunked.state_dict())
+    torch.testing.assert_close(other.layers[-1].lm_head.weight, plain.layers[-1].lm_head.weight)
+
+
+def test_optimizer_state_translates_between_chunk_counts():
+    """AdamW's state of a chunked model, in the merged naming, is the unchunked model's."""
+    plain, chunked = _pair(50, 3)
+    x = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    sds, names = [], []
+    for model in (plain, chunked):
+        opt = model.configure_optimizers()["optimizer"]
+        model.lm_loss(x, x).backward()
+        opt.step()
+        fqn = {id(p): n for n, p in model.named_parameters()}
+        order = [fqn[id(p)] for g in opt.param_groups for p in g["params"]]
+        names.append(dict(enumerate(order)))
+        sds.append(opt.state_dict())
+    merges = chunked.checkpoint_merges()
+    merged = merge_optimizer_state(sds[1], names[1], merges)
+    assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in sds[0]["param_groups"]]
+    for i, st in sds[0]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(merged["state"][i][key], st[key], rtol=1e-5, atol=1e-9)
+    groups = [g["params"] for g in sds[1]["param_groups"]]
+    back = split_optimizer_state(merged, names[1], groups, merges)
+    assert back["state"].keys() == sds[1]["state"].keys()
+    for i, st in sds[1]["state"].items():
+        torch.testing.assert_close(back["state"][i]["exp_avg"], st["exp_avg"])
 
 
 def test_unsupported_combinations_are_refused_clearly():
