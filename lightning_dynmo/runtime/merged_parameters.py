@@ -157,8 +157,9 @@ def split_optimizer_state(sd: dict, fqn_of_index: Mapping[int, str], group_indic
                 break
             start += r
         total = sum(r for _, r in merges[merged])
-        state[i] = {k: (v[start:start + rows[name][1]].clone() if torch.is_tensor(v) and v.dim() > 0
-                        and v.shape[0] == total else v) for k, v in whole.items()}
+        # every piece its own tensors: optimizers update state in place (Adam's step += 1)
+        state[i] = {k: (v[start:start + rows[name][1]].clone() if v.dim() > 0 and v.shape[0] == total else v.clone())
+                    if torch.is_tensor(v) else v for k, v in whole.items()}
     groups = []
     for group, ids in zip(sd["param_groups"], group_indices):
         g = dict(group)

@@ -144,6 +144,8 @@ def test_optimizer_state_translates_between_chunk_counts():
     groups = [g["params"] for g in sds[1]["param_groups"]]
     back = split_optimizer_state(merged, names[1], groups, merges)
     assert back["state"].keys() == sds[1]["state"].keys()
+    steps = [st["step"] for st in back["state"].values()]  # Adam updates them in place: one each
+    assert len({id(t) for t in steps}) == len(steps)
     for i, st in sds[1]["state"].items():
         torch.testing.assert_close(back["state"][i]["exp_avg"], st["exp_avg"])
 
