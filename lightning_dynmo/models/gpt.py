@@ -1,16 +1,21 @@
 """nanoGPT-style pre-LN decoder laid out as an ordered list of single-tensor layers.
 
-The dynmo strategy splits ``pipeline_layers()`` into contiguous stages and passes exactly one
-activation tensor between them, so every layer here maps one tensor to one tensor:
+The dynmo strategy splits ``pipeline_layers()`` into contiguous stages; every layer here maps one
+tensor to one tensor:
 
     [Embedding(tok+pos)] + [Block] * n_layer + [FinalNorm] + [Head]      (L = n_layer + 3)
+
+With ``GPTConfig(head_chunks=k)`` the head is ``k`` ``HeadChunk`` layers (models/vocab_head.py,
+``L = n_layer + 2 + k``) and the targets enter the pipeline with the tokens (``pipeline_inputs``),
+passing through the other layers untouched (runtime/activations.py).
 
 Pipeline protocol (what the strategy relies on):
 
 * ``pipeline_layers()`` returns the registered ``self.layers`` ModuleList (same object each call).
   The model keeps no other reference to a layer (no aliases, no weight tying), so the strategy
   may swap entries it does not own for placeholders.
-* ``pipeline_loss(output, target)``: mean token cross-entropy, a scalar.
+* ``pipeline_loss(output, target)``: mean token cross-entropy, a scalar (with a chunked head: the
+  mean of the last chunk's per-token loss).
 * Batches are ``(inputs, targets)`` int64 ``[B, T]`` tuples.
 * ``configure_optimizers()`` only looks at ``self.parameters()`` (trainable ones), so it works on
   any subset of layers; decay/no-decay membership is a rule on the parameter (``ndim >= 2``).
