@@ -22,7 +22,8 @@ def model_and_data(args):
 
     from lightning_dynmo.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0)
+    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0,
+                    head_chunks=args.head_chunks)
     model = GPT(cfg, seed=0, warmup_steps=1)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -68,6 +69,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)
     args.warmup = 3
@@ -76,6 +78,7 @@ def main() -> None:
         return
     repeats = args.repeats or (1 if args.quick else 3)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
+    fwd.append(f"--head-chunks={args.head_chunks}")
     single, pipe = [], []
     for r in range(repeats):  # interleaved so that load changes hit both variants alike
         single.append(launch(Path(__file__), 1, fwd + ["--mode=single"]))
@@ -88,7 +91,8 @@ def main() -> None:
     ideal = m * pp / (m + pp - 1)
     print(json.dumps({
         "benchmark": "pipeline_throughput", "schedule": args.schedule, "microbatches": m, "stages": pp,
-        "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch},
+        "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch,
+                  "head_chunks": args.head_chunks},
         "partition": pipe[-1]["partition"], "single_tokens_per_sec": round(s, 1), "pipeline_tokens_per_sec": round(q, 1),
         "speedup": round(q / s, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(q / s / ideal, 3),
         "repeats": repeats, "threads_per_rank": 1,

@@ -44,7 +44,7 @@ def worker(args) -> None:
     results = {}
     for name in STATIC + DYNAMIC:
         cfg = GPTConfig(vocab_size=VOCAB, block_size=args.block, n_layer=len(RATIOS), n_head=4, n_embd=args.embd,
-                        dropout=0.0, mlp_ratios=tuple(RATIOS))
+                        dropout=0.0, mlp_ratios=tuple(RATIOS), head_chunks=args.head_chunks)
         model = GPT(cfg, seed=0, warmup_steps=1)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, VOCAB, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -52,7 +52,7 @@ def worker(args) -> None:
         dynamic = name in DYNAMIC
         strategy = DynMoStrategy(
             pipeline_parallel=2, schedule="1f1b", microbatches=args.microbatches,
-            balancer=name, partition=None if not dynamic else _uniform(len(RATIOS) + 3),
+            balancer=name, partition=None if not dynamic else _uniform(len(RATIOS) + 2 + args.head_chunks),
             rebalance="every_n" if dynamic else "never", rebalance_interval=args.interval, plot=False,
         )
         timer = StepTimer()
@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     args = p.parse_args()
     args.steps = args.steps or (12 if args.quick else 20)
     if args.worker:
@@ -114,6 +115,7 @@ def main() -> None:
         return
     repeats = args.repeats or (1 if args.quick else 2)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval")]
+    fwd.append(f"--head-chunks={args.head_chunks}")
     runs = []
     for r in range(repeats):
         runs.append(launch(Path(__file__), 2, fwd))
@@ -127,7 +129,8 @@ def main() -> None:
     costs = [r[n]["rebalance_cost_ms"] / 1e3 / r[n]["step_seconds"] for r in runs for n in DYNAMIC
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
-        "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else ""), "stages": 2, "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB,
+        "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
+        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "head_chunks": args.head_chunks, "stages": 2, "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB,
         "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg}, "partitions": {n: agg[n]["partition"] for n in agg},
         "best_dynamic": best_dyn, "best_static": best_static,
         "efficiency": round(eff, 3),

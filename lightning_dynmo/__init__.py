@@ -18,6 +18,7 @@ from .plan.partition import Partition
 from .plan.policy import Decision
 from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad
 from .plan.schedules import available_schedules
+from .runtime.activations import run_layers
 from .strategy import DynMoStrategy
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "RemoteLayer",
     "ReportsLoad",
     "SparseAttentionMonitor",
+    "run_layers",
     "available_balancers",
     "available_schedules",
     "get_balancer",

@@ -38,3 +38,7 @@ __all__ += ["MoDBlock", "MoDConfig", "MoDGPT"]
 from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock
 
 __all__ += ["HashSparseSelfAttention", "SparseAttentionBlock"]
+
+from lightning_dynmo.models.vocab_head import HeadChunk
+
+__all__ += ["HeadChunk"]

@@ -160,6 +160,8 @@ class EarlyExitGPT(GPT):
         other args: as :class:`~lightning_dynmo.models.GPT`.
     """
 
+    _head_chunks_supported = False  # its exit norm wraps the one head layer
+
     def __init__(self, config=None, exit_layers: list[int] | tuple[int, ...] | None = None,
                  exit_threshold: float | None = None, **kwargs):
         super().__init__(config, **kwargs)

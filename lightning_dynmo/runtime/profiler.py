@@ -155,8 +155,10 @@ class PipelineProfiler:
             t = self.now()
             self.fwd[i] += t - self._fwd_start.pop(i, t)
             self.fwd_calls[i] += 1
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(self._make_grad_hook(i))
+            # a tuple output: the layer's backward starts when the last of its outputs' gradients is ready
+            for t in (output,) if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else ():
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._make_grad_hook(i))
 
         return post
 

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+from ..runtime.merged_parameters import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
 from ..runtime.optimizer_layout import OptimizerLayout
 
 if TYPE_CHECKING:
@@ -206,7 +207,7 @@ def full_model_state_dict(strategy: "DynMoStrategy") -> dict[str, Any]:
     full: dict[str, Any] = {}
     for part in parts or []:
         full.update(part)
-    return full
+    return merge_state(full, merges_of(strategy.lightning_module)) if full else full
 
 
 def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]:
@@ -228,15 +229,17 @@ def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]
     merged: dict[str, dict] = {}
     for part in parts:
         merged.update(part)
-    return layout.global_state_dict(opt, o, merged)
+    sd = layout.global_state_dict(opt, o, merged)
+    return merge_optimizer_state(sd, layout.names_by_index(o), merges_of(strategy.lightning_module))
 
 
 def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: bool = True) -> None:
     """Check the checkpoint against the whole model, then load the entries of the layers this rank holds."""
     module = strategy.lightning_module
     check_model_state(strategy.full_state_shapes, checkpoint["state_dict"], strict, type(module).__name__)
-    own = module.state_dict()
-    state = _own_shards(strategy, {k: v for k, v in checkpoint["state_dict"].items() if k in own})
+    merges = merges_of(module)  # parameters kept in pieces (e.g. a chunked LM head) load from their merged entry
+    own = set(split_state(module.state_dict(), merges))
+    state = _own_shards(strategy, {k: v for k, v in split_state(checkpoint["state_dict"], merges).items() if k in own})
     module.load_state_dict(state, strict=False)
 
 
@@ -263,12 +266,19 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
     optimizers = strategy.optimizers
     if len(states) != len(optimizers):
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
-    shapes = strategy.full_state_shapes
     problems = [p for o, (opt, sd) in enumerate(zip(optimizers, states)) for p in optimizer_type_problems(o, opt, sd)]
-    problems = problems or [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
+    if not problems:  # the same optimizer type: do the shapes fit (merged parameters split into their pieces)?
+        merges, layout = merges_of(strategy.lightning_module), strategy.optimizer_layout
+        shapes = dict(strategy.full_state_shapes)
+        for merged, pieces in merges.items():  # each piece: its rows of the merged parameter
+            shapes.update({name: (rows, *shapes.get(merged, (0,))[1:]) for name, rows in pieces})
+        states = [split_optimizer_state(sd, layout.names_by_index(o), layout.group_indices[o], merges)
+                  if isinstance(sd, dict) and "param_groups" in sd else sd for o, sd in enumerate(states)]
+        problems = [p for o, sd in enumerate(states) for p in layout.problems(o, sd, shapes)]
     if problems:
         raise CheckpointError(
             "the checkpoint's optimizer state does not fit the module's optimizer: " + "; ".join(problems[:_MAX_LISTED])
+            + (f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else "")
             + " (was it saved from a different model or configure_optimizers()?)"
         )
     for o, (opt, sd) in enumerate(zip(optimizers, states)):

@@ -50,7 +50,7 @@ from ..plan.layout import PipelineLayout
 from ..plan.schedules import choose_microbatches
 from ..plan.topology import Topology
 from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
-from ..runtime.engine import EngineCache, Placement
+from ..runtime.engine import EngineCache, Placement, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
 from ..runtime.groups import build_groups
@@ -445,8 +445,9 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
                               self.pipeline_group, self.root_device)
         loss_fn = self.lightning_module.pipeline_loss
+        inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
         return self.engines.get(placement, inputs, m, train, pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn,
-                                targets)
+                                targets, inputs_fn if callable(inputs_fn) else None)
 
     def invalidate_pipeline(self) -> None:
         """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
@@ -486,7 +487,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             check_before_run(self, inputs, targets, module.trainer.global_step)
         now = time.perf_counter()
         self.last_batch_size = int(inputs.shape[0])
-        losses, busy, wall, loads = None, 0.0, 0.0, {}
+        losses, busy, wall, loads, problem = None, 0.0, 0.0, {}, None
         self._held_grads.clear()
         if self.released:
             self.profiler.begin_step()  # its timeline is empty, not its last active step's
@@ -498,13 +499,14 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
                 self.profiler.begin_step()
                 losses = unscale_losses(self.precision_plugin, engine.run(inputs, targets, train=True))
             self._held_grads.hold(module.parameters())
-            busy, wall = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds
+            busy, wall, problem = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds, engine.problem
             loads = collect_load_factors(self._layers, self.local_layer_indices())
         stats = exchange_step_stats(
             losses=losses, profiled=self.rebalancer.profiling, busy=busy, wall=wall, loads=loads,
             topology=self.topology, active_pp=self.layout.pp_size, num_layers=len(self._layers),
-            global_rank=self.global_rank, device=self.root_device,
+            global_rank=self.global_rank, device=self.root_device, problem=problem is not None,
         )
+        raise_step_problem(problem, stats.problem)
         self._apply_step = check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite)
         self.rebalancer.after_step(stats)
         log_step(self.lightning_module, stats, inputs, now, self._last_step_end, self.topology.dp, self.layout.pp_size)
@@ -543,11 +545,13 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         ``{stage}_loss`` (model-specific metrics such as perplexity are the model's to log)."""
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
         ctx = self.precision_plugin.val_step_context() if stage == "val" else self.precision_plugin.test_step_context()
-        losses = None
+        losses, problem = None, None
         if not self.released:
             with ctx:
-                losses = self._engine_for(inputs, targets, train=False).run(inputs, targets, train=False)
-        loss = share_eval_loss(losses, self.topology.dp, self.root_device)
+                engine = self._engine_for(inputs, targets, train=False)
+                losses, problem = engine.run(inputs, targets, train=False), engine.problem
+        loss, flagged = share_eval_loss(losses, self.topology.dp, self.root_device, problem is not None)
+        raise_step_problem(problem, flagged)
         self.lightning_module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True,
                                   batch_size=inputs.shape[0], sync_dist=True)  # identical everywhere: mean is exact
         hook = getattr(self.lightning_module, "on_pipeline_eval_loss", None)

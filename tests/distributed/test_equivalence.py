@@ -25,6 +25,8 @@ from tests.support.workers.common import make_loader, make_model
 from tests.support.multiproc import run_worker
 
 from lightning_dynmo import available_balancers, available_schedules
+from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.runtime.merged_parameters import merge_optimizer_state, merges_of
 
 pytestmark = pytest.mark.slow
 SCHEDULES = available_schedules()
@@ -107,9 +109,7 @@ def microbatched_reference(cfg: dict, dp: int, microbatches: list[int] | None = 
                 xr, yr = x[r::dp], y[r::dp]
                 per_mb = []
                 for xm, ym in zip(torch.tensor_split(xr, m), torch.tensor_split(yr, m)):
-                    h = xm
-                    for layer in layers:
-                        h = layer(h)
+                    h = run_layers(layers, model.pipeline_inputs(xm, ym))  # the pipeline's calling convention
                     model.pipeline_loss(h, ym).backward()
                     per_mb.append([p.grad for p in model.parameters()])
                     opt.zero_grad(set_to_none=True)
@@ -131,7 +131,11 @@ def microbatched_reference(cfg: dict, dp: int, microbatches: list[int] | None = 
             sched.step()
     finally:
         torch.set_num_threads(threads)
-    _REF_CACHE[key] = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), norms)
+    # in checkpoint naming (a chunked head's rows as one parameter, runtime/merged_parameters.py)
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    names = dict(enumerate(fqn[id(p)] for g in opt.param_groups for p in g["params"]))
+    opt_sd = merge_optimizer_state(opt.state_dict(), names, merges_of(model))
+    _REF_CACHE[key] = ({k: v.clone() for k, v in model.state_dict().items()}, opt_sd, norms)
     return _REF_CACHE[key]
 
 

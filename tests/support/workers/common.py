@@ -161,3 +161,10 @@ def run_spec(run_one) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def two_stream_loader(batch: int) -> DataLoader:
+    """Data of the two-stream toy model (tests/support/two_stream.py)."""
+    data = torch.randint(0, 32, (64, 13), generator=torch.Generator().manual_seed(7))
+    return DataLoader(TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous()), batch_size=batch,
+                      shuffle=False, drop_last=True)

@@ -144,6 +144,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         profile_steps=cfg.get("profile_steps", 1),
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
+        activation_checkpointing=cfg.get("activation_checkpointing", False),
     )
     rec = LossRecorder()
     probe = StepProbe()
