@@ -30,6 +30,7 @@ from torch import nn
 from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
 from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
+from lightning_dynmo.models.granularity import GRANULARITIES, apply_granularity, skip_draws, state_dict_key
 from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
 from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.runtime.materialize import layer_seed
@@ -82,6 +83,9 @@ class GPTConfig:
     # the first and the last pipeline layer; DynMoStrategy keeps one copy per owning rank and sums
     # their gradients before each step, Megatron's way)
     tie_embeddings: bool = False
+    # what the pipeline's layers are: "block" (whole transformer blocks) or "sublayer" (each
+    # block's attention half and MLP half are separate layers; models/granularity.py)
+    pipeline_granularity: str = "block"
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -112,6 +116,8 @@ class GPTConfig:
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        if self.pipeline_granularity not in GRANULARITIES:
+            raise ValueError(f"pipeline_granularity must be one of {GRANULARITIES}, got {self.pipeline_granularity!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -220,6 +226,14 @@ class GPT(CausalLMModule):
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
         self._init_eval_metric()
+        self._layers_built(GPT)
+
+    def _layers_built(self, cls: type) -> None:
+        """The end of ``cls.__init__``: at sublayer granularity the outermost model class (the
+        last to change the blocks) cuts them into pipeline layers; a subclass whose ``__init__``
+        changes blocks ends it with ``self._layers_built(<its class>)``."""
+        if type(self).__init__ is cls.__init__ or self.config.pipeline_granularity == "block":
+            apply_granularity(self)
 
     # ------------------------------------------------------------------ init
     def _init_weights(self) -> None:
@@ -238,7 +252,10 @@ class GPT(CausalLMModule):
         LayerNorm (1, 0), hash-attention buffers from their own seed. Values are drawn in fp32 on
         the CPU and copied, so they do not depend on the layer's dtype or device: a single-process
         model, a model converted to bf16 and a rank materialising only this layer all agree."""
-        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index))
+        # a piece of a split block draws from its block's stream, after the pieces before it
+        units = getattr(self, "layer_units", None)
+        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index if units is None else units[index]))
+        skip_draws(gen, layer)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         residual = {id(m.proj) for m in layer.modules() if isinstance(m, (CausalSelfAttention, MLP))}
 
@@ -265,7 +282,22 @@ class GPT(CausalLMModule):
 
     # ------------------------------------------------------------------ protocol
     def pipeline_layers(self) -> nn.ModuleList:
+        if getattr(self, "layer_units", None) is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ did not finish its layers: a GPT subclass whose __init__ "
+                f"changes blocks must end it with self._layers_built({type(self).__name__})"
+            )
         return self.layers
+
+    def pipeline_layer_units(self) -> tuple[int, ...]:
+        """For each pipeline layer, the block-granularity layer it is part of (identity at block
+        granularity); freezing treats the pieces of one unit as one."""
+        return self.layer_units
+
+    def state_dict_key(self, name: str) -> str:
+        """The ``state_dict()`` key of the parameter or buffer ``name`` (``named_parameters()``):
+        the block model's key whatever the granularity."""
+        return state_dict_key(self, name)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(output.flatten(0, 1), target.flatten())

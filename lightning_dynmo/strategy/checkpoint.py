@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+from ..protocol import state_dict_key
 from ..runtime.optimizer_layout import OptimizerLayout
 
 if TYPE_CHECKING:
@@ -145,8 +146,14 @@ def _whole_experts(strategy: "DynMoStrategy", tensors: dict[str, Any]) -> dict[s
     ep = strategy.expert_parallel
     if ep is None:
         return tensors
-    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    sharded = _sharded_keys(strategy)
     return {**tensors, **ep.gather({k: v for k, v in tensors.items() if k in sharded}, strategy.root_device)}
+
+
+def _sharded_keys(strategy: "DynMoStrategy") -> set[str]:
+    """The state-dict keys of the expert parameters (see :func:`~lightning_dynmo.protocol.state_dict_key`)."""
+    module = strategy.lightning_module
+    return {state_dict_key(module, name) for name in strategy.expert_parallel.sharded_parameters(module)}
 
 
 def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +161,7 @@ def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, A
     ep = strategy.expert_parallel
     if ep is None:
         return state
-    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    sharded = _sharded_keys(strategy)
     return {k: (ep.shard.take(v) if k in sharded else v) for k, v in state.items()}
 
 
@@ -170,7 +177,7 @@ def _own_optimizer_shards(strategy: "DynMoStrategy", o: int, sd: dict) -> dict:
         slot = layout.slot(name)
         if slot is None or slot.optimizer != o or slot.index not in state:
             continue
-        whole = tuple(shapes[name])
+        whole = tuple(shapes[state_dict_key(strategy.lightning_module, name)])
         state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == whole else v)
                              for k, v in state[slot.index].items()}
     return {**sd, "state": state}
@@ -224,7 +231,10 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
     optimizers = strategy.optimizers
     if len(states) != len(optimizers):
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
-    shapes = strategy.full_state_shapes
+    # the layout names parameters as named_parameters() does; the shapes are keyed as the state dict
+    module = strategy.lightning_module
+    shapes = {name: strategy.full_state_shapes[key] for name in strategy.optimizer_layout.slots
+              if (key := state_dict_key(module, name)) in strategy.full_state_shapes}
     problems = [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
     if problems:
         raise CheckpointError(
