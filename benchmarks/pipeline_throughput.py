@@ -3,7 +3,12 @@
 Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over single-process
 tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
 
-    python benchmarks/pipeline_throughput.py [--quick]
+``--granularity sublayer``: the pipeline's layers are the blocks' attention and MLP halves
+(``GPTConfig(pipeline_granularity="sublayer")``, split by the same static parameter balancer);
+the same invocation also measures block granularity, interleaved, and reports its figures under
+``"block"`` and ``fraction_of_ideal_minus_block`` (target: > -0.03, finer cuts must not cost).
+
+    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer}]
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ def model_and_data(args):
 
     from lightning_dynmo.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0)
+    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0,
+                    pipeline_granularity=args.granularity)
     model = GPT(cfg, seed=0, warmup_steps=1)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -68,6 +74,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
+                   help="pipeline layers: whole blocks, or attention and MLP halves (then block granularity too)")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)
     args.warmup = 3
@@ -76,21 +84,36 @@ def main() -> None:
         return
     repeats = args.repeats or (1 if args.quick else 3)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
-    single, pipe = [], []
-    for r in range(repeats):  # interleaved so that load changes hit both variants alike
-        single.append(launch(Path(__file__), 1, fwd + ["--mode=single"]))
-        pipe.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"]))
-        print(f"repeat {r}: single {single[-1]['tokens_per_sec']:.0f} tok/s, pipeline {pipe[-1]['tokens_per_sec']:.0f} tok/s",
-              flush=True)
-    s = median([x["tokens_per_sec"] for x in single])
-    q = median([x["tokens_per_sec"] for x in pipe])
+    grains = [args.granularity] + (["block"] if args.granularity != "block" else [])
+    single = {g: [] for g in grains}
+    pipe = {g: [] for g in grains}
+    for r in range(repeats):  # interleaved so that load changes hit every variant alike
+        for g in grains:
+            single[g].append(launch(Path(__file__), 1, fwd + ["--mode=single", f"--granularity={g}"]))
+            pipe[g].append(launch(Path(__file__), 2, fwd + ["--mode=pipeline", f"--granularity={g}"]))
+            print(f"repeat {r} ({g}): single {single[g][-1]['tokens_per_sec']:.0f} tok/s, "
+                  f"pipeline {pipe[g][-1]['tokens_per_sec']:.0f} tok/s", flush=True)
     m, pp = args.microbatches, 2
     ideal = m * pp / (m + pp - 1)
+
+    def figures(g: str) -> dict:
+        s = median([x["tokens_per_sec"] for x in single[g]])
+        q = median([x["tokens_per_sec"] for x in pipe[g]])
+        return {"partition": pipe[g][-1]["partition"], "single_tokens_per_sec": round(s, 1),
+                "pipeline_tokens_per_sec": round(q, 1), "speedup": round(q / s, 3), "fraction_of_ideal": round(q / s / ideal, 3)}
+
+    out = figures(args.granularity)
+    extra = {}
+    if args.granularity != "block":
+        block = figures("block")
+        extra = {"block": block, "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
     print(json.dumps({
         "benchmark": "pipeline_throughput", "schedule": args.schedule, "microbatches": m, "stages": pp,
+        "granularity": args.granularity,
         "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch},
-        "partition": pipe[-1]["partition"], "single_tokens_per_sec": round(s, 1), "pipeline_tokens_per_sec": round(q, 1),
-        "speedup": round(q / s, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(q / s / ideal, 3),
+        "partition": out["partition"], "single_tokens_per_sec": out["single_tokens_per_sec"],
+        "pipeline_tokens_per_sec": out["pipeline_tokens_per_sec"], "speedup": out["speedup"],
+        "ideal_speedup": round(ideal, 3), "fraction_of_ideal": out["fraction_of_ideal"], **extra,
         "repeats": repeats, "threads_per_rank": 1,
     }))
 

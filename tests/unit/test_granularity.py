@@ -253,3 +253,40 @@ def test_hparams_and_lightning_checkpoint_load_at_the_other_granularity(tmp_path
     assert_same_model(loaded, sub)
     assert isinstance(GPT.load_from_checkpoint(tmp_path / "sub.ckpt").layers[1], AttentionHalf)
     assert isinstance(loaded.layers[1], Block)
+
+
+def test_pruned_sublayer_gpt_trains_and_checkpoints_as_the_block_gpt(tmp_path):
+    """Global magnitude pruning to 90 % with CSR storage: the halves are pruned like their blocks
+    (same threshold, masks, losses and weights), and the checkpoint -- masks and the densified
+    optimizer state of the CSR-stored weights included -- is the block model's, bit for bit."""
+    from lightning_dynmo.callbacks import GradualPruning
+    from lightning_dynmo.dynamic import PrunableLinear
+
+    out = {}
+    for g in ("block", "sublayer"):
+        model = GPT(config(g), seed=0, warmup_steps=1, max_steps=12)
+        cb = GradualPruning(final_sparsity=0.9, start_step=1, n_steps=2, frequency=2, storage_density=0.5,
+                            sparse_kernels=False)
+        losses = _Losses()
+        trainer = _fit(model, [cb, losses], steps=6)
+        assert all(m.compressed for m in model.modules() if isinstance(m, PrunableLinear))
+        trainer.save_checkpoint(tmp_path / f"{g}.ckpt")
+        out[g] = (losses.values, torch.load(tmp_path / f"{g}.ckpt", weights_only=False), cb.sparsity)
+    (la, ca, sa), (lb, cb_, sb) = out["block"], out["sublayer"]
+    assert la == lb and sa == sb == pytest.approx(0.9, abs=5e-3)
+    assert list(ca["state_dict"]) == list(cb_["state_dict"]) and any(k.endswith("weight_mask") for k in ca["state_dict"])
+    for k, v in ca["state_dict"].items():
+        assert torch.equal(v, cb_["state_dict"][k]), k
+    oa, ob = ca["optimizer_states"][0], cb_["optimizer_states"][0]
+    assert oa["state"].keys() == ob["state"].keys()
+    for i, st in oa["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, ob["state"][i][k]), (i, k)
+
+
+class _Losses(L.Callback):
+    def __init__(self):
+        self.values = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
