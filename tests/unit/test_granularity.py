@@ -290,3 +290,18 @@ class _Losses(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+
+
+def test_load_monitors_watch_the_halves_that_do_the_work():
+    """The per-layer monitors report under the pipeline index of the half holding the work: the
+    attention halves for block density, the MoE half for expert load."""
+    from lightning_dynmo.callbacks import MoELoadMonitor, SparseAttentionMonitor
+
+    sparse = GPT(config("sublayer", attention="hash_sparse", nb_hash=2, attention_block=16), seed=0)
+    attn = SparseAttentionMonitor(shift_threshold=10.0)
+    _fit(sparse, [attn], steps=1)
+    assert sorted(attn.last_stats) == [1, 3, 5]
+    moe = MoEGPT(config("sublayer"), moe=dict(num_experts=4, top_k=2, moe_every=2), seed=0)
+    experts = MoELoadMonitor(shift_threshold=10.0)
+    _fit(moe, [experts], steps=1)
+    assert sorted(experts.last_stats) == [4] and experts.last_stats[4]["load"] == pytest.approx(1.0)
