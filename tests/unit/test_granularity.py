@@ -78,8 +78,10 @@ def test_sublayer_layout_and_protocol():
     assert state_dict_key(block, "layers.2.mlp.fc.weight") == "layers.2.mlp.fc.weight"
 
 
-def test_same_seed_same_weights_function_and_gradients():
-    block, sub = pair()
+@pytest.mark.parametrize("tied", [False, True])
+def test_same_seed_same_weights_function_and_gradients(tied):
+    block, sub = pair(tie_embeddings=tied)
+    assert (sub.layers[-1].lm_head.weight is sub.layers[0].wte.weight) == tied
     assert_same_model(block, sub)
     assert_same_step(block, sub)
     assert sub.hparams.config["pipeline_granularity"] == "sublayer"
