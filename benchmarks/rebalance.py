@@ -13,7 +13,10 @@ measured per-layer costs / measured step time, best dynamic balancer), ``speedup
 (best dynamic / best static tokens/s) and ``rebalance_cost_iterations`` (profiling overhead +
 decision + migration of one rebalance, in training iterations).
 
-    python benchmarks/rebalance.py [--quick]
+``--granularity sublayer`` cuts every block into its attention and MLP halves
+(``GPTConfig(pipeline_granularity="sublayer")``) for every variant, static ones included.
+
+    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer}]
 """
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def worker(args) -> None:
     results = {}
     for name in STATIC + DYNAMIC:
         cfg = GPTConfig(vocab_size=VOCAB, block_size=args.block, n_layer=len(RATIOS), n_head=4, n_embd=args.embd,
-                        dropout=0.0, mlp_ratios=tuple(RATIOS), head_chunks=args.head_chunks)
+                        dropout=0.0, mlp_ratios=tuple(RATIOS), head_chunks=args.head_chunks,
+                        pipeline_granularity=args.granularity)
         model = GPT(cfg, seed=0, warmup_steps=1)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, VOCAB, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -52,7 +56,7 @@ def worker(args) -> None:
         dynamic = name in DYNAMIC
         strategy = DynMoStrategy(
             pipeline_parallel=2, schedule="1f1b", microbatches=args.microbatches,
-            balancer=name, partition=None if not dynamic else _uniform(len(RATIOS) + 2 + args.head_chunks),
+            balancer=name, partition=None if not dynamic else _uniform(len(model.pipeline_layers())),
             rebalance="every_n" if dynamic else "never", rebalance_interval=args.interval, plot=False,
         )
         timer = StepTimer()
@@ -108,13 +112,16 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
+    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
+                   help="pipeline layers: whole blocks, or attention and MLP halves (static baselines alike)")
     args = p.parse_args()
     args.steps = args.steps or (12 if args.quick else 20)
     if args.worker:
         worker(args)
         return
     repeats = args.repeats or (1 if args.quick else 2)
-    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval")]
+    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval",
+                                                 "granularity")]
     fwd.append(f"--head-chunks={args.head_chunks}")
     runs = []
     for r in range(repeats):
@@ -130,7 +137,10 @@ def main() -> None:
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
         "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
-        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "head_chunks": args.head_chunks, "stages": 2, "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB,
+        + (f" --granularity {args.granularity}" if args.granularity != "block" else "")
+        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "stages": 2,
+        "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.granularity,
+        "head_chunks": args.head_chunks,
         "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg}, "partitions": {n: agg[n]["partition"] for n in agg},
         "best_dynamic": best_dyn, "best_static": best_static,
         "efficiency": round(eff, 3),

@@ -142,3 +142,11 @@ def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
         )
     return batch[0], batch[1]
+
+
+def state_dict_key(module: nn.Module, name: str) -> str:
+    """The ``module.state_dict()`` key of the tensor ``named_parameters()`` calls ``name``: the
+    module's optional ``state_dict_key(name)`` (a model whose state-dict hooks rename its layers,
+    e.g. a GPT split into sublayers, which saves the block model's keys), else ``name``."""
+    fn = getattr(module, "state_dict_key", None)
+    return fn(name) if callable(fn) else name

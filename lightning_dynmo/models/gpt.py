@@ -35,6 +35,7 @@ from torch import nn
 from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
 from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
+from lightning_dynmo.models.granularity import GRANULARITIES, apply_granularity, skip_draws, state_dict_key
 from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
 from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds, head_logits
@@ -93,6 +94,9 @@ class GPTConfig:
     # the LM head + cross-entropy as this many pipeline layers over vocabulary slices, streaming
     # an online softmax (models/vocab_head.py): the full logits never exist; 1 = one Head layer
     head_chunks: int = 1
+    # what the pipeline's layers are: "block" (whole transformer blocks) or "sublayer" (each
+    # block's attention half and MLP half are separate layers; models/granularity.py)
+    pipeline_granularity: str = "block"
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -130,6 +134,8 @@ class GPTConfig:
             raise ValueError("tie_embeddings=True needs head_chunks=1: a chunked head splits the LM head's matrix "
                              "into one parameter per vocabulary slice, which cannot be the embedding's one matrix; "
                              "untie the embedding or use one head chunk")
+        if self.pipeline_granularity not in GRANULARITIES:
+            raise ValueError(f"pipeline_granularity must be one of {GRANULARITIES}, got {self.pipeline_granularity!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -263,12 +269,24 @@ class GPT(CausalLMModule):
             self.layers = nn.ModuleList(layers)
         self._init_weights()
         if cfg.head_chunks > 1:  # checkpoints name the head as one matrix, whatever head_chunks is
-            self._register_state_dict_hook(_merge_head_hook)
+            # (loading splits it before a sublayer model maps block keys to pipeline indices; saving
+            # merges it after that mapping, so the merge hook is registered in _layers_built)
             self._register_load_state_dict_pre_hook(_split_head_hook, with_module=True)
         if cfg.tie_embeddings:  # after init: the embedding's values win (the head's draw is dropped)
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
         self._init_eval_metric()
+        self._layers_built(GPT)
+
+    def _layers_built(self, cls: type) -> None:
+        """The end of ``cls.__init__``: at sublayer granularity the outermost model class (the
+        last to change the blocks) cuts them into pipeline layers; a subclass whose ``__init__``
+        changes blocks ends it with ``self._layers_built(<its class>)``."""
+        if type(self).__init__ is cls.__init__ or self.config.pipeline_granularity == "block":
+            apply_granularity(self)
+            if self.config.head_chunks > 1 and not getattr(self, "_head_merge_hooked", False):
+                self._register_state_dict_hook(_merge_head_hook)  # after apply_granularity's key mapping
+                self._head_merge_hooked = True
 
     # ------------------------------------------------------------------ init
     def _init_weights(self) -> None:
@@ -290,7 +308,10 @@ class GPT(CausalLMModule):
         if isinstance(layer, HeadChunk):  # the unchunked head's draw (its seed, its index), this chunk's rows
             layer.reset_parameters_from(torch.Generator().manual_seed(layer_seed(self._init_seed, self.head_index)))
             return
-        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index))
+        # a piece of a split block draws from its block's stream, after the pieces before it
+        units = getattr(self, "layer_units", None)
+        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index if units is None else units[index]))
+        skip_draws(gen, layer)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         residual = {id(m.proj) for m in layer.modules() if isinstance(m, (CausalSelfAttention, MLP))}
 
@@ -317,12 +338,27 @@ class GPT(CausalLMModule):
 
     # ------------------------------------------------------------------ protocol
     def pipeline_layers(self) -> nn.ModuleList:
+        if getattr(self, "layer_units", None) is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ did not finish its layers: a GPT subclass whose __init__ "
+                f"changes blocks must end it with self._layers_built({type(self).__name__})"
+            )
         return self.layers
 
     def pipeline_inputs(self, idx: torch.Tensor, targets: torch.Tensor):
         """What enters the first layer: the tokens, and with a chunked head also the targets
         (carried past the blocks to the head chunks, see runtime/activations.py)."""
         return idx if self.config.head_chunks == 1 else (idx, targets)
+
+    def pipeline_layer_units(self) -> tuple[int, ...]:
+        """For each pipeline layer, the block-granularity layer it is part of (identity at block
+        granularity); freezing treats the pieces of one unit as one."""
+        return self.layer_units
+
+    def state_dict_key(self, name: str) -> str:
+        """The ``state_dict()`` key of the parameter or buffer ``name`` (``named_parameters()``):
+        the block model's key whatever the granularity."""
+        return state_dict_key(self, name)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.config.head_chunks > 1:  # the last chunk's per-token NLL: only the mean is left
@@ -340,8 +376,13 @@ class GPT(CausalLMModule):
 
     @property
     def head_index(self) -> int:
-        """Index of the (first) LM head layer."""
+        """Block-granularity index of the (first) LM head layer: its seed and its checkpoint key."""
         return self.config.n_layer + 2
+
+    @property
+    def first_head_layer(self) -> int:
+        """Pipeline index of the (first) LM head layer, whatever the granularity."""
+        return len(self.layers) - self.config.head_chunks
 
     def lm_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.config.head_chunks == 1:
@@ -351,10 +392,10 @@ class GPT(CausalLMModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: for sampling)."""
         x = idx
-        for layer in self.layers[: self.head_index]:
+        for layer in self.layers[: self.first_head_layer]:
             x = layer(x)
         if self.config.head_chunks > 1:
-            return head_logits(self.layers[self.head_index:], x)
+            return head_logits(self.layers[self.first_head_layer:], x)
         return self.layers[-1](x)
 
     # ------------------------------------------------------------------ lightning hooks

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+from ..protocol import state_dict_key
 from ..runtime.merged_parameters import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
 from ..runtime.optimizer_layout import OptimizerLayout
 
@@ -168,8 +169,14 @@ def _whole_experts(strategy: "DynMoStrategy", tensors: dict[str, Any]) -> dict[s
     ep = strategy.expert_parallel
     if ep is None:
         return tensors
-    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    sharded = _sharded_keys(strategy)
     return {**tensors, **ep.gather({k: v for k, v in tensors.items() if k in sharded}, strategy.root_device)}
+
+
+def _sharded_keys(strategy: "DynMoStrategy") -> set[str]:
+    """The state-dict keys of the expert parameters (see :func:`~lightning_dynmo.protocol.state_dict_key`)."""
+    module = strategy.lightning_module
+    return {state_dict_key(module, name) for name in strategy.expert_parallel.sharded_parameters(module)}
 
 
 def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, Any]:
@@ -177,7 +184,7 @@ def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, A
     ep = strategy.expert_parallel
     if ep is None:
         return state
-    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    sharded = _sharded_keys(strategy)
     return {k: (ep.shard.take(v) if k in sharded else v) for k, v in state.items()}
 
 
@@ -193,7 +200,7 @@ def _own_optimizer_shards(strategy: "DynMoStrategy", o: int, sd: dict) -> dict:
         slot = layout.slot(name)
         if slot is None or slot.optimizer != o or slot.index not in state:
             continue
-        whole = tuple(shapes[name])
+        whole = tuple(shapes[state_dict_key(strategy.lightning_module, name)])
         state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == whole else v)
                              for k, v in state[slot.index].items()}
     return {**sd, "state": state}
@@ -230,7 +237,14 @@ def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]
     for part in parts:
         merged.update(part)
     sd = layout.global_state_dict(opt, o, merged)
-    return merge_optimizer_state(sd, layout.names_by_index(o), merges_of(strategy.lightning_module))
+    return merge_optimizer_state(sd, _keys_by_index(strategy, o), merges_of(strategy.lightning_module))
+
+
+def _keys_by_index(strategy: "DynMoStrategy", o: int) -> dict[int, str]:
+    """``{single-process index: state-dict key}`` of optimizer ``o``'s parameters (the names that
+    checkpoint merges use, whatever the model's pipeline granularity)."""
+    module = strategy.lightning_module
+    return {i: state_dict_key(module, n) for i, n in strategy.optimizer_layout.names_by_index(o).items()}
 
 
 def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: bool = True) -> None:
@@ -268,11 +282,14 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
     problems = [p for o, (opt, sd) in enumerate(zip(optimizers, states)) for p in optimizer_type_problems(o, opt, sd)]
     if not problems:  # the same optimizer type: do the shapes fit (merged parameters split into their pieces)?
-        merges, layout = merges_of(strategy.lightning_module), strategy.optimizer_layout
-        shapes = dict(strategy.full_state_shapes)
+        module, layout = strategy.lightning_module, strategy.optimizer_layout
+        merges = merges_of(module)  # state-dict keys, like full_state_shapes
+        full = dict(strategy.full_state_shapes)
         for merged, pieces in merges.items():  # each piece: its rows of the merged parameter
-            shapes.update({name: (rows, *shapes.get(merged, (0,))[1:]) for name, rows in pieces})
-        states = [split_optimizer_state(sd, layout.names_by_index(o), layout.group_indices[o], merges)
+            full.update({key: (rows, *full.get(merged, (0,))[1:]) for key, rows in pieces})
+        # the layout names parameters as named_parameters() does (e.g. a sublayer GPT's pipeline indices)
+        shapes = {name: full[key] for name in layout.slots if (key := state_dict_key(module, name)) in full}
+        states = [split_optimizer_state(sd, _keys_by_index(strategy, o), layout.group_indices[o], merges)
                   if isinstance(sd, dict) and "param_groups" in sd else sd for o, sd in enumerate(states)]
         problems = [p for o, sd in enumerate(states) for p in layout.problems(o, sd, shapes)]
     if problems:
