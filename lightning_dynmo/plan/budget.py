@@ -151,8 +151,7 @@ class OverheadBudget:
             return float("inf")
         if not self.walls:
             return float("inf")
-        mean = self.window_seconds() / len(self.walls)
-        allowed = self.fraction * mean * self.window
+        allowed = self.fraction * self.window_seconds()  # what ran so far, not a full window's worth
         if last is not None and last.paid(self.window):
             allowed += last.gain * self.window
         return allowed

@@ -20,6 +20,7 @@ recent loads a move's gain is tested under, and the budget.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ from .policy import RebalancePolicy
 REPROFILE_STEPS = 200
 #: Decisions from load counters test a move's gain under each of this many recent steps' loads.
 LOAD_SAMPLE_STEPS = 8
+#: Loads within this of a no-op decision's from counters repeat it: skipped at the cost of a comparison.
+LOAD_TOLERANCE = 0.01
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class RebalanceController:
         self.rank_busy: list[float] = []
         self.rank_wall: list[float] = []
         self._skip_noted = False  # a skip was recorded since the last decision
+        self._unmoved: tuple[int, list[float | None]] | None = None  # (profile step, loads) of a no-op counter decision
 
     # ------------------------------------------------------------------ requests
     def request(self, reason: str, reprofile: bool = True) -> None:
@@ -136,11 +140,24 @@ class RebalanceController:
         self._skip_noted = self._skip_noted or bool(skipped)
         return StepActions(counters=counters, profile=reason, skipped=tuple(skipped))
 
-    def _refusal(self, step: int, action: str) -> str | None:
-        """Only what ``auto`` starts by itself is weighed against the budget and the back-off."""
-        if self.policy.mode != "auto":
+    def _unchanged(self) -> str | None:
+        """A decision from counters on the same profile and (within ``LOAD_TOLERANCE``) the same
+        loads as the last one, which changed nothing, would change nothing: one comparison."""
+        if self._unmoved is None or self._unmoved[0] != self.profile_step:
             return None
-        return self.budget.refusal(step, action)
+        then = self._unmoved[1]
+        now = self.smoothed_load or []
+        if len(then) != len(now) or any((a is None) != (b is None) or (a is not None and abs(a - b) > LOAD_TOLERANCE)
+                                        for a, b in zip(then, now)):
+            return None
+        return f"skipped: layer loads within {LOAD_TOLERANCE} of the last decision from counters, which changed nothing"
+
+    def _refusal(self, step: int, action: str) -> str | None:
+        """Only what ``auto`` starts by itself is weighed against the budget and the back-off
+        (an infinite budget: nothing is)."""
+        if self.policy.mode != "auto" or math.isinf(self.budget.fraction):
+            return None
+        return (self._unchanged() if action == "counters" else None) or self.budget.refusal(step, action)
 
     def after_step(self, step: int, profiled: bool, rank_busy: list[float], rank_wall: list[float],
                    layer_load: list[float | None]) -> None:
@@ -165,8 +182,10 @@ class RebalanceController:
         """The merged costs of the profile window that closed at ``step``."""
         self.profiled_costs, self.profile_step = costs, step
 
-    def decided(self, step: int, applied: bool, left=None, cost: float = 0.0) -> None:
-        """A rebalance decision's outcome (``cost``: the seconds it took, migration included)."""
+    def decided(self, step: int, applied: bool, left=None, cost: float = 0.0, counters: bool = False) -> None:
+        """A rebalance decision's outcome (``cost``: the seconds it took, migration included;
+        ``counters``: it was taken from load counters)."""
+        self._unmoved = (self.profile_step, list(self.smoothed_load or [])) if counters and not applied else None
         self.policy.decided(step, applied=applied, left=left)
         self.budget.decided(step, applied, cost)
         self._skip_noted = False

@@ -1,11 +1,13 @@
 """Wires plan/ and runtime/ for Algorithm 1: profile after a trigger, decide, migrate, re-pack.
 
-Per step: ``before_step`` acts on the profile of the previous step (if one was taken) and starts
-profiling when the policy or a re-pack request asks; ``after_step`` takes in the step's shared
+When to profile and decide is :class:`~lightning_dynmo.plan.controller.RebalanceController`'s
+(pure): per step, ``before_step`` asks it and carries the answers out (profiling hooks, the cost
+gather, the balancer, migrations, records), and ``after_step`` hands it the step's shared
 statistics. Every rank runs the same code on the same agreed numbers, so decisions agree, provided
 the balancer is deterministic: each rank calls it itself, so every decision (and the initial
-partition) is checked with one small all-reduce (MIN of a hash and its negation), and a balancer
-that answers differently on different ranks stops training on every rank with a message saying so.
+partition) is checked with one small all-reduce (MIN of a hash and its negation; the same
+all-reduce agrees on what the decision cost, for the overhead budget), and a balancer that answers
+differently on different ranks stops training on every rank with a message saying so.
 """
 from __future__ import annotations
 
@@ -159,9 +161,10 @@ class Rebalancer:
         return CostModel(microbatches=m, schedule=s.layout.spec.cost_schedule, capacity=s.options.memory_capacity,
                          virtual_stages=s.layout.virtual)
 
-    def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
+    def gather_layer_costs(self, timelines: bool = True) -> tuple[LayerCosts, list[dict]]:
         """Per-layer costs identical on every rank (collective over the world) as last profiled;
-        plus every rank's chunk timeline of the last step."""
+        plus every rank's chunk timeline of the last step (``timelines=False``: none, e.g. when no
+        plot will draw them: they are most of what the gather carries)."""
         s = self.strategy
         local = {}
         for i in s.local_layer_indices():
@@ -169,7 +172,7 @@ class Rebalancer:
             f, b = self.known_costs.get(i, (math.nan, math.nan))
             params = sum(p.numel() for p in layer.parameters())
             local[i] = (f, b, params, layer_memory_bytes(layer, s.optimizers))
-        events = s.last_step_events()
+        events = s.last_step_events() if timelines else []
         parts: list = [None] * s.layout.topology.world_size
         dist.all_gather_object(parts, (local, events))
         costs = merge_layer_costs([p for p, _ in parts], len(s.layers), s.engines.activation_bytes())
@@ -216,7 +219,7 @@ class Rebalancer:
         """Algorithm 1: balance on the profiled costs, migrate, then (optionally) re-pack."""
         started = time.perf_counter()
         c = self.controller
-        costs, events = self.gather_layer_costs()
+        costs, events = self.gather_layer_costs(timelines=self.recorder.plot)
         c.profiled(step, costs)
         self._trace(step, costs)
         if self.policy.mode != "never" and not reason.startswith("repack"):
@@ -246,7 +249,8 @@ class Rebalancer:
             self.migration_cost = seconds + (decision.decision_ms or 0.0) / 1e3
             self.migration_seconds += seconds
             decision = decision.with_(migration_ms=seconds * 1e3, migration_bytes=moved_bytes)
-        self.controller.decided(step, applied=new is not None, left=before, cost=overhead + seconds)
+        self.controller.decided(step, applied=new is not None, left=before, cost=overhead + seconds,
+                                counters=source == "counters")
         recording = time.perf_counter()
         self._record(decision, costs, model, events, before, new)
         self._unagreed += time.perf_counter() - recording  # agreed and charged with the next decision

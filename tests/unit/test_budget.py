@@ -83,7 +83,7 @@ def test_back_off_doubles_and_is_capped():
 
 
 def test_a_structural_event_rearms_the_back_off():
-    ctrl = auto(fraction=float("inf"), max_backoff=64)
+    ctrl = auto(fraction=1.0, max_backoff=64)
     out = drive(ctrl, 200)
     assert ctrl.budget.noops >= 5 and ctrl.budget.next_allowed - out["decisions"][-1] >= 16  # backed off
     out = drive(ctrl, 6, start=200, events={200})  # a freeze: profiled and decided at once
@@ -149,7 +149,7 @@ def test_optional_overhead_stays_within_budget_plus_one_action(fraction, extra, 
 def test_counter_decisions_that_change_nothing_back_off():
     """Per-iteration decisions from load counters: a request every step, nothing moves: they back
     off too, and while backed off a request costs one comparison (no decision)."""
-    ctrl = auto(fraction=float("inf"))
+    ctrl = auto(fraction=1.0)
     drive(ctrl, 3)  # one profile (auto) and its decision
     ctrl.profiled(2, LayerCosts.uniform(4))
     loads = [1.0, 0.5, 1.0, 0.5]
@@ -162,12 +162,14 @@ def test_counter_decisions_that_change_nothing_back_off():
     assert not [s for s in range(3, 200) if s in counters and s > 150][1:]
 
 
-def test_other_modes_are_not_gated():
+def test_other_modes_and_an_infinite_budget_are_not_gated():
     for mode in ("every_n", "on_event"):
         policy = RebalancePolicy(mode, interval=2, hysteresis=0.0)
         ctrl = RebalanceController(policy, OverheadBudget(fraction=0.0))
         out = drive(ctrl, 40, events=set(range(0, 40, 2)) if mode == "on_event" else ())
         assert len(out["decisions"]) >= 15 and not out["skipped"], (mode, out)
+    out = drive(auto(fraction=float("inf")), 100)
+    assert len(out["decisions"]) >= 40 and not out["skipped"]  # every trigger served, as before the budget
 
 
 def test_budget_rejects_nonsense():
@@ -177,3 +179,22 @@ def test_budget_rejects_nonsense():
         OverheadBudget(window=0)
     with pytest.raises(ValueError, match="source"):
         OverheadBudget().charge(0, 1.0, "coffee")
+
+
+def test_a_counter_decision_on_unchanged_loads_costs_one_comparison():
+    ctrl = auto(fraction=1.0)
+    drive(ctrl, 3)
+    ctrl.profiled(2, LayerCosts.uniform(4))
+    loads = [1.0, 0.5, 1.0, 0.5]
+    for step in range(3, 6):
+        ctrl.after_step(step, False, [1.0, 1.0], [STEP] * 2, loads)
+    ctrl.request("moe: load moved", reprofile=False)
+    assert ctrl.plan(6, decided=False).counters  # the first one decides
+    ctrl.decided(6, applied=False, counters=True)
+    ctrl.after_step(6, False, [1.0, 1.0], [STEP] * 2, [1.0, 0.505, 1.0, 0.5])
+    ctrl.request("moe: load moved", reprofile=False)
+    actions = ctrl.plan(7, decided=False)
+    assert actions.counters is None and "within 0.01 of the last decision" in actions.skipped[0][1]
+    ctrl.after_step(7, False, [1.0, 1.0], [STEP] * 2, [1.0, 0.8, 1.0, 0.5])  # now it moved
+    ctrl.request("moe: load moved", reprofile=False)
+    assert ctrl.plan(8, decided=False).counters
