@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
+from ..plan.budget import OverheadBudget
 from ..plan.cost_model import LayerCosts
 from ..plan.partition import Partition
 from ..plan.policy import RebalancePolicy
@@ -71,7 +72,7 @@ from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_tra
 from .partial_batch import BatchSizes, check_last_batch
 from .rebalancer import Rebalancer
 from .step_guard import check_before_run
-from .recorder import log_step
+from .recorder import dynmo_summary_text, log_step
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         profile_steps: consecutive steps one per-layer profile spans; decisions use each layer's
             mean over them (1: decide on one step, cheapest; 2-3 when step times are noisy, e.g.
             a shared machine, where one step's measurement can flip a decision back and forth).
+        overhead_budget: under ``rebalance="auto"``, the share of the training time that the
+            profiling and decisions the policy starts by itself may cost over the last 100 steps
+            (more when the last applied decision measurably paid for itself); those that keep
+            changing nothing also back off exponentially (see :mod:`lightning_dynmo.plan.budget`).
+            ``float("inf")``: no limit. Events (freezing, pruning, re-packing) are always served.
         memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
             activations in flight); balancers never exceed it. ``None``: unlimited.
         repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
@@ -148,6 +154,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         rebalance_cooldown: int = 10,
         rebalance_hysteresis: float = 0.5,
         profile_steps: int = 1,
+        overhead_budget: float = 0.01,
         memory_capacity: float | None = None,
         repack: str | int = "off",
         repack_tolerance: float = 0.05,
@@ -179,7 +186,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
                                  horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis,
                                  profile_steps=profile_steps)
         self.rebalancer = Rebalancer(self, policy, balancer, repack, self.options.repack_tolerance, self.options.plot,
-                                     self.options.plot_interval)
+                                     self.options.plot_interval,
+                                     OverheadBudget(fraction=overhead_budget, window=max(100, rebalance_horizon)))
         self._num_nodes = 1
         # pipeline state (set in setup_environment / setup)
         self.layout: PipelineLayout | None = None  # set in setup_environment
@@ -327,6 +335,18 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         if self.profiler is not None:
             self.profiler.stop_layer_profiling()
         super().teardown()
+
+    def on_train_end(self) -> None:
+        """The end-of-fit sanity check: what DynMo cost and what its applied decisions gained."""
+        super().on_train_end()
+        if self.rebalancer.policy.mode != "never":
+            rank_zero_info(dynmo_summary_text(self.dynmo_summary))
+
+    @property
+    def dynmo_summary(self) -> dict:
+        """Measured overhead (profiling, decisions, migrations) and step time after vs before
+        each applied decision (same on every rank)."""
+        return self.rebalancer.summary()
 
     # ------------------------------------------------------------------ pipeline geometry
     @property
