@@ -8,6 +8,8 @@ from setuptools import find_packages, setup
 
 from cpp.build import extension_modules, build_ext_cmdclass  # noqa: E402  (owned by cpp/)
 
+HF_REQUIRES = ["transformers>=5.0", "safetensors>=0.4"]  # neither pulls torch
+
 setup(
     name="lightning_dynmo",
     version="0.1.0",
@@ -25,9 +27,10 @@ setup(
         "matplotlib>=3.8",
     ],
     extras_require={
-        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja"],
-        # lightning_dynmo.models.hf (Hugging Face GPT-2 / Llama / Mistral); tested with transformers 5.23
-        "hf": ["transformers>=5.0", "safetensors>=0.4"],
+        # lightning_dynmo.models.hf (Hugging Face GPT-2 / Llama / Mistral); tested with transformers 5.24
+        "hf": HF_REQUIRES,
+        # the test suite runs the Hugging Face tests too, so a clean clone skips only CUDA tests
+        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja", *HF_REQUIRES],
     },
     ext_modules=extension_modules(),
     cmdclass=build_ext_cmdclass(),

@@ -1,6 +1,6 @@
 """Static vs dynamic pipeline balancing for one dynamic-model case, side by side.
 
-    python benchmarks/dynamism.py --case freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
+    python benchmarks/dynamism.py --case none|freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
     python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
     python benchmarks/dynamism.py --case sparse_attention --sweep [--quick]
 
@@ -15,6 +15,15 @@ same model, data and dynamism callback three times in one job:
 * ``dynmo``    the case's dynamic options (``benchmarks/dynamism_cases/<case>.py``), e.g.
   ``balancer="partition_time", rebalance="on_event"``: the callback's ``request_rebalance``
   makes the strategy profile the next step per layer and re-partition.
+
+Every round also runs the better static configuration of the first round a second time
+(``control``): ``resolution`` = |1 - control_a / control_b| of the two runs' medians is how far
+apart identical runs land on this machine, so a speedup within ``resolution`` of 1 is noise;
+``speedup_vs_static_ci95`` is a 95 % bootstrap interval over rounds. Full runs use
+``FULL_ROUNDS`` rounds (at least). ``--case none`` is a dense GPT with no dynamism and DynMo's
+default options: what turning DynMo on costs a model it cannot help (``dynmo_overhead_fraction``
+is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
+``rebalance_history.jsonl``) go to a temporary directory per run, never the working directory.
 
 The dynamism event happens early (freezing / threshold drop / pruning schedule); throughput
 (tokens/s of all replicas from step wall-clock on rank 0) and the pipeline idle fraction (the strategy's
@@ -42,7 +51,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
+from _harness import bootstrap_ratio, resolution  # noqa: E402
 from dynamism_cases import CASES, load  # noqa: E402
+
+#: Rounds of a full (non-quick) run: enough that two runs of one static configuration (the
+#: control) land within 2 % of each other on a quiet 2-core machine (each round's runs are
+#: interleaved, and the summary takes medians over rounds).
+FULL_ROUNDS = 5
 
 
 def _args(argv=None):
@@ -65,12 +80,15 @@ def _args(argv=None):
 
 # ------------------------------------------------------------------------------ worker side
 def _decision_stats(history: list[dict], step_ms: float) -> dict:
-    """Decisions taken, how many came from load counters (no profiling), and the overhead of a
-    decision that moved nothing as a share of the step (the signal itself rides on the step's
-    one all-reduce)."""
+    """Decisions taken, how many came from load counters (no profiling), triggers the overhead
+    budget or the back-off skipped, and the overhead of a decision that moved nothing as a share
+    of the step (the signal itself rides on the step's one all-reduce)."""
+    skips = [h for h in history if h.get("kind") == "skip"]
+    history = [h for h in history if h.get("kind") != "skip"]
     idle = [h["decision_ms"] for h in history if not h["applied"] and h.get("decision_ms") is not None]
     return {
         "decisions": len(history),
+        "skip_records": len(skips),
         "decisions_from_counters": sum(1 for h in history if "(load counters)" in h.get("reason", "")),
         "migrations": sum(1 for h in history if h["applied"]),
         "rebalance_overhead": round(sum(idle) / len(idle) / step_ms, 5) if idle and step_ms else None,
@@ -92,6 +110,8 @@ def _worker(args) -> None:
     plan = case.plan(args.quick)
     if args.rounds:
         plan["rounds"] = args.rounds
+    elif not args.quick:
+        plan["rounds"] = max(plan["rounds"], FULL_ROUNDS)
     plan["stages"] = args.stages
     ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
@@ -130,20 +150,33 @@ def _worker(args) -> None:
         configs += [(f"fixed_{k}", dict(balancer="uniform", rebalance="never", partition=(0, k, num_layers)))
                     for k in ks]
     out: dict[str, list] = {name: [] for name, _ in configs}
-    # rounds interleave the configurations (u p d u p d ...) so that load drift on a shared
+    out["control"] = []
+    control = None  # the better static configuration of the first round, run a second time every round
+
+    def runs():
+        nonlocal control
+        for r in range(plan["rounds"]):
+            for name, options in configs:
+                yield name, options
+            if control is None:
+                control = _agreed_better_static(out)
+            yield "control", dict(configs)[control]
+
+    # rounds interleave the configurations (u p d c u p d c ...) so that load drift on a shared
     # machine hits all of them alike; the summary takes each configuration's median round
-    for name, options in [c for _ in range(plan["rounds"]) for c in configs]:
+    for name, options in runs():
         torch.manual_seed(0)
         model, callbacks = case.build(GPTConfig(**{**plan["model"], **variants[name][0]}) if name in variants else cfg,
                                       plan)
         meter = Meter()
+        logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # cost_trace / rebalance_history: not the cwd
         options = dict(dict(rebalance_cooldown=1), **options)
         strategy = DynMoStrategy(pipeline_parallel=args.stages, microbatches=plan["microbatches"], plot=False, timeout=300,
                                  expert_parallel=ep, **options)
         trainer = L.Trainer(accelerator="cpu", devices=args.stages * ep, strategy=strategy, max_steps=plan["steps"],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, meter],
-                            default_root_dir=tempfile.mkdtemp())
+                            default_root_dir=logs.name)
         err = None
         try:
             trainer.fit(model, DataLoader(ds, batch_size=plan["batch"], shuffle=False, drop_last=True))
@@ -151,6 +184,8 @@ def _worker(args) -> None:
             err = f"{type(e).__name__}: {e}"[:500]
         a, b = plan["window"]
         rec = {"balancer": options["balancer"], "rebalance": options["rebalance"], "error": err}
+        if name == "control":
+            rec["control_of"] = control
         if "partition" in options:
             rec["fixed_partition"] = list(options["partition"])
         if err is None and len(meter.t) >= b:
@@ -165,16 +200,31 @@ def _worker(args) -> None:
                 idle_fraction_per_rank=[sum(col) / len(col) for col in zip(*per_rank)] if per_rank else None,
                 partition_initial=meter.partition[0],
                 partition_final=meter.partition[-1],
-                rebalances=[{k: h.get(k) for k in ("step", "reason", "before", "after", "applied", "why")}
+                rebalances=[{k: h.get(k) for k in ("step", "kind", "reason", "before", "after", "applied", "why")}
                             for h in strategy.rebalance_history],
                 **_decision_stats(strategy.rebalance_history, 1e3 * secs / (b - a)),
             )
             if hasattr(case, "extra"):
                 rec["extra"] = case.extra(model, callbacks, strategy)  # rank 0's view
         out[name].append(rec)
+        if hasattr(strategy, "dynmo_summary") and options["rebalance"] != "never":
+            rec["dynmo_summary"] = strategy.dynmo_summary
+        logs.cleanup()
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh, default=str)
+
+
+def _agreed_better_static(out: dict) -> str:
+    """The faster static configuration of the first round, as rank 0 measured it (every rank
+    must run the same control)."""
+    import torch.distributed as dist
+
+    tps = {k: (out[k][0].get("tokens_per_sec") or 0.0) if out[k] else 0.0 for k in ("uniform", "param")}
+    choice = [max(tps, key=tps.get)]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 # ------------------------------------------------------------------------------ launcher side
@@ -192,8 +242,9 @@ def _median_round(recs: list[dict]) -> dict:
 
 
 def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, stages: int = 2) -> dict:
-    runs = {k: _median_round(v) for k, v in rounds.items()}
+    runs = {k: _median_round(v) for k, v in rounds.items() if v}
     ok = {k: v for k, v in runs.items() if v.get("tokens_per_sec")}
+    control = ok.pop("control", None)
     static = [k for k in ("uniform", "param") if k in ok]
     best = max(static, key=lambda k: ok[k]["tokens_per_sec"]) if static else None
     dyn = ok.get("dynmo")
@@ -217,14 +268,21 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         "partition": {k: (v.get("partition_initial"), v.get("partition_final")) for k, v in ok.items()},
         "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
     }
+    res.update(_noise_floor(rounds, control, ok))
     fixed = {k: v for k, v in ok.items() if k.startswith("fixed_")}
     if dyn:
-        for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead"):
+        for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead", "skip_records"):
             res[key] = dyn.get(key)
-        res["dynmo_rebalances"] = [f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
+        summary = dyn.get("dynmo_summary") or {}
+        res["dynmo_overhead_fraction"] = summary.get("overhead_fraction")  # measured by the strategy itself
+        res["dynmo_overhead_s_by_source"] = summary.get("overhead_s_by_source")
+        res["dynmo_applied_gains"] = [p.get("gain") for p in summary.get("applied_decisions", [])]
+        res["dynmo_rebalances"] = [f"{h['step']}: {h['why'][:90]}" if h.get("kind") == "skip" else
+                                   f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
                                    for h in dyn.get("rebalances", [])]
         for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
             res[f"speedup_vs_{name}"] = round(dyn["tokens_per_sec"] / ok[name]["tokens_per_sec"], 4)
+            res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)])
     if fixed and best:
         top = max(fixed, key=lambda k: fixed[k]["tokens_per_sec"])
         res["best_fixed"] = top
@@ -235,6 +293,23 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
     for key, val in (dyn or {}).get("extra", {}).items():
         res[key] = [None if x is None or x != x else round(x, 3) for x in val] if isinstance(val, list) else val
     return res
+
+
+def _per_round(rounds: dict, name: str) -> list[float | None]:
+    return [r.get("tokens_per_sec") for r in rounds.get(name, [])]
+
+
+def _noise_floor(rounds: dict, control: dict | None, ok: dict) -> dict:
+    """The control (the better static configuration of the first round, run twice per round):
+    ``resolution`` = |1 - control_a / control_b| of its medians; and a 95 % bootstrap interval
+    over rounds of ``speedup_vs_static``."""
+    of = (control or {}).get("control_of")
+    res = None if of is None else resolution(_per_round(rounds, of), _per_round(rounds, "control"))
+    out = {"control": of, "resolution": None if res is None else round(res, 4), "speedup_vs_static_ci95": None}
+    if "dynmo" in ok:
+        out["speedup_vs_static_ci95"] = bootstrap_ratio(
+            _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok])
+    return out
 
 
 def plot_sweep(summary: dict, path: str) -> None:

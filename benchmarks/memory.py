@@ -13,6 +13,12 @@
 2. **Activation memory.** Bytes autograd keeps after the forward of one micro-batch through all
    pipeline layers, with every layer checkpointed vs none (saved-tensor hooks, distinct storages,
    parameters excluded; a checkpointed layer keeps its input): ``activation_bytes_ratio``.
+3. **Head + loss memory.** Peak bytes the CPU allocator holds above its start (torch.profiler's
+   memory events) during the forward and backward of the LM head and its cross-entropy on one
+   micro-batch of hidden states (vocabulary 8192, or GPT-2's 50304 without ``--quick``), with one
+   unchunked head and with ``GPTConfig(head_chunks=k)``: ``head_activation_ratio_4`` (4 chunks
+   over 1; target <= 0.35). The chunks stream an online softmax, so only one vocabulary slice's
+   logits exist at a time (models/vocab_head.py); the weight gradient counts in both.
 
 Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
 """
@@ -121,6 +127,44 @@ def activation_bytes(width: int, block: int, microbatch: int) -> tuple[int, int]
     return plain, ckpt
 
 
+def _allocator_peak(fn) -> int:
+    """Peak bytes allocated on the CPU above the level at the start, while ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    deltas = sorted((e.time_range.end, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+                    for e in prof.events())
+    level = peak = 0
+    for _, d in deltas:
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+def head_activation_peak(chunks: int, width: int, vocab: int, block: int, microbatch: int) -> int:
+    """Peak bytes of the head + loss forward and backward on one micro-batch (see the docstring)."""
+    from lightning_dynmo.models import GPT, GPTConfig
+    from lightning_dynmo.runtime.activations import run_layers
+
+    cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=1, n_head=8, n_embd=width, head_chunks=chunks)
+    model = GPT(cfg, seed=0)
+    head = model.pipeline_layers()[model.head_index:]
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(microbatch, block, width, generator=gen).requires_grad_()
+    y = torch.randint(0, vocab, (microbatch, block), generator=gen)
+
+    def step() -> None:
+        out = run_layers(head, (h,) if chunks == 1 else (h, y))  # what reaches the head
+        model.pipeline_loss(out, y).backward()
+
+    step()  # warm-up: lazily allocated buffers do not count
+    h.grad = None
+    for p in model.parameters():
+        p.grad = None
+    return _allocator_peak(step)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="width 512 (76M parameters) instead of 768 (170M)")
@@ -147,6 +191,10 @@ def main() -> None:
     plain, ckpt = activation_bytes(width, block, microbatch)
     print(f"activations of one micro-batch ({microbatch} x {block} tokens) through {BLOCKS + 3} layers: "
           f"{plain / 2**20:.1f} MiB plain, {ckpt / 2**20:.1f} MiB with every layer checkpointed", flush=True)
+    vocab, head_block, head_mb = (8192, 512, 4) if args.quick else (50304, 1024, 4)
+    head_peak = {k: head_activation_peak(k, width, vocab, head_block, head_mb) for k in (1, 2, 4)}
+    print(f"head + loss peak over one micro-batch ({head_mb} x {head_block} tokens, vocabulary {vocab}): "
+          + ", ".join(f"{k} chunk(s) {b / 2**20:.1f} MiB" for k, b in head_peak.items()), flush=True)
     result = {
         "benchmark": "memory",
         "quick": bool(args.quick),
@@ -157,10 +205,14 @@ def main() -> None:
         "setup_peak_rss_ratio_pp2": round(ratio["pp2"], 3),
         "setup_peak_rss_ratio_pp4": round(ratio["pp4"], 3),
         "setup_peak_rss_ratio_pp2_full_build": round(ratio["pp2_full_build"], 3),
-        "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4},
+        "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4, "head_activation_ratio_4": 0.35},
         "activation_bytes_plain": plain,
         "activation_bytes_checkpointed": ckpt,
         "activation_bytes_ratio": round(ckpt / plain, 4),
+        "head_vocab_size": vocab,
+        "head_activation_peak_bytes": {str(k): b for k, b in head_peak.items()},
+        "head_activation_ratio_2": round(head_peak[2] / head_peak[1], 4),
+        "head_activation_ratio_4": round(head_peak[4] / head_peak[1], 4),
         "peak_reset": all(res["hwm_reset"] for res in runs.values()),
     }
     print(json.dumps(result))

@@ -3,7 +3,12 @@
 Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over single-process
 tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
 
-    python benchmarks/pipeline_throughput.py [--quick]
+``--granularity sublayer``: the pipeline's layers are the blocks' attention and MLP halves
+(``GPTConfig(pipeline_granularity="sublayer")``, split by the same static parameter balancer);
+the same invocation also measures block granularity, interleaved, and reports its figures under
+``"block"`` and ``fraction_of_ideal_minus_block`` (target: > -0.03, finer cuts must not cost).
+
+    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer}]
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ def model_and_data(args):
 
     from lightning_dynmo.models import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0)
+    cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0,
+                    head_chunks=args.head_chunks, pipeline_granularity=args.granularity)
     model = GPT(cfg, seed=0, warmup_steps=1)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -68,6 +74,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
+    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
+                   help="pipeline layers: whole blocks, or attention and MLP halves (then whole blocks with one head too)")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)
     args.warmup = 3
@@ -76,21 +85,39 @@ def main() -> None:
         return
     repeats = args.repeats or (1 if args.quick else 3)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
-    single, pipe = [], []
-    for r in range(repeats):  # interleaved so that load changes hit both variants alike
-        single.append(launch(Path(__file__), 1, fwd + ["--mode=single"]))
-        pipe.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"]))
-        print(f"repeat {r}: single {single[-1]['tokens_per_sec']:.0f} tok/s, pipeline {pipe[-1]['tokens_per_sec']:.0f} tok/s",
-              flush=True)
-    s = median([x["tokens_per_sec"] for x in single])
-    q = median([x["tokens_per_sec"] for x in pipe])
+    # the configuration asked for, and (when it is finer) whole blocks with one head beside it
+    grains = [(args.granularity, args.head_chunks)] + ([("block", 1)] if (args.granularity, args.head_chunks) != ("block", 1) else [])
+    single = {g: [] for g in grains}
+    pipe = {g: [] for g in grains}
+    for r in range(repeats):  # interleaved so that load changes hit every variant alike
+        for g in grains:
+            variant = [f"--granularity={g[0]}", f"--head-chunks={g[1]}"]
+            single[g].append(launch(Path(__file__), 1, fwd + ["--mode=single"] + variant))
+            pipe[g].append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"] + variant))
+            print(f"repeat {r} ({g[0]}, head_chunks={g[1]}): single {single[g][-1]['tokens_per_sec']:.0f} tok/s, "
+                  f"pipeline {pipe[g][-1]['tokens_per_sec']:.0f} tok/s", flush=True)
     m, pp = args.microbatches, 2
     ideal = m * pp / (m + pp - 1)
+
+    def figures(g: tuple) -> dict:
+        s = median([x["tokens_per_sec"] for x in single[g]])
+        q = median([x["tokens_per_sec"] for x in pipe[g]])
+        return {"partition": pipe[g][-1]["partition"], "single_tokens_per_sec": round(s, 1),
+                "pipeline_tokens_per_sec": round(q, 1), "speedup": round(q / s, 3), "fraction_of_ideal": round(q / s / ideal, 3)}
+
+    out = figures(grains[0])
+    extra = {}
+    if len(grains) > 1:  # the finer cut against whole blocks with one head, measured side by side
+        block = figures(("block", 1))
+        extra = {"block": block, "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
     print(json.dumps({
         "benchmark": "pipeline_throughput", "schedule": args.schedule, "microbatches": m, "stages": pp,
-        "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch},
-        "partition": pipe[-1]["partition"], "single_tokens_per_sec": round(s, 1), "pipeline_tokens_per_sec": round(q, 1),
-        "speedup": round(q / s, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(q / s / ideal, 3),
+        "granularity": args.granularity,
+        "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch,
+                  "head_chunks": args.head_chunks},
+        "partition": out["partition"], "single_tokens_per_sec": out["single_tokens_per_sec"],
+        "pipeline_tokens_per_sec": out["pipeline_tokens_per_sec"], "speedup": out["speedup"],
+        "ideal_speedup": round(ideal, 3), "fraction_of_ideal": out["fraction_of_ideal"], **extra,
         "repeats": repeats, "threads_per_rank": 1,
     }))
 

@@ -10,21 +10,27 @@ and migrate; parameter-based dynamic balancers are included for comparison.
 
 Last line: JSON with tokens/s per balancer, ``efficiency`` (ideal balanced step time from the
 measured per-layer costs / measured step time, best dynamic balancer), ``speedup_vs_static``
-(best dynamic / best static tokens/s) and ``rebalance_cost_iterations`` (profiling overhead +
+(best dynamic / best static tokens/s) with ``speedup_vs_static_ci95`` (a 95 % bootstrap interval
+over repeats) and ``resolution`` (the better static balancer runs twice per repeat, ``control``:
+|1 - a/b| of the two is the noise floor), and ``rebalance_cost_iterations`` (profiling overhead +
 decision + migration of one rebalance, in training iterations).
 
-    python benchmarks/rebalance.py [--quick]
+``--granularity sublayer`` cuts every block into its attention and MLP halves
+(``GPTConfig(pipeline_granularity="sublayer")``) for every variant, static ones included.
+
+    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer}]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import StepTimer, launch, write_result  # noqa: E402
+from benchmarks._harness import StepTimer, bootstrap_ratio, launch, resolution, write_result  # noqa: E402
 
 STATIC = ["uniform", "param"]
 DYNAMIC = ["partition_time", "partition_param", "diffusion_time", "diffusion_param"]
@@ -42,9 +48,12 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     results = {}
-    for name in STATIC + DYNAMIC:
+    logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # cost_trace / rebalance_history: not the cwd
+    for name in STATIC + DYNAMIC + ["control"]:  # control: the better static run a second time (noise floor)
+        balancer = _agreed_faster(results) if name == "control" else name
         cfg = GPTConfig(vocab_size=VOCAB, block_size=args.block, n_layer=len(RATIOS), n_head=4, n_embd=args.embd,
-                        dropout=0.0, mlp_ratios=tuple(RATIOS))
+                        dropout=0.0, mlp_ratios=tuple(RATIOS), head_chunks=args.head_chunks,
+                        pipeline_granularity=args.granularity)
         model = GPT(cfg, seed=0, warmup_steps=1)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, VOCAB, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -52,13 +61,13 @@ def worker(args) -> None:
         dynamic = name in DYNAMIC
         strategy = DynMoStrategy(
             pipeline_parallel=2, schedule="1f1b", microbatches=args.microbatches,
-            balancer=name, partition=None if not dynamic else _uniform(len(RATIOS) + 3),
+            balancer=balancer, partition=None if not dynamic else _uniform(len(model.pipeline_layers())),
             rebalance="every_n" if dynamic else "never", rebalance_interval=args.interval, plot=False,
         )
         timer = StepTimer()
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[timer], limit_val_batches=0)
+                            callbacks=[timer], limit_val_batches=0, default_root_dir=logs.name)
         trainer.fit(model, train_dataloaders=loader)
         history = trainer.strategy.rebalance_history
         steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
@@ -85,9 +94,20 @@ def worker(args) -> None:
             "profiling_overhead": (median(prof) / step_s - 1) if prof else None,
             "tokens_per_sec": args.batch * args.block / step_s, "step_seconds": step_s,
             "partition": str(trainer.strategy.partition), "rebalance_cost_ms": cost_ms,
-            "efficiency": median(eff), "rebalances": len(applied),
+            "efficiency": median(eff), "rebalances": len(applied), "balancer": balancer,
         }
+    logs.cleanup()
     write_result(args.out, results)
+
+
+def _agreed_faster(results: dict) -> str:
+    """The faster static balancer as rank 0 measured it (every rank must run the same control)."""
+    import torch.distributed as dist
+
+    choice = [max(STATIC, key=lambda n: results[n]["tokens_per_sec"])]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 def _uniform(L: int) -> list[int]:
@@ -107,13 +127,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
+    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
+                   help="pipeline layers: whole blocks, or attention and MLP halves (static baselines alike)")
     args = p.parse_args()
     args.steps = args.steps or (12 if args.quick else 20)
     if args.worker:
         worker(args)
         return
-    repeats = args.repeats or (1 if args.quick else 2)
-    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval")]
+    repeats = args.repeats or (1 if args.quick else 5)
+    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval",
+                                                 "granularity")]
+    fwd.append(f"--head-chunks={args.head_chunks}")
     runs = []
     for r in range(repeats):
         runs.append(launch(Path(__file__), 2, fwd))
@@ -124,15 +149,24 @@ def main() -> None:
     best_dyn = max(DYNAMIC, key=lambda n: agg[n]["tokens_per_sec"])
     best_static = max(STATIC, key=lambda n: agg[n]["tokens_per_sec"])
     eff = median(r[best_dyn]["efficiency"] for r in runs)
+    tps = lambda name: [r[name]["tokens_per_sec"] for r in runs]  # noqa: E731 (per repeat, in order)
+    noise = resolution([r[r["control"]["balancer"]]["tokens_per_sec"] for r in runs], tps("control"))
     costs = [r[n]["rebalance_cost_ms"] / 1e3 / r[n]["step_seconds"] for r in runs for n in DYNAMIC
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
-        "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else ""), "stages": 2, "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB,
+        "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
+        + (f" --granularity {args.granularity}" if args.granularity != "block" else "")
+        + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "stages": 2,
+        "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.granularity,
+        "head_chunks": args.head_chunks,
         "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg}, "partitions": {n: agg[n]["partition"] for n in agg},
         "best_dynamic": best_dyn, "best_static": best_static,
         "efficiency": round(eff, 3),
         "efficiency_by_balancer": {n: round(median(r[n]["efficiency"] for r in runs), 3) for n in agg},
         "speedup_vs_static": round(agg[best_dyn]["tokens_per_sec"] / agg[best_static]["tokens_per_sec"], 3),
+        # the better static run twice per repeat: |1 - a/b| is the noise floor of every speedup here
+        "control": runs[0]["control"]["balancer"], "resolution": None if noise is None else round(noise, 4),
+        "speedup_vs_static_ci95": bootstrap_ratio(tps(best_dyn), [tps(n) for n in STATIC]),
         "rebalance_cost_iterations": round(median(costs), 3) if costs else None,
         # a profiled step (per-layer hooks) vs a steady step of the same variant
         "profiling_overhead": round(median(r[n]["profiling_overhead"] for r in runs for n in DYNAMIC

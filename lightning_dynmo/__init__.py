@@ -5,6 +5,7 @@
 from .plan.balancers import (
     BalanceProblem,
     BalanceResult,
+    BalancerResultError,
     InfeasiblePartitionError,
     available_balancers,
     get_balancer,
@@ -17,11 +18,13 @@ from .plan.partition import Partition
 from .plan.policy import Decision
 from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad
 from .plan.schedules import available_schedules
+from .runtime.activations import run_layers
 from .strategy import DynMoStrategy
 
 __all__ = [
     "BalanceProblem",
     "BalanceResult",
+    "BalancerResultError",
     "CostModel",
     "Decision",
     "DynMoStrategy",
@@ -38,6 +41,7 @@ __all__ = [
     "RemoteLayer",
     "ReportsLoad",
     "SparseAttentionMonitor",
+    "run_layers",
     "available_balancers",
     "available_schedules",
     "get_balancer",

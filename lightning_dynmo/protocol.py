@@ -3,11 +3,16 @@
 A module trains with ``DynMoStrategy`` when it defines
 
 * ``pipeline_layers() -> nn.ModuleList``: the registered ModuleList (same object every call) of
-  its ordered layers, embedding first and head last; each layer maps one tensor to the next;
+  its ordered layers, embedding first and head last; each layer maps a tensor, or a tuple of
+  tensors of fixed arity, to the next (``runtime/activations.py``: called as ``layer(*tensors)``;
+  tensors a layer's ``forward`` does not take pass through after its outputs);
 * ``pipeline_loss(output, target) -> Tensor``: a scalar (0-dim) mean loss of one micro-batch on
   the last layer's output (checked at the first step: a non-scalar fails on every rank).
 
-Batches are ``(inputs, targets)``. The strategy replaces the layers a rank does not own with
+Batches are ``(inputs, targets)``. An optional ``pipeline_inputs(inputs, targets)`` returns what
+enters the first layer (default: ``inputs``), e.g. ``(inputs, targets)`` for a head that computes
+the loss inside the pipeline. An optional ``checkpoint_merges()`` names parameters the layers keep
+in pieces (``runtime/merged_parameters.py``) so checkpoints do not depend on the split. The strategy replaces the layers a rank does not own with
 :class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
 A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
 user keeps a copy and the owners sum its gradient each step (see ``runtime/tied.py``); a buffer
@@ -137,3 +142,11 @@ def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
             + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
         )
     return batch[0], batch[1]
+
+
+def state_dict_key(module: nn.Module, name: str) -> str:
+    """The ``module.state_dict()`` key of the tensor ``named_parameters()`` calls ``name``: the
+    module's optional ``state_dict_key(name)`` (a model whose state-dict hooks rename its layers,
+    e.g. a GPT split into sublayers, which saves the block model's keys), else ``name``."""
+    fn = getattr(module, "state_dict_key", None)
+    return fn(name) if callable(fn) else name

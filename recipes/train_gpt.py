@@ -301,6 +301,7 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         candidate = log_dir / "rebalance_history.jsonl"
         rebalance_file = str(candidate) if candidate.is_file() else None
     train_s = (stats.train_end - stats.train_start) if stats.train_start and stats.train_end else None
+    dynmo = getattr(strategy, "dynmo_summary", None)  # measured overhead and gains (None: not DynMo)
     summary = {
         "model": cfg.model.get("preset") or f"hf:{Path(str(cfg.model.path)).name}",
         "parameters": n_params,
@@ -312,9 +313,13 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         "partition_boundaries": list(partition.boundaries) if hasattr(partition, "boundaries") else None,
         "initial_partition": stats.initial_partition,
         "rebalance": _cfg_get(cfg.strategy, "rebalance"),
-        "rebalance_decisions": len(history) if history is not None else None,
+        "rebalance_decisions": sum(r.get("kind") != "skip" for r in history) if history is not None else None,
         "rebalances_applied": sum(bool(r.get("applied")) for r in history) if history is not None else None,
         "rebalance_history": rebalance_file,
+        # did DynMo pay on this model: its measured overhead (profiling, decisions, migrations) and
+        # the step time after vs before each applied decision
+        "dynmo_overhead_fraction": dynmo.get("overhead_fraction") if dynmo else None,
+        "dynmo": dynmo,
         "steps": int(trainer.global_step),
         "train_loss": last("train_loss"),
         "val_loss": last("val_loss"),
@@ -363,6 +368,12 @@ def print_summary(s: dict) -> None:
         lines.append(f"  tensorboard  {s['tensorboard_dir']}")
     if s["rebalance_history"]:
         lines.append(f"  rebalances   {s['rebalance_history']}")
+    if s.get("dynmo") and s["rebalance"] != "never":
+        d = s["dynmo"]
+        gains = [f"{-p['gain']:+.1%}" for p in d.get("applied_decisions", []) if p.get("gain") is not None]
+        lines.append(f"  dynmo cost   {d['overhead_s'] * 1e3:.0f} ms overhead ({f(d['overhead_fraction'], '.2%')} of "
+                     f"pipeline steps) + {d['migration_s'] * 1e3:.0f} ms migrations; step time after each applied "
+                     f"decision: {', '.join(gains) or 'none measured'}")
     if s["checkpoint_dir"]:
         lines.append(f"  checkpoints  {s['checkpoint_dir']} (last: {s['last_checkpoint'] or 'none'})")
     lines.append(f"  summary      {Path(s['run_dir']) / 'summary.json'}")

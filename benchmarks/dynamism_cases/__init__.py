@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 
-CASES = ("freezing", "early_exit", "pruning", "mod", "moe", "moe_dropless", "sparse_attention")
+CASES = ("none", "freezing", "early_exit", "pruning", "mod", "moe", "moe_dropless", "sparse_attention")
 
 
 def load(case: str):

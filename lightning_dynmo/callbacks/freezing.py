@@ -35,6 +35,23 @@ def set_reference(layer: torch.nn.Module, reference: torch.nn.Module | None) -> 
         layer.__dict__[_REFERENCE] = (reference,)
 
 
+def _units(pl_module) -> tuple[int, ...] | None:
+    fn = getattr(pl_module, "pipeline_layer_units", None)
+    return fn() if callable(fn) else None
+
+
+def whole_units(pl_module, n: int, up: bool) -> int:
+    """The prefix of ``n`` pipeline layers widened (``up``) or narrowed to whole units, so that a
+    block split into sublayers (``pl_module.pipeline_layer_units()``) is never half frozen."""
+    units = _units(pl_module)
+    if not units:
+        return n
+    n = max(0, min(int(n), len(units)))
+    while 0 < n < len(units) and units[n] == units[n - 1]:
+        n += 1 if up else -1
+    return n
+
+
 class LayerFreezing(Callback):
     """Freeze a growing prefix of ``pl_module.pipeline_layers()`` while training.
 
@@ -64,7 +81,10 @@ class LayerFreezing(Callback):
       ``n`` layers are frozen. ``threshold=None`` with a schedule: schedule only.
 
     At most ``max_frozen`` layers are frozen (default: all but the last two, i.e. the final norm
-    and the head of a GPT stay trainable). Freezing sets ``requires_grad=False``, frees grads and
+    and the head of a GPT stay trainable). Counts are pipeline layers; for a model split into
+    sublayers (``pipeline_layer_units()``, e.g. ``GPTConfig(pipeline_granularity="sublayer")``) the
+    frozen prefix always ends at a whole block: freezing a block freezes all its pieces (a schedule's
+    count is rounded up to whole blocks, a converged prefix and ``max_frozen`` down). Freezing sets ``requires_grad=False``, frees grads and
     optimizer state (see :func:`lightning_dynmo.dynamic.freeze_layer`): a frozen prefix builds no
     autograd graph, its stages run no backward, and its parameters (gradient ``None``) skip the
     data-parallel all-reduce. Each freeze calls ``strategy.invalidate_pipeline()`` and
@@ -111,6 +131,7 @@ class LayerFreezing(Callback):
         self.reference_device = reference_device
         # state (saved in checkpoints)
         self.n_frozen = 0
+        self._frozen_units = 0  # the frozen prefix in blocks (granularity-independent; in checkpoints)
         self.history: list[dict] = []
         self._prev: list[float] | None = None
         self._window: list[float] | None = None
@@ -131,7 +152,8 @@ class LayerFreezing(Callback):
 
     def _limit(self, pl_module) -> int:
         L = self._num_layers(pl_module)
-        return max(0, L - 2) if self.max_frozen is None else max(0, min(int(self.max_frozen), L))
+        limit = max(0, L - 2) if self.max_frozen is None else max(0, min(int(self.max_frozen), L))
+        return whole_units(pl_module, limit, up=False)
 
     def scheduled(self, step: int) -> int:
         due = [n for s, n in self.schedule.items() if s <= step]
@@ -148,17 +170,22 @@ class LayerFreezing(Callback):
             log.info("freezing: %d layers frozen at step %d (%s); %d bytes of optimizer state freed",
                      n, trainer.global_step, reason, freed)
         self.n_frozen = max(self.n_frozen, n)
+        units = _units(pl_module)
+        self._frozen_units = units[self.n_frozen - 1] + 1 if units and self.n_frozen else self.n_frozen
         if request:
             invalidate_pipeline(trainer)
             request_rebalance(trainer, f"freezing: {self.n_frozen} front layers frozen ({reason})")
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
+        units = _units(pl_module)
+        if units and self._frozen_units:  # as many whole blocks as the saving run, at this run's granularity
+            self.n_frozen = sum(1 for u in units if u < self._frozen_units)
         if self.n_frozen:  # resumed: re-apply (the checkpoint holds no optimizer state for them)
             self._apply(trainer, pl_module, self.n_frozen, "resumed")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        target = min(self.scheduled(trainer.global_step), self._limit(pl_module))
+        target = min(whole_units(pl_module, self.scheduled(trainer.global_step), up=True), self._limit(pl_module))
         if target > self.n_frozen:
             self._apply(trainer, pl_module, target, f"schedule at step {trainer.global_step}")
         pl_module.log("freezing/frozen_layers", float(self.n_frozen), on_step=True, on_epoch=False, batch_size=1)
@@ -210,6 +237,7 @@ class LayerFreezing(Callback):
             changes.append(round(rel, 4))
             n += 1
         del layers
+        n = whole_units(pl_module, n, up=False)  # a block freezes when all its pieces converged
         if n > self.n_frozen:
             self._apply(trainer, pl_module, n, f"converged, relative grad-norm change {changes} < {self.threshold}")
 
@@ -282,6 +310,7 @@ class LayerFreezing(Callback):
         cap = n + (self.max_per_event if self.max_per_event is not None else limit)
         while n < min(limit, cap) and self._converged(n):
             n += 1
+        n = max(self.n_frozen, whole_units(pl_module, n, up=False))
         if n > self.n_frozen:
             recent = {i: self.plasticity[i][-(self.patience + 1):] for i in range(self.n_frozen, n)}
             self._apply(trainer, pl_module, n, f"plasticity plateau {recent} (threshold {self.threshold})")
@@ -301,6 +330,7 @@ class LayerFreezing(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "n_frozen": self.n_frozen,
+            "frozen_units": self._frozen_units,
             "history": list(self.history),
             "prev": self._prev,
             "window": self._window,
@@ -311,6 +341,7 @@ class LayerFreezing(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.n_frozen = int(state_dict.get("n_frozen", 0))
+        self._frozen_units = int(state_dict.get("frozen_units", 0))
         self.history = list(state_dict.get("history", []))
         self._prev = state_dict.get("prev")
         self._window = state_dict.get("window")

@@ -13,6 +13,7 @@ from ..dynamic._dist import all_reduce_over_pipeline, invalidate_pipeline, local
     pipeline_reduce_group, reduce_device, request_rebalance
 from ..dynamic.pruning import ParamSwap, PrunableLinear, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
+from ..protocol import state_dict_key
 from ..runtime.optimizer_layout import replace_param
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,8 @@ class GradualPruning(Callback):
                 fqn = names[o].get(index)
                 if fqn is None or not fqn.endswith(".weight"):
                     continue
-                mask = model.get(fqn[: -len("weight")] + "weight_mask")
+                key = state_dict_key(pl_module, fqn)  # the parameter's name as the checkpoint keys it
+                mask = model.get(key[: -len("weight")] + "weight_mask")
                 if mask is None or mask.dim() != 2:
                     continue
                 mask = mask.bool()

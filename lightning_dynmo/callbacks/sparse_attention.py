@@ -3,7 +3,7 @@ a pipeline to rebalance when the per-layer density profile shifts."""
 from __future__ import annotations
 
 from ..dynamic._dist import pipeline_layers
-from ..models.gpt import SparseAttentionBlock
+from ..models.hash_attention import SparseAttentionLoad
 from ..protocol import RemoteLayer
 from ._layer_monitor import LayerLoadMonitor
 
@@ -37,12 +37,13 @@ class SparseAttentionMonitor(LayerLoadMonitor):
     tracked = "density"
     tracked_name = "block density"
 
-    def monitored(self, pl_module) -> list[tuple[int, SparseAttentionBlock]]:
-        return self.local_layers(pl_module, SparseAttentionBlock)
+    def monitored(self, pl_module) -> list[tuple[int, SparseAttentionLoad]]:
+        # a SparseAttentionBlock, or its attention half at sublayer granularity
+        return self.local_layers(pl_module, SparseAttentionLoad)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         layers = pipeline_layers(pl_module) or []
-        if not any(isinstance(layer, (SparseAttentionBlock, RemoteLayer)) for layer in layers):
+        if not any(isinstance(layer, (SparseAttentionLoad, RemoteLayer)) for layer in layers):
             raise TypeError(
                 "SparseAttentionMonitor needs a model whose pipeline layers include SparseAttentionBlock layers: "
                 f"build the GPT with attention='hash_sparse' (or a per-layer tuple); got {type(pl_module).__name__} "
@@ -53,7 +54,7 @@ class SparseAttentionMonitor(LayerLoadMonitor):
         for _, block in self.monitored(pl_module):
             block.reset_density_stats()
 
-    def layer_values(self, block: SparseAttentionBlock) -> tuple[float, float] | None:
+    def layer_values(self, block: SparseAttentionLoad) -> tuple[float, float] | None:
         density = block.density_stats()
         return None if density is None else (density, block.relative_work(density))
 

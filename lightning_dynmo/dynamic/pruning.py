@@ -473,11 +473,13 @@ def prunable_modules(layer: nn.Module) -> list[tuple[str, PrunableLinear]]:
 
 
 def default_prunable_layer(index: int, layer: nn.Module, num_layers: int) -> bool:
-    """Layers that are (or contain) a GPT ``Block``: not the embedding, final norm or head. (The
-    callback falls back to every layer but the first and the last when no layer matches.)"""
+    """Layers that are (or contain) a GPT ``Block``, or half of one (sublayer granularity): not the
+    embedding, final norm or head. (The callback falls back to every layer but the first and the
+    last when no layer matches.)"""
     from ..models.gpt import Block
+    from ..models.granularity import AttentionHalf, MLPHalf
 
-    if isinstance(layer, Block):
+    if isinstance(layer, (Block, AttentionHalf, MLPHalf)):
         return True
     if any(isinstance(m, Block) for m in layer.modules()):
         return True

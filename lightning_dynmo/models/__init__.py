@@ -38,3 +38,13 @@ __all__ += ["MoDBlock", "MoDConfig", "MoDGPT"]
 from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock
 
 __all__ += ["HashSparseSelfAttention", "SparseAttentionBlock"]
+
+from lightning_dynmo.models.vocab_head import HeadChunk
+
+__all__ += ["HeadChunk"]
+
+from lightning_dynmo.models.granularity import GRANULARITIES, AttentionHalf, MLPHalf
+from lightning_dynmo.models.hash_attention import SparseAttentionHalf
+from lightning_dynmo.models.moe import MoEHalf
+
+__all__ += ["GRANULARITIES", "AttentionHalf", "MLPHalf", "MoEHalf", "SparseAttentionHalf"]

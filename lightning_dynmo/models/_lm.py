@@ -56,10 +56,14 @@ class CausalLMModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.pipeline_loss(self(x), y)
+        loss = self.lm_loss(x, y)
         self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
         self.on_pipeline_train_loss(loss, batch, batch_idx)
         return loss
+
+    def lm_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The single-process loss of a batch (a chunked head never builds the logits here either)."""
+        return self.pipeline_loss(self(x), y)
 
     def on_pipeline_train_loss(self, loss: torch.Tensor, batch, batch_idx) -> None:
         """Per-step logging beyond ``train_loss`` (which DynMoStrategy logs itself, and
@@ -68,7 +72,7 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.pipeline_loss(self(x), y)
+        loss = self.lm_loss(x, y)
         self.val_loss_mean.update(loss.detach(), weight=y.numel())
         self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
         return loss

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, Embedding, FinalNorm, GPTConfig
+from .granularity import check_block_granularity
 
 __all__ = ["EarlyExitGPT", "ExitEmbedding", "ExitBlock", "ExitFinalNorm", "active_mask_of"]
 
@@ -160,8 +161,14 @@ class EarlyExitGPT(GPT):
         other args: as :class:`~lightning_dynmo.models.GPT`.
     """
 
+    _head_chunks_supported = False  # its exit norm wraps the one head layer
+
     def __init__(self, config=None, exit_layers: list[int] | tuple[int, ...] | None = None,
                  exit_threshold: float | None = None, **kwargs):
+        check_block_granularity(
+            GPTConfig.from_any(config), "EarlyExitGPT",
+            "an exit block computes attention and MLP on the same packed active tokens and decides the exit from "
+            "its input and output hidden states, which a cut between its halves would separate")
         super().__init__(config, **kwargs)
         cfg = self.config
         exits = set(range(cfg.n_layer - 1) if exit_layers is None else (int(i) for i in exit_layers))

@@ -1,16 +1,21 @@
 """nanoGPT-style pre-LN decoder laid out as an ordered list of single-tensor layers.
 
-The dynmo strategy splits ``pipeline_layers()`` into contiguous stages and passes exactly one
-activation tensor between them, so every layer here maps one tensor to one tensor:
+The dynmo strategy splits ``pipeline_layers()`` into contiguous stages; every layer here maps one
+tensor to one tensor:
 
     [Embedding(tok+pos)] + [Block] * n_layer + [FinalNorm] + [Head]      (L = n_layer + 3)
+
+With ``GPTConfig(head_chunks=k)`` the head is ``k`` ``HeadChunk`` layers (models/vocab_head.py,
+``L = n_layer + 2 + k``) and the targets enter the pipeline with the tokens (``pipeline_inputs``),
+passing through the other layers untouched (runtime/activations.py).
 
 Pipeline protocol (what the strategy relies on):
 
 * ``pipeline_layers()`` returns the registered ``self.layers`` ModuleList (same object each call).
   The model keeps no other reference to a layer (no aliases, no weight tying), so the strategy
   may swap entries it does not own for placeholders.
-* ``pipeline_loss(output, target)``: mean token cross-entropy, a scalar.
+* ``pipeline_loss(output, target)``: mean token cross-entropy, a scalar (with a chunked head: the
+  mean of the last chunk's per-token loss).
 * Batches are ``(inputs, targets)`` int64 ``[B, T]`` tuples.
 * ``configure_optimizers()`` only looks at ``self.parameters()`` (trainable ones), so it works on
   any subset of layers; decay/no-decay membership is a rule on the parameter (``ndim >= 2``).
@@ -30,8 +35,12 @@ from torch import nn
 from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
 from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
+from lightning_dynmo.models.granularity import GRANULARITIES, apply_granularity, skip_draws, state_dict_key
 from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
 from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
+from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds, head_logits
+from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.runtime.merged_parameters import merge_state, split_state
 from lightning_dynmo.runtime.materialize import layer_seed
 
 __all__ = [
@@ -82,6 +91,12 @@ class GPTConfig:
     # the first and the last pipeline layer; DynMoStrategy keeps one copy per owning rank and sums
     # their gradients before each step, Megatron's way)
     tie_embeddings: bool = False
+    # the LM head + cross-entropy as this many pipeline layers over vocabulary slices, streaming
+    # an online softmax (models/vocab_head.py): the full logits never exist; 1 = one Head layer
+    head_chunks: int = 1
+    # what the pipeline's layers are: "block" (whole transformer blocks) or "sublayer" (each
+    # block's attention half and MLP half are separate layers; models/granularity.py)
+    pipeline_granularity: str = "block"
 
     def __post_init__(self) -> None:
         if self.mlp_ratios is not None:
@@ -112,6 +127,15 @@ class GPTConfig:
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
+        if int(self.head_chunks) != self.head_chunks or not 1 <= self.head_chunks <= self.vocab_size:
+            raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={self.vocab_size}, "
+                             f"got {self.head_chunks!r}")
+        if self.head_chunks > 1 and self.tie_embeddings:
+            raise ValueError("tie_embeddings=True needs head_chunks=1: a chunked head splits the LM head's matrix "
+                             "into one parameter per vocabulary slice, which cannot be the embedding's one matrix; "
+                             "untie the embedding or use one head chunk")
+        if self.pipeline_granularity not in GRANULARITIES:
+            raise ValueError(f"pipeline_granularity must be one of {GRANULARITIES}, got {self.pipeline_granularity!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -167,6 +191,24 @@ class GPTConfig:
         return sorted(_PRESETS)
 
 
+def _prefixed(module: "GPT", prefix: str) -> dict:
+    return {prefix + k: [(prefix + n, r) for n, r in v] for k, v in module.checkpoint_merges().items()}
+
+
+def _merge_head_hook(module, state_dict, prefix, local_metadata):
+    merged = merge_state(state_dict, _prefixed(module, prefix))
+    if merged is not state_dict:
+        state_dict.clear()
+        state_dict.update(merged)
+
+
+def _split_head_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    split = split_state(state_dict, _prefixed(module, prefix))
+    if split is not state_dict:
+        state_dict.clear()
+        state_dict.update(split)
+
+
 _PRESETS: dict[str, dict[str, Any]] = {
     # unit tests: milliseconds per step
     "tiny": dict(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
@@ -181,6 +223,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
 class GPT(CausalLMModule):
     """Byte/token-level GPT exposing the dynmo pipeline protocol (see module docstring); training,
     evaluation and optimizer hooks from :class:`CausalLMModule`."""
+
+    _head_chunks_supported = True  # subclasses that rebuild the last layers set False
 
     def __init__(
         self,
@@ -213,13 +257,36 @@ class GPT(CausalLMModule):
                 if cfg.layer_attention(i) == "hash_sparse" else Block(cfg, cfg.block_mlp_ratio(i))
                 for i in range(cfg.n_layer)
             ]
-            layers += [FinalNorm(cfg), Head(cfg)]
+            layers += [FinalNorm(cfg)]
+            if cfg.head_chunks == 1:
+                layers.append(Head(cfg))
+            else:
+                if not self._head_chunks_supported:
+                    raise ValueError(f"{type(self).__name__} does not support head_chunks > 1 yet; use GPT, or head_chunks=1")
+                bounds = chunk_bounds(cfg.vocab_size, cfg.head_chunks)
+                layers += [HeadChunk(cfg.n_embd, a, b, cfg.vocab_size, j == 0, j == len(bounds) - 1)
+                           for j, (a, b) in enumerate(bounds)]
             self.layers = nn.ModuleList(layers)
         self._init_weights()
+        if cfg.head_chunks > 1:  # checkpoints name the head as one matrix, whatever head_chunks is
+            # (loading splits it before a sublayer model maps block keys to pipeline indices; saving
+            # merges it after that mapping, so the merge hook is registered in _layers_built)
+            self._register_load_state_dict_pre_hook(_split_head_hook, with_module=True)
         if cfg.tie_embeddings:  # after init: the embedding's values win (the head's draw is dropped)
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
         self._init_eval_metric()
+        self._layers_built(GPT)
+
+    def _layers_built(self, cls: type) -> None:
+        """The end of ``cls.__init__``: at sublayer granularity the outermost model class (the
+        last to change the blocks) cuts them into pipeline layers; a subclass whose ``__init__``
+        changes blocks ends it with ``self._layers_built(<its class>)``."""
+        if type(self).__init__ is cls.__init__ or self.config.pipeline_granularity == "block":
+            apply_granularity(self)
+            if self.config.head_chunks > 1 and not getattr(self, "_head_merge_hooked", False):
+                self._register_state_dict_hook(_merge_head_hook)  # after apply_granularity's key mapping
+                self._head_merge_hooked = True
 
     # ------------------------------------------------------------------ init
     def _init_weights(self) -> None:
@@ -238,7 +305,13 @@ class GPT(CausalLMModule):
         LayerNorm (1, 0), hash-attention buffers from their own seed. Values are drawn in fp32 on
         the CPU and copied, so they do not depend on the layer's dtype or device: a single-process
         model, a model converted to bf16 and a rank materialising only this layer all agree."""
-        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index))
+        if isinstance(layer, HeadChunk):  # the unchunked head's draw (its seed, its index), this chunk's rows
+            layer.reset_parameters_from(torch.Generator().manual_seed(layer_seed(self._init_seed, self.head_index)))
+            return
+        # a piece of a split block draws from its block's stream, after the pieces before it
+        units = getattr(self, "layer_units", None)
+        gen = torch.Generator().manual_seed(layer_seed(self._init_seed, index if units is None else units[index]))
+        skip_draws(gen, layer)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         residual = {id(m.proj) for m in layer.modules() if isinstance(m, (CausalSelfAttention, MLP))}
 
@@ -265,16 +338,65 @@ class GPT(CausalLMModule):
 
     # ------------------------------------------------------------------ protocol
     def pipeline_layers(self) -> nn.ModuleList:
+        if getattr(self, "layer_units", None) is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.__init__ did not finish its layers: a GPT subclass whose __init__ "
+                f"changes blocks must end it with self._layers_built({type(self).__name__})"
+            )
         return self.layers
 
+    def pipeline_inputs(self, idx: torch.Tensor, targets: torch.Tensor):
+        """What enters the first layer: the tokens, and with a chunked head also the targets
+        (carried past the blocks to the head chunks, see runtime/activations.py)."""
+        return idx if self.config.head_chunks == 1 else (idx, targets)
+
+    def pipeline_layer_units(self) -> tuple[int, ...]:
+        """For each pipeline layer, the block-granularity layer it is part of (identity at block
+        granularity); freezing treats the pieces of one unit as one."""
+        return self.layer_units
+
+    def state_dict_key(self, name: str) -> str:
+        """The ``state_dict()`` key of the parameter or buffer ``name`` (``named_parameters()``):
+        the block model's key whatever the granularity."""
+        return state_dict_key(self, name)
+
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.config.head_chunks > 1:  # the last chunk's per-token NLL: only the mean is left
+            return output.mean()
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
+    def checkpoint_merges(self) -> dict[str, list[tuple[str, int]]]:
+        """The chunked head's rows as one ``layers.<head>.lm_head.weight`` in checkpoints
+        (runtime/merged_parameters.py), so a run resumes under another ``head_chunks``."""
+        if self.config.head_chunks == 1:
+            return {}
+        h = self.head_index
+        bounds = chunk_bounds(self.config.vocab_size, self.config.head_chunks)
+        return {f"layers.{h}.lm_head.weight": [(f"layers.{h + j}.lm_head.weight", b - a) for j, (a, b) in enumerate(bounds)]}
+
+    @property
+    def head_index(self) -> int:
+        """Block-granularity index of the (first) LM head layer: its seed and its checkpoint key."""
+        return self.config.n_layer + 2
+
+    @property
+    def first_head_layer(self) -> int:
+        """Pipeline index of the (first) LM head layer, whatever the granularity."""
+        return len(self.layers) - self.config.head_chunks
+
+    def lm_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.config.head_chunks == 1:
+            return super().lm_loss(idx, targets)
+        return self.pipeline_loss(run_layers(self.layers, self.pipeline_inputs(idx, targets)), targets)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (with a chunked head built from its slices: for sampling)."""
         x = idx
-        for layer in self.layers:
+        for layer in self.layers[: self.first_head_layer]:
             x = layer(x)
-        return x
+        if self.config.head_chunks > 1:
+            return head_logits(self.layers[self.first_head_layer:], x)
+        return self.layers[-1](x)
 
     # ------------------------------------------------------------------ lightning hooks
     def on_train_batch_start(self, batch, batch_idx) -> None:

@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from lightning_dynmo.models.gpt_layers import Block, CausalSelfAttention
+from lightning_dynmo.models.granularity import AttentionHalf, MLPHalf
 from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
 
 if TYPE_CHECKING:
     from lightning_dynmo.models.gpt import GPTConfig
 
-__all__ = ["HashSparseSelfAttention", "SparseAttentionBlock", "set_hash_step"]
+__all__ = ["HashSparseSelfAttention", "SparseAttentionBlock", "SparseAttentionHalf", "SparseAttentionLoad", "set_hash_step"]
 
 
 class RunningMean:
@@ -112,27 +113,24 @@ class HashSparseSelfAttention(CausalSelfAttention):
         self.load_window.reset()
 
 
-class SparseAttentionBlock(Block):
-    """``Block`` with :class:`HashSparseSelfAttention`; built by GPT for ``"hash_sparse"`` layers.
+class SparseAttentionLoad:
+    """The load accounting of a pipeline layer holding a :class:`HashSparseSelfAttention` (``attn``):
+    a ``ReportsLoad`` whose ``load_factor()`` is the layer's work relative to the same layer with
+    dense causal attention, in multiply-accumulates per training forward since ``reset_load()``:
+    ``(F + d A) / (F + A)`` with ``F`` the density-independent work (:meth:`_fixed_macs`), ``A`` the
+    attention's at density 1 and ``d`` the measured block density; ``attention_density()`` is ``d``
+    alone (mean active / causal block pairs). Mixed in before the layer's class."""
 
-    A ``ReportsLoad`` pipeline layer: ``load_factor()`` is the block's work relative to the same
-    block with dense causal attention, in multiply-accumulates per training forward since
-    ``reset_load()``: ``(F + d A) / (F + A)`` with ``F`` the density-independent work (qkv, proj,
-    MLP), ``A`` the attention's at density 1 and ``d`` the measured block density;
-    ``attention_density()`` is ``d`` alone (mean active / causal block pairs).
-    """
-
-    def __init__(self, config: GPTConfig, mlp_ratio: float | None = None, layer_index: int = 0):
-        super().__init__(config, mlp_ratio, attn=HashSparseSelfAttention(config, layer_index))
-        self._last_macs: tuple[int, int] | None = None
-        self.reset_load()
+    def _fixed_macs(self, c: int) -> int:
+        """Density-independent multiply-accumulates per token (the layer's projections)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.training and torch.is_grad_enabled():
             fixed, full = self._macs(*x.shape)
             self._last_macs = (fixed, full)
-            self._fixed_macs += fixed
+            self._fixed_macs_sum += fixed
             self._full_attn_macs += full
             self._attn_macs += self.attn.last_density * full
         return y
@@ -141,9 +139,8 @@ class SparseAttentionBlock(Block):
         """(F, A) of one forward: the density-independent work and the attention's at density 1."""
         bs = self.attn.block
         n = -(-t // bs)
-        hidden = self.mlp.fc.out_features
         # QK^T and PV over every causal block pair at density 1, all heads.
-        return b * t * (4 * c * c + 2 * c * hidden), b * n * (n + 1) // 2 * bs * bs * 2 * c
+        return b * t * self._fixed_macs(c), b * n * (n + 1) // 2 * bs * bs * 2 * c
 
     def relative_work(self, density: float) -> float | None:
         """``(F + d A) / (F + A)`` at block density ``d`` for the shape of the last training
@@ -167,11 +164,41 @@ class SparseAttentionBlock(Block):
     def load_factor(self) -> float | None:
         if self._full_attn_macs == 0:
             return None
-        return (self._fixed_macs + self._attn_macs) / (self._fixed_macs + self._full_attn_macs)
+        return (self._fixed_macs_sum + self._attn_macs) / (self._fixed_macs_sum + self._full_attn_macs)
 
     def reset_load(self) -> None:
-        self._fixed_macs = self._attn_macs = self._full_attn_macs = 0
+        self._fixed_macs_sum = self._attn_macs = self._full_attn_macs = 0
         self.attn.reset_load()
+
+
+class SparseAttentionBlock(SparseAttentionLoad, Block):
+    """``Block`` with :class:`HashSparseSelfAttention`; built by GPT for ``"hash_sparse"`` layers.
+    A ``ReportsLoad`` pipeline layer (:class:`SparseAttentionLoad`; ``F``: qkv, proj and the MLP).
+    At sublayer granularity its attention half carries the load accounting."""
+
+    def __init__(self, config: GPTConfig, mlp_ratio: float | None = None, layer_index: int = 0):
+        super().__init__(config, mlp_ratio, attn=HashSparseSelfAttention(config, layer_index))
+        self._last_macs: tuple[int, int] | None = None
+        self.reset_load()
+
+    def _fixed_macs(self, c: int) -> int:
+        return 4 * c * c + 2 * c * self.mlp.fc.out_features
+
+    def split_sublayers(self) -> tuple[nn.Module, nn.Module]:
+        return SparseAttentionHalf(self), MLPHalf(self)
+
+
+class SparseAttentionHalf(SparseAttentionLoad, AttentionHalf):
+    """The attention half of a :class:`SparseAttentionBlock` (sublayer granularity): its density
+    counters and load (``F``: the qkv and output projections only)."""
+
+    def __init__(self, block: SparseAttentionBlock):
+        super().__init__(block)
+        self._last_macs: tuple[int, int] | None = None
+        self.reset_load()
+
+    def _fixed_macs(self, c: int) -> int:
+        return 4 * c * c
 
 
 @torch.no_grad()

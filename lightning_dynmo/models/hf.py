@@ -421,7 +421,8 @@ class HFCausalLM(CausalLMModule):
         the file headers only)."""
         expected = {k: s for i, layer in enumerate(self.layers) for k, s in self._layer_shapes(i, layer).items()}
         missing, wrong = self._checkpoint.mismatches(expected)
-        if wrong or missing:
+        extra = self._checkpoint.extra_layer_keys(self.arch.layers, len(self.layers) - 3)
+        if wrong or missing or extra:
             cfg = self.hf_config
             sizes = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                                    "num_attention_heads", "num_key_value_heads", "num_local_experts",
@@ -431,6 +432,9 @@ class HFCausalLM(CausalLMModule):
                 parts.append(f"{len(wrong)} tensor(s) have other shapes than the config asks for: {wrong[:5]}")
             if missing:
                 parts.append(f"{len(missing)} tensor(s) are missing: {missing[:5]}")
+            if extra:
+                parts.append(f"it holds layers beyond the config's {len(self.layers) - 3}, which would be dropped: "
+                             f"{extra[:5]}")
             raise CheckpointMismatchError(
                 f"the checkpoint in {self._checkpoint.path} does not match its config ({sizes}): " + "; ".join(parts)
                 + ". Use the config.json saved with these weights"

@@ -18,18 +18,47 @@ as, in this order:
 * a tied LM head: the token embedding.
 
 Shapes are checked from the file headers before anything is read (per stored tensor, so a
-per-expert mismatch names the file's tensor).
+per-expert mismatch names the file's tensor), and so are layers on disk beyond the config's
+``num_hidden_layers`` (a config with fewer layers than its weights). A file that cannot be read
+(truncated, damaged) fails with :class:`CheckpointFileError` naming the file.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["DISK_LAYOUTS", "CheckpointFiles", "CheckpointReader", "DiskLayout", "Source"]
+__all__ = ["DISK_LAYOUTS", "CheckpointFileError", "CheckpointFiles", "CheckpointReader", "DiskLayout", "Source"]
+
+
+class CheckpointFileError(OSError):
+    """A checkpoint file that cannot be read (truncated or damaged); the message names the file."""
+
+
+@contextmanager
+def _reading(file: Path):
+    """Errors of the safetensors/torch readers, which do not say which file, name it."""
+    try:
+        yield
+    except (FileNotFoundError, KeyError):
+        raise
+    except Exception as err:  # noqa: BLE001 - SafetensorError, RuntimeError, EOFError, UnpicklingError...
+        raise CheckpointFileError(
+            f"{file} cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+            "it is truncated or damaged: download or save it again"
+        ) from err
+
+
+def _safe_open(file: Path):
+    from safetensors import safe_open
+
+    with _reading(file):
+        return safe_open(str(file), framework="pt")
 
 
 @dataclass(frozen=True)
@@ -128,15 +157,14 @@ class CheckpointFiles:
 
     def _keys_of(self, file: Path) -> list[str]:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
+            with _safe_open(file) as f:
                 return list(f.keys())
         return list(self._bin(file))
 
     def _bin(self, file: Path) -> dict:
         if file not in self._bins:
-            self._bins[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            with _reading(file):
+                self._bins[file] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         return self._bins[file]
 
     def _by_file(self, keys) -> dict[Path, list[str]]:
@@ -149,9 +177,7 @@ class CheckpointFiles:
         out: dict[str, tuple[int, ...]] = {}
         for file, keys in self._by_file(self.files).items():
             if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
+                with _safe_open(file) as f, _reading(file):
                     out.update({k: tuple(f.get_slice(k).get_shape()) for k in keys})
             else:
                 sd = self._bin(file)
@@ -162,9 +188,7 @@ class CheckpointFiles:
         out: dict[str, torch.Tensor] = {}
         for file, ks in self._by_file(keys).items():
             if file.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                with safe_open(str(file), framework="pt") as f:
+                with _safe_open(file) as f, _reading(file):
                     out.update({k: f.get_tensor(k) for k in ks})
             else:
                 sd = self._bin(file)
@@ -222,6 +246,14 @@ class CheckpointReader(CheckpointFiles):
                 if tuple(shapes[k]) != tuple(want):
                     wrong.append(f"{k}: checkpoint {list(shapes[k])}, config {list(want)}")
         return missing, wrong
+
+    def extra_layer_keys(self, layers_prefix: str, num_layers: int) -> list[str]:
+        """The file's tensors of layers ``num_layers`` and beyond under ``layers_prefix`` (e.g.
+        ``model.layers``; also without its base-model prefix): weights the config would drop."""
+        short = layers_prefix.partition(".")[2]
+        pattern = re.compile(rf"^(?:{re.escape(layers_prefix)}|{re.escape(short or layers_prefix)})\.(\d+)\.")
+        return sorted((k for k in self.files if (m := pattern.match(k)) and int(m.group(1)) >= num_layers),
+                      key=lambda k: (int(pattern.match(k).group(1)), k))
 
     def load(self, expected: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """The module tensors ``expected`` (key -> shape), reading only what they need."""

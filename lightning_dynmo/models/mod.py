@@ -64,6 +64,7 @@ from ..runtime.checkpointing import is_recomputing
 from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, GPTConfig
+from .granularity import check_block_granularity
 from .moe import MoEConfig, RoutingCounts, has_moe_mlp, install_moe, moe_block_ids
 
 __all__ = ["MoDConfig", "MoDBlock", "MoDGPT", "ROUTING_MODES", "GATES"]
@@ -370,6 +371,10 @@ class MoDGPT(GPT):
         moe_config = None if moe is None else MoEConfig.from_any(moe)
         moe = None if moe_config is None else moe_config.to_dict()  # read by save_hyperparameters, as mod
         mod_config = MoDConfig(**mod)
+        check_block_granularity(
+            GPTConfig.from_any(config), "MoDGPT",
+            "a MoD block routes each token around its attention and MLP together (one router decision and one "
+            "gate for both halves), so the halves cannot be separate pipeline layers")
         n_layer = GPTConfig.from_any(config).n_layer
         ids = [i for i in range(n_layer) if mod_config.is_mod_block(i)]
         if not ids:

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from .gpt import GPT, Block, GPTConfig
+from .granularity import AttentionHalf, MLPHalf
 from .moe_experts import GroupedExperts, SwiGLU
 from .moe_router import Routing, TopKRouter, load_balancing_loss, router_z_loss
 
@@ -52,6 +53,7 @@ __all__ = [
     "MoEBlock",
     "MoEConfig",
     "MoEGPT",
+    "MoEHalf",
     "MoELayer",
     "Routing",
     "RoutingCounts",
@@ -234,6 +236,9 @@ class MoELayer(nn.Module):
         self.shared_expert = SwiGLU(dim, shared_hidden) if shared else None
         self.load_window = RoutingCounts()
         self.stats_window = RoutingCounts()
+        # whether the layer's relative work counts its block's attention (False once the block is
+        # split into sublayers: the attention is then a pipeline layer of its own)
+        self.with_attention = True
 
     @torch.no_grad()
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -261,10 +266,12 @@ class MoELayer(nn.Module):
 
     # ------------------------------------------------------------------ statistics
     def relative_work(self, tokens: int, causal_pairs: int, busiest: int) -> float:
-        """The work of this layer's block relative to dropless, balanced routing (see
-        :class:`MoEBlock`)."""
+        """The work of this layer's block (of the MoE half alone, ``with_attention=False``)
+        relative to dropless, balanced routing (see :class:`MoEBlock`)."""
         c = self.experts.dim
-        fixed = tokens * (4 * c * c + self.fixed_macs_per_token) + 2 * c * causal_pairs
+        fixed = tokens * self.fixed_macs_per_token
+        if self.with_attention:
+            fixed += tokens * 4 * c * c + 2 * c * causal_pairs
         full = fixed + tokens * self.top_k * self.macs_per_slot
         return (fixed + busiest * self.macs_per_slot) / full
 
@@ -356,7 +363,34 @@ class RoutingStats:
     balance_loss: float
 
 
-class MoEBlock(Block):
+class MoELoad:
+    """What a pipeline layer holding an :class:`MoELayer` as ``mlp`` reports: its load
+    (``ReportsLoad``, the strategy's window) and its routing statistics (the monitoring window).
+    Mixed in before the layer's class (:class:`MoEBlock`, and its MoE half at sublayer granularity)."""
+
+    def load_factor(self) -> float | None:
+        window = self.mlp.load_window
+        if window.forwards == 0:
+            return None
+        return self.mlp.window_work(window)
+
+    def reset_load(self) -> None:
+        self.mlp.load_window = RoutingCounts()
+
+    def routing_stats(self) -> RoutingStats | None:
+        """The monitoring window since :meth:`reset_routing_stats` (``None``: no forward)."""
+        return self.mlp.routing_stats()
+
+    def reset_routing_stats(self) -> None:
+        self.mlp.reset_routing_stats()
+
+    def expert_counts(self) -> Tensor:
+        """Tokens each expert processed (after capacity) in the monitoring window, ``[E]`` int64."""
+        stats = self.routing_stats()
+        return torch.zeros(self.mlp.num_experts, dtype=torch.int64) if stats is None else stats.expert_counts
+
+
+class MoEBlock(MoELoad, Block):
     """Pre-LN block whose MLP is an :class:`MoELayer`; a :class:`~lightning_dynmo.protocol.ReportsLoad`.
 
     ``load_factor()`` is the block's time relative to dropless, balanced routing, counted in
@@ -384,6 +418,9 @@ class MoEBlock(Block):
     ``load_factor``/``reset_load`` read and restart the strategy's window; ``routing_stats``/
     ``reset_routing_stats`` a separate one for monitoring, so the two readers never reset each
     other's counts.
+
+    At sublayer granularity it splits into its attention half and an :class:`MoEHalf`, whose
+    load counts the MoE layer's work alone (``F`` without the attention's terms).
     """
 
     def __init__(self, config: GPTConfig, moe: MoEConfig, expert_hidden: int):
@@ -396,26 +433,14 @@ class MoEBlock(Block):
         shard received ``busiest`` slots (summed over the forwards)."""
         return self.mlp.relative_work(tokens, causal_pairs, busiest)
 
-    def load_factor(self) -> float | None:
-        window = self.mlp.load_window
-        if window.forwards == 0:
-            return None
-        return self.mlp.window_work(window)
+    def split_sublayers(self) -> tuple[nn.Module, nn.Module]:
+        self.mlp.with_attention = False
+        return AttentionHalf(self), MoEHalf(self)
 
-    def reset_load(self) -> None:
-        self.mlp.load_window = RoutingCounts()
 
-    def routing_stats(self) -> RoutingStats | None:
-        """The monitoring window since :meth:`reset_routing_stats` (``None``: no forward)."""
-        return self.mlp.routing_stats()
-
-    def reset_routing_stats(self) -> None:
-        self.mlp.reset_routing_stats()
-
-    def expert_counts(self) -> Tensor:
-        """Tokens each expert processed (after capacity) in the monitoring window, ``[E]`` int64."""
-        stats = self.routing_stats()
-        return torch.zeros(self.mlp.num_experts, dtype=torch.int64) if stats is None else stats.expert_counts
+class MoEHalf(MoELoad, MLPHalf):
+    """The MoE half of an :class:`MoEBlock` (``x + moe(ln_2(x))``, sublayer granularity): the
+    routing counters and the load of the block's MoE layer."""
 
 
 def has_moe_mlp(layer: nn.Module) -> bool:
@@ -480,10 +505,12 @@ class MoEGPT(GPT):
         super().__init__(config, **kwargs)
         self.moe_config = moe_config
         install_moe(self, moe_config)
+        self._layers_built(MoEGPT)
 
-    def moe_blocks(self) -> list[tuple[int, MoEBlock]]:
-        """``(global layer index, block)`` of the MoE blocks this rank holds."""
-        return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, MoEBlock)]
+    def moe_blocks(self) -> list[tuple[int, MoELoad]]:
+        """``(global layer index, layer)`` of the MoE layers this rank holds (blocks, or their MoE
+        halves at sublayer granularity)."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if isinstance(layer, MoELoad)]
 
     def on_train_start(self) -> None:
         # Lightning divides the training loss by accumulate_grad_batches and multiplies it by the

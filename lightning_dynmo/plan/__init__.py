@@ -11,6 +11,8 @@ from .balancers import (
     get_balancer,
     register_balancer,
 )
+from .budget import OverheadBudget
+from .controller import RebalanceController, StepActions
 from .cost_model import CostModel, LayerCosts, imbalance
 from .measurements import merge_layer_costs
 from .migration_plan import LayerMove, MigrationPlan
@@ -22,7 +24,8 @@ from .topology import Topology
 
 __all__ = [
     "BalanceProblem", "BalanceResult", "CostModel", "Decision", "InfeasiblePartitionError", "LayerCosts",
-    "LayerMove", "MigrationPlan", "Partition", "RebalancePolicy", "RepackPlan", "RepackRefused", "ScheduleSpec",
-    "Topology", "available_balancers", "available_schedules", "decide", "get_balancer", "get_schedule",
-    "imbalance", "merge_layer_costs", "plan_repack", "register_balancer",
+    "LayerMove", "MigrationPlan", "OverheadBudget", "Partition", "RebalanceController", "RebalancePolicy",
+    "RepackPlan", "RepackRefused", "ScheduleSpec", "StepActions", "Topology", "available_balancers",
+    "available_schedules", "decide", "get_balancer", "get_schedule", "imbalance", "merge_layer_costs",
+    "plan_repack", "register_balancer",
 ]

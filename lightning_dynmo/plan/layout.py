@@ -35,6 +35,11 @@ class PipelineLayout:
         return self.topology.dp_rank(self.global_rank)
 
     @property
+    def released_ranks(self) -> list[int]:
+        """Global ranks that re-packing took out of every pipeline (empty before any packing)."""
+        return self.topology.released_ranks(self.packed_pp) if self.packed_pp is not None else []
+
+    @property
     def released(self) -> bool:
         """True on a rank that re-packing took out of the pipeline (it holds no layers)."""
         return self.pp_rank >= self.pp_size

@@ -48,7 +48,7 @@ class Decision:
     before: str
     applied: bool
     why: str
-    kind: str = "rebalance"  # "rebalance" or "repack"
+    kind: str = "rebalance"  # "rebalance", "repack" or "skip" (a trigger the budget or back-off let pass)
     balancer: str | None = None
     after: str | None = None
     rounds: int | None = None

@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..plan.cost_model import CostModel, LayerCosts, choose_recompute
 from ..plan.partition import Partition
+from .activations import as_acts, call_layer
 
 __all__ = [
     "ActivationCheckpointing",
@@ -101,11 +102,11 @@ class CheckpointedLayer(nn.Module):
         self.layer = layer
         self.index = index
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *xs: torch.Tensor):
         if not torch.is_grad_enabled():
-            return self.layer(x)
+            return self.layer(*xs)
         before = [b._version for b in self.layer.buffers()]
-        out = checkpoint(self.layer, x, use_reentrant=False, context_fn=_contexts, preserve_rng_state=True)
+        out = checkpoint(self.layer, *xs, use_reentrant=False, context_fn=_contexts, preserve_rng_state=True)
         after = [b._version for b in self.layer.buffers()]
         if after != before:
             names = [n for (n, _), v0, v1 in zip(self.layer.named_buffers(), before, after) if v0 != v1]
@@ -120,11 +121,13 @@ class CheckpointedLayer(nn.Module):
         return f"index={self.index}"
 
 
-def saved_activation_bytes(layer: nn.Module, example: torch.Tensor) -> int:
+def saved_activation_bytes(layer: nn.Module, example) -> int:
     """Bytes autograd keeps for ``layer``'s backward after a forward on ``example`` (one
-    micro-batch), not counting its parameters, buffers and the input itself (distinct storages).
-    Runs in eval mode (no dropout masks, no load counters) with the RNG and buffers restored."""
-    exclude = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers(), example)}
+    micro-batch: a tensor or a tuple of tensors), not counting its parameters, buffers and the
+    input itself (distinct storages). Runs in eval mode (no dropout masks, no load counters)
+    with the RNG and buffers restored."""
+    example = as_acts(example)
+    exclude = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *layer.buffers(), *example)}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -136,12 +139,12 @@ def saved_activation_bytes(layer: nn.Module, example: torch.Tensor) -> int:
 
     buffers = [(b, b.detach().clone()) for b in layer.buffers()]
     was_training = layer.training
-    devices = [example.device] if example.device.type == "cuda" else []
+    devices = [example[0].device] if example[0].device.type == "cuda" else []
     try:
         layer.eval()
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer(example)
+            out = call_layer(layer, example)
         del out
     finally:
         layer.train(was_training)
@@ -200,7 +203,7 @@ class ActivationCheckpointing:
         return self.mode is not False
 
     def layers_to_recompute(self, layers: nn.ModuleList, partition: Partition, spec, pp_rank: int, pp_size: int,
-                            layer_specs: list, microbatch_input: torch.Tensor, microbatches: int) -> frozenset[int]:
+                            layer_specs: list, microbatch_input, microbatches: int) -> frozenset[int]:
         """Global indices of this rank's layers to run under checkpointing."""
         stages = spec.stages_of_rank(pp_rank, pp_size, partition.num_stages // pp_size)
         local = [i for s in stages for i in partition.layers_of(s)]
@@ -209,12 +212,13 @@ class ActivationCheckpointing:
             return frozenset(local)
         if self.mode is False:
             return frozenset()
-        key = (tuple(microbatch_input.shape), microbatch_input.dtype)
+        first = as_acts(microbatch_input)
+        key = tuple((tuple(t.shape), t.dtype) for t in first)
         measured = self.saved_bytes.setdefault(key, {})
         for s in stages:
             for i in partition.layers_of(s):
                 if i not in measured:
-                    example = self._example(i, microbatch_input, layer_specs)
+                    example = self._example(i, first, layer_specs)
                     measured[i] = float(saved_activation_bytes(layers[i], example))
         known = self.forward_seconds() or {}
         n = len(layers)
@@ -247,13 +251,16 @@ class ActivationCheckpointing:
         return chosen
 
     @staticmethod
-    def _example(i: int, microbatch_input: torch.Tensor, layer_specs: list) -> torch.Tensor:
+    def _example(i: int, first: tuple, layer_specs: list) -> tuple:
         if i == 0:
-            return microbatch_input
-        spec = layer_specs[i - 1]
-        device = microbatch_input.device
-        if not spec.dtype.is_floating_point:
-            return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
-        # a generator of its own: measuring must not move the global RNG the training draws from
-        x = torch.randn(spec.shape, dtype=torch.float32, generator=torch.Generator().manual_seed(i))
-        return x.to(device=device, dtype=spec.dtype).requires_grad_(spec.requires_grad)
+            return first
+        device = first[0].device
+        gen = torch.Generator().manual_seed(i)  # its own: measuring must not move the training's RNG
+
+        def one(spec) -> torch.Tensor:
+            if not spec.dtype.is_floating_point:
+                return torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+            x = torch.randn(spec.shape, dtype=torch.float32, generator=gen)
+            return x.to(device=device, dtype=spec.dtype).requires_grad_(spec.requires_grad)
+
+        return tuple(one(sp) for sp in layer_specs[i - 1])

@@ -21,23 +21,51 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from ..plan.partition import Partition
 from ..plan.schedules import ScheduleSpec
 from ..protocol import PipelineProtocolError
+from .activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
 from .checkpointing import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+InputsFn = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 class StageModule(nn.Sequential):
-    """A stage's layers in order. Its output is never a view (nor its own input): torch's
-    schedules detach stage outputs in place after their backward, which a view does not allow
-    ("Can't detach views in-place" under zero-bubble schedules), so a view is cloned. Outputs
-    that own their storage, the usual case, pass through without a copy."""
+    """A stage's layers in order, called with the pipeline's convention (``runtime/activations.py``).
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        if isinstance(out, torch.Tensor) and (out._is_view() or out is x):
-            out = out.clone()
-        return out
+    Each layer's output is checked against the spec discovered for it (arity, shape, dtype: a
+    cheap comparison). A mismatch is recorded in ``problems`` and replaced by zeros of the
+    discovered shape, so the schedule's sends and receives still pair up on every rank; the
+    engine reports it after the step and every rank raises it (never a hang).
+
+    Its output is never a view (nor one of its own inputs): torch's schedules detach stage
+    outputs in place after their backward, which a view does not allow ("Can't detach views
+    in-place" under zero-bubble schedules), so such a tensor is cloned. Outputs that own their
+    storage, the usual case, pass through without a copy."""
+
+    def __init__(self, layers: list[nn.Module], indices: range, specs: list | None = None,
+                 problems: list[str] | None = None) -> None:
+        super().__init__(*layers)
+        self.indices = list(indices)
+        self.specs = specs
+        self.problems = problems if problems is not None else []
+
+    def forward(self, *xs: torch.Tensor):
+        acts = tuple(xs)
+        for index, layer in zip(self.indices, self):
+            inner = layer.layer if isinstance(layer, CheckpointedLayer) else layer
+            out = call_layer(inner, acts, fn=layer if inner is not layer else None)
+            expected = self.specs[index] if self.specs is not None else None
+            problem = output_problem(index, inner, out, expected)
+            if problem is None:
+                acts = as_acts(out)
+                continue
+            if expected is None:
+                raise PipelineProtocolError(problem)
+            self.problems.append(problem)
+            acts = tuple(torch.zeros(sp.shape, dtype=sp.dtype, device=xs[0].device).requires_grad_(sp.requires_grad)
+                         for sp in expected)
+        acts = tuple(t.clone() if t._is_view() or any(t is x for x in xs) else t for t in acts)
+        return unpack(acts)
 
 
 def loss_name(loss_fn: LossFn) -> str:
@@ -57,6 +85,21 @@ def check_loss_value(loss, loss_fn: LossFn) -> str | None:
     if not loss.is_floating_point():
         return f"{loss_name(loss_fn)}(output, target) must return a floating-point loss, it returned {loss.dtype}"
     return None
+
+
+def check_loss_grad(loss_fn: LossFn, acts: tuple, needs_grad: tuple, target: torch.Tensor) -> str | None:
+    """:func:`check_loss_value` on the last layer's output (``acts``, one tensor or several, each
+    with whether it needs a gradient), plus: a loss of an output that needs a gradient must need
+    one too (``out.detach()`` in the loss would train nothing, where one process raises)."""
+    with torch.enable_grad():
+        output = unpack(tuple(t.detach().requires_grad_(bool(g)) for t, g in zip(acts, needs_grad)))
+        loss = loss_fn(output, target)
+    problem = check_loss_value(loss, loss_fn)
+    if problem is None and any(needs_grad) and not loss.requires_grad:
+        problem = (f"{loss_name(loss_fn)}(output, target) returned a loss that does not require grad, so no "
+                   "gradient would reach any layer (single-process Lightning raises here too). Compute the loss "
+                   "from `output` without `.detach()`, `.item()` or `torch.no_grad()`")
+    return problem
 
 
 def checked_loss(loss_fn: LossFn) -> LossFn:
@@ -98,6 +141,35 @@ class TensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+ActSpec = tuple  # tuple[TensorSpec, ...]: one activation (one entry per tensor)
+
+
+def act_spec(acts: tuple[torch.Tensor, ...], requires_grad: tuple[bool, ...] | None = None) -> ActSpec:
+    rgs = requires_grad if requires_grad is not None else (None,) * len(acts)
+    return tuple(TensorSpec.of(t, rg) for t, rg in zip(acts, rgs))
+
+
+def act_examples(spec: ActSpec) -> tuple[torch.Tensor, ...]:
+    return tuple(sp.example() for sp in spec)
+
+
+def act_nbytes(spec: ActSpec) -> int:
+    return sum(sp.nbytes for sp in spec)
+
+
+def first_stage_inputs(inputs: torch.Tensor, targets: torch.Tensor | None, inputs_fn: InputsFn | None) -> tuple:
+    """What enters the first layer: ``inputs``, or what the model's ``pipeline_inputs(inputs,
+    targets)`` hook makes of the batch (e.g. the inputs and the targets a late layer needs)."""
+    if inputs_fn is None:
+        return (inputs,)
+    out = inputs_fn(inputs, targets)
+    acts = as_acts(out)
+    if acts is None:
+        raise PipelineProtocolError(f"pipeline_inputs(inputs, targets) returned {describe(out)}; it must return a "
+                                    "tensor or a tuple of tensors (what enters the first pipeline layer)")
+    return acts
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
@@ -116,52 +188,70 @@ def _layer_needs_grad(layer: nn.Module) -> bool:
     return any(p.requires_grad for p in layer.parameters())
 
 
-def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor,
-                         microbatch_target: torch.Tensor | None = None, loss_fn: LossFn | None = None) -> list[TensorSpec]:
+def _forward_spec(layers: nn.ModuleList, indices: range, acts: tuple, rg: tuple, local: dict) -> tuple:
+    """Run ``indices`` on ``acts``; record each layer's output spec in ``local``. Returns
+    ``(acts, requires_grad, problem)`` (``acts`` None after a problem)."""
+    for i in indices:
+        n_in = len(acts)
+        try:
+            out = call_layer(layers[i], acts)
+        except Exception as err:  # noqa: BLE001 - reported on every rank
+            return None, (), f"pipeline layer {i} ({type(layers[i]).__name__}) raised {type(err).__name__}: {err}"
+        problem = output_problem(i, layers[i], out)
+        if problem:
+            return None, (), problem
+        acts = as_acts(out)
+        used = _consumed(layers[i], n_in)  # the tensors after the layer's own outputs passed through
+        passed = rg[used:]
+        grad_in = any(rg[:used]) or _layer_needs_grad(layers[i])
+        rg = tuple(t.is_floating_point() and grad_in for t in acts[: len(acts) - len(passed)]) + tuple(passed)
+        local[i] = act_spec(acts, rg)
+    return acts, rg, None
+
+
+def discover_layer_specs(placement: Placement, microbatch_input, microbatch_target: torch.Tensor | None = None,
+                         loss_fn: LossFn | None = None) -> list[ActSpec]:
     """One no-grad forward of one micro-batch through the pipeline; returns every layer's output spec.
 
     Each rank runs its own stages in pipeline order and passes the activation on with a blocking
     object send; then the per-layer specs are all-gathered so every rank knows the whole table.
     With ``loss_fn`` and ``microbatch_target`` the last stage also checks that the loss is a
-    scalar; a problem travels in the same all-gather, so every rank raises the same error.
+    scalar. A problem (a layer that raises or breaks the activation protocol, a bad loss) stops
+    the forward where it happens, travels down the pipeline in place of the activation and in
+    the all-gather, so every rank raises the same PipelineProtocolError.
     """
     layers, partition, spec = placement.layers, placement.partition, placement.spec
     pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     obj_device = device if device.type == "cuda" else None
-    local: dict[int, TensorSpec] = {}
+    local: dict[int, ActSpec] = {}
     problem: str | None = None
-    act: torch.Tensor | None = None
-    act_rg = False
+    acts: tuple | None = None
+    rg: tuple = ()
     with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for s in range(partition.num_stages):
             if spec.rank_of_stage(s, pp_size) != pp_rank:
                 continue
             if s == 0:
-                act, act_rg = microbatch_input, False
+                acts, rg = as_acts(microbatch_input), (False,) * len(as_acts(microbatch_input))
             else:
                 prev = spec.rank_of_stage(s - 1, pp_size)
                 if prev != pp_rank:
                     box = [None]
                     dist.recv_object_list(box, src=ranks[prev], group=group, device=obj_device)
-                    act, act_rg = box[0]
-                    act = act.to(device)
-            for i in partition.layers_of(s):
-                act = layers[i](act)
-                if not isinstance(act, torch.Tensor):
-                    raise TypeError(
-                        f"pipeline layer {i} ({type(layers[i]).__name__}) returned {type(act).__name__}; "
-                        "every pipeline layer must return a single tensor"
-                    )
-                act_rg = act.is_floating_point() and (act_rg or _layer_needs_grad(layers[i]))
-                local[i] = TensorSpec.of(act, act_rg)
+                    acts, rg, upstream = box[0]
+                    problem = problem or upstream
+                    acts = tuple(t.to(device) for t in acts) if acts is not None else None
+            if acts is not None:
+                acts, rg, problem = _forward_spec(layers, partition.layers_of(s), acts, rg, local)
             if s + 1 < partition.num_stages:
                 nxt = spec.rank_of_stage(s + 1, pp_size)
                 if nxt != pp_rank:
-                    dist.send_object_list([(act.cpu(), act_rg)], dst=ranks[nxt], group=group, device=obj_device)
-            elif loss_fn is not None and microbatch_target is not None:
+                    sent = tuple(t.cpu() for t in acts) if acts is not None else None
+                    dist.send_object_list([(sent, rg, problem)], dst=ranks[nxt], group=group, device=obj_device)
+            elif acts is not None and loss_fn is not None and microbatch_target is not None:
                 try:
-                    problem = check_loss_value(loss_fn(act, microbatch_target), loss_fn)
+                    problem = check_loss_grad(loss_fn, acts, rg, microbatch_target)
                 except Exception as err:  # noqa: BLE001 - reported on every rank below
                     problem = f"{loss_name(loss_fn)}(output, target) raised {type(err).__name__}: {err}"
     gathered: list = [None] * len(ranks)
@@ -169,13 +259,24 @@ def discover_layer_specs(placement: Placement, microbatch_input: torch.Tensor,
     problems = [p for _, p in gathered if p]
     if problems:
         raise PipelineProtocolError(problems[0])
-    table: dict[int, TensorSpec] = {}
+    table: dict[int, ActSpec] = {}
     for part, _ in gathered:
         table.update(part)
     missing = [i for i in range(len(layers)) if i not in table]
     if missing:
         raise RuntimeError(f"layer spec discovery missed layers {missing}")
     return [table[i] for i in range(len(layers))]
+
+
+def raise_step_problem(problem: str | None, flagged: bool, group: dist.ProcessGroup | None = None) -> None:
+    """After a step whose one collective said some rank saw a protocol problem (``flagged``, the
+    same on every rank): gather the messages and raise the first on every rank."""
+    if not flagged:
+        return
+    world = dist.get_world_size(group)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, problem, group=group)
+    raise PipelineProtocolError(next((p for p in gathered if p), "a pipeline layer broke the activation protocol"))
 
 
 class PipelineEngine:
@@ -186,10 +287,11 @@ class PipelineEngine:
         placement: Placement,
         microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        input_spec: TensorSpec,
-        layer_specs: list[TensorSpec],
+        input_spec: ActSpec,
+        layer_specs: list[ActSpec],
         profiler: PipelineProfiler,
         recompute: frozenset[int] = frozenset(),
+        inputs_fn: InputsFn | None = None,
     ) -> None:
         layers, partition, spec = placement.layers, placement.partition, placement.spec
         pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
@@ -197,13 +299,16 @@ class PipelineEngine:
         self.spec = spec
         self.pp_rank = pp_rank
         self.microbatches = microbatches
+        self.inputs_fn = inputs_fn  # the model's pipeline_inputs hook (None: the inputs alone)
+        self.problems: list[str] = []  # protocol problems the stages met in the last step
         self.recompute = frozenset(recompute)  # layers run under activation checkpointing
         self.local_stage_ids = spec.stages_of_rank(pp_rank, pp_size, partition.num_stages // pp_size)
         S = partition.num_stages
         self.stages: list[TimedPipelineStage] = []
         for s in self.local_stage_ids:
             rng = partition.layers_of(s)
-            submod = StageModule(*[CheckpointedLayer(layers[i], i) if i in self.recompute else layers[i] for i in rng])
+            submod = StageModule([CheckpointedLayer(layers[i], i) if i in self.recompute else layers[i] for i in rng],
+                                 rng, layer_specs, self.problems)
             in_spec = input_spec if s == 0 else layer_specs[rng.start - 1]
             out_spec = layer_specs[rng.stop - 1]
             profiler.register_stage(s, rng)
@@ -213,8 +318,8 @@ class PipelineEngine:
                     stage_index=s,
                     num_stages=S,
                     device=device,
-                    input_args=(in_spec.example(),),
-                    output_args=(out_spec.example(),),
+                    input_args=act_examples(in_spec),
+                    output_args=act_examples(out_spec),
                     group=group,
                     profiler=profiler,
                 )
@@ -234,8 +339,10 @@ class PipelineEngine:
         self.last_step_seconds = 0.0
 
     def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> list[torch.Tensor] | None:
-        """Run one step over the whole batch; returns per-micro-batch losses on the last-stage rank."""
-        args = (inputs,) if self.has_first else ()
+        """Run one step over the whole batch; returns per-micro-batch losses on the last-stage rank.
+        A protocol problem a stage met is left in :attr:`problem` for the step's collective."""
+        args = first_stage_inputs(inputs, targets, self.inputs_fn) if self.has_first else ()
+        self.problems.clear()
         target = targets if self.has_last else None
         losses: list[torch.Tensor] = []
         t0 = time.perf_counter()
@@ -255,6 +362,11 @@ class PipelineEngine:
         return losses if self.has_last else None
 
 
+    @property
+    def problem(self) -> str | None:
+        return self.problems[0] if self.problems else None
+
+
 class EngineCache:
     """Engines by (train/eval, micro-batch shape, dtype, count), plus the per-layer output specs
     by micro-batch shape. Engines hold references to layers, so they are dropped whenever layers
@@ -268,29 +380,35 @@ class EngineCache:
         self._layer_specs: dict[tuple, list[TensorSpec]] = {}
 
     def get(self, placement: Placement, inputs: torch.Tensor, microbatches: int, train: bool,
-            loss_fn: LossFn, targets: torch.Tensor | None = None) -> PipelineEngine:
-        mb_shape = (inputs.shape[0] // microbatches, *inputs.shape[1:])
+            loss_fn: LossFn, targets: torch.Tensor | None = None, inputs_fn: InputsFn | None = None) -> PipelineEngine:
+        mb = inputs.shape[0] // microbatches
+        mb_shape = (mb, *inputs.shape[1:])
         key = (train, mb_shape, inputs.dtype, microbatches)
         engine = self._engines.get(key)
         if engine is None:
             spec_key = (mb_shape, inputs.dtype)
+            target = targets[:mb] if targets is not None else None
+            first = first_stage_inputs(inputs[:mb], target, inputs_fn)
             if spec_key not in self._layer_specs:
-                target = targets[: mb_shape[0]] if targets is not None else None
-                self._layer_specs[spec_key] = discover_layer_specs(placement, inputs[: mb_shape[0]], target, loss_fn)
+                self._layer_specs[spec_key] = discover_layer_specs(placement, first, target, loss_fn)
             recompute = frozenset()
             if train and self.checkpointing is not None and self.checkpointing.enabled:
                 recompute = self.checkpointing.layers_to_recompute(
                     placement.layers, placement.partition, placement.spec, placement.pp_rank, placement.pp_size,
-                    self._layer_specs[spec_key], inputs[: mb_shape[0]], microbatches)
-            engine = PipelineEngine(placement, microbatches, loss_fn, TensorSpec.of(inputs[: mb_shape[0]], requires_grad=False),
-                                    self._layer_specs[spec_key], self.profiler, recompute)
+                    self._layer_specs[spec_key], first, microbatches)
+            engine = PipelineEngine(placement, microbatches, loss_fn, act_spec(first, (False,) * len(first)),
+                                    self._layer_specs[spec_key], self.profiler, recompute, inputs_fn)
             self._engines[key] = engine
         return engine
+
+    def layer_specs(self) -> list[TensorSpec] | None:
+        """Per-layer output specs of the first shape seen (grad-ness is the same for every shape)."""
+        return next(iter(self._layer_specs.values()), None)
 
     def activation_bytes(self) -> list[float] | None:
         """Per-layer output bytes per micro-batch of the first shape seen (None before any step)."""
         specs = next(iter(self._layer_specs.values()), None)
-        return [float(sp.nbytes) for sp in specs] if specs else None
+        return [float(act_nbytes(sp)) for sp in specs] if specs else None
 
     def clear_engines(self) -> None:
         self._engines.clear()

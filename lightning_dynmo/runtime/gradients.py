@@ -64,10 +64,32 @@ def average_over_replicas(params: Iterable[nn.Parameter], group, replicas: int,
     if replicas == 1:
         return
     shard_ids = experts.params if experts is not None else frozenset()
-    with_grad = [p for p in params if p.grad is not None]
-    _mean_over([p.grad for p in with_grad if id(p) not in shard_ids], group, replicas)
+    trainable = [p for p in params if p.requires_grad or p.grad is not None]
+    _mean_over(_present_anywhere([p for p in trainable if id(p) not in shard_ids], group), group, replicas)
     if shard_ids:
-        _mean_over([p.grad for p in with_grad if id(p) in shard_ids], experts.same_shard, replicas)
+        shards = [p for p in trainable if id(p) in shard_ids]
+        _mean_over(_present_anywhere(shards, experts.same_shard), experts.same_shard, replicas)
+
+
+def _present_anywhere(params: list[nn.Parameter], group) -> list[torch.Tensor]:
+    """The gradients to all-reduce: those of parameters that got one on *any* replica of ``group``
+    (one small all-reduce of a presence mask). A replica whose batch gave a parameter no gradient
+    (a path no token of its batch took: an exit, a route) contributes zeros, as that part of the
+    batch would in single-process training; without this the replicas' flat buffers differ in
+    size and the all-reduce aborts. A parameter with no gradient anywhere keeps ``None``."""
+    if not params:
+        return []
+    device = next((p.grad.device for p in params if p.grad is not None), params[0].device)
+    mask = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    if group is not None:
+        dist.all_reduce(mask, group=group)
+    out = []
+    for p, n in zip(params, mask.tolist()):
+        if n > 0:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+    return out
 
 
 def _whole_expert_norms(slots: list, local: list[torch.Tensor], experts: ExpertShards | None) -> list[torch.Tensor]:

@@ -51,6 +51,10 @@ class OptimizerLayout:
     def fqn_of_index(self, o: int, index: int) -> str | None:
         return self._fqn_of_index[o].get(index)
 
+    def names_by_index(self, o: int) -> dict[int, str]:
+        """``{single-process index: name}`` of optimizer ``o``'s parameters."""
+        return dict(self._fqn_of_index[o])
+
     @classmethod
     def record(cls, module: nn.Module, optimizers: list[Optimizer], aliases: dict[str, str] | None = None) -> "OptimizerLayout":
         fqn_of = {id(p): n for n, p in module.named_parameters()}

@@ -12,7 +12,10 @@ Two levels, so that the cheap one can always run:
 
 On CUDA the clock reads synchronise the device so that times are the kernels' times; on CPU
 ``perf_counter`` is exact. Under zero-bubble schedules the weight-gradient pass runs separately;
-its time is shared among the stage's layers in proportion to their input-gradient time.
+its time is shared among the stage's layers in proportion to their input-gradient time (their
+forward time where the stage measured none). The first stage is the exception: its input (token
+ids) needs no gradient, so torch runs its whole backward in the weight pass, and the gradient hooks
+that fire there time each layer as in a plain backward.
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ class PipelineProfiler:
     @contextmanager
     def chunk(self, stage_id: int, kind: str, chunk_id: int):
         """Time one chunk of ``stage_id`` (``kind`` F, B or W); see :class:`TimedPipelineStage`."""
-        if kind == "B":
+        if kind in ("B", "W"):
             self._grad_ready = {}
         t0 = self.now()
         yield
@@ -95,6 +98,8 @@ class PipelineProfiler:
         if self.layer_profiling:
             if kind == "B":
                 self._attribute_backward(stage_id, t0, t1)
+            elif kind == "W" and self._grad_ready:  # the whole backward ran here (see the module docstring)
+                self._attribute_backward(stage_id, t0, t1, starts_at_chunk=True)
             elif kind == "W":
                 self.wgt[stage_id] += t1 - t0
 
@@ -150,8 +155,10 @@ class PipelineProfiler:
             t = self.now()
             self.fwd[i] += t - self._fwd_start.pop(i, t)
             self.fwd_calls[i] += 1
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(self._make_grad_hook(i))
+            # a tuple output: the layer's backward starts when the last of its outputs' gradients is ready
+            for t in (output,) if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else ():
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._make_grad_hook(i))
 
         return post
 
@@ -161,14 +168,19 @@ class PipelineProfiler:
 
         return hook
 
-    def _attribute_backward(self, stage_id: int, t0: float, t1: float) -> None:
+    def _attribute_backward(self, stage_id: int, t0: float, t1: float, starts_at_chunk: bool = False) -> None:
         """Layer k's backward spans from "gradient of its output ready" to "gradient of its input
         ready" (the output of layer k-1), or to the end of the stage's backward call for the first
-        layer of the stage. A layer whose output needs no gradient ran no backward."""
+        layer of the stage. A layer whose output needs no gradient ran no backward.
+        ``starts_at_chunk``: the stage output's gradient was given before the call (a weight pass
+        that runs the whole backward), so the stage's last layer starts at ``t0`` even where its
+        output's hook does not fire again."""
         rng = self._stage_layers.get(stage_id)
         if rng is None:
             return
-        ready = self._grad_ready
+        ready = dict(self._grad_ready)
+        if starts_at_chunk:
+            ready.setdefault(rng.stop - 1, t0)
         for k in rng:
             if k not in ready:
                 continue
@@ -186,12 +198,20 @@ class PipelineProfiler:
             b = self.bwd.get(i, 0.0) / calls
             s = stage_of.get(i)
             if s is not None and self.wgt.get(s):
-                rng = self._stage_layers[s]
-                total_b = sum(self.bwd.get(k, 0.0) for k in rng) or 1.0
-                share = self.bwd.get(i, 0.0) / total_b if total_b else 1.0 / len(rng)
-                b += self.wgt[s] * share / calls
+                b += self.wgt[s] * self._weight_share(s, i) / calls
             out[i] = (f, b)
         return out
+
+
+    def _weight_share(self, stage_id: int, i: int) -> float:
+        """Layer ``i``'s share of its stage's weight-gradient time: by input-gradient time, or
+        by forward time where the stage measured none (no layer of it may look free)."""
+        rng = self._stage_layers[stage_id]
+        for times in (self.bwd, self.fwd):
+            total = sum(times.get(k, 0.0) for k in rng)
+            if total > 0:
+                return times.get(i, 0.0) / total
+        return 1.0 / len(rng)
 
 
 def layer_memory_bytes(layer: nn.Module, optimizers) -> int:

@@ -22,6 +22,7 @@ class StepStats:
     rank_busy: list[float]  # per active pipeline rank: compute seconds of its slowest replica
     rank_wall: list[float]  # per active pipeline rank: schedule wall seconds of its slowest replica
     layer_load: list[float | None]  # per layer: mean load factor over replicas (None: not reported)
+    problem: bool = False  # some rank's stage met a pipeline protocol problem (engine.raise_step_problem)
 
 
 def exchange_step_stats(
@@ -36,10 +37,12 @@ def exchange_step_stats(
     num_layers: int,
     global_rank: int,
     device: torch.device,
+    problem: bool = False,
 ) -> StepStats:
     """Collective over the world: every rank calls it once per training step."""
     W, L = topology.world_size, num_layers
-    vec = torch.zeros(2 + 2 * W + 2 * L, dtype=torch.float64, device=device)
+    vec = torch.zeros(3 + 2 * W + 2 * L, dtype=torch.float64, device=device)
+    vec[-1] = 1.0 if problem else 0.0
     if losses:
         vec[0] = torch.stack([l.detach().double() for l in losses]).mean().to(device) / topology.dp
     vec[1] = 1.0 if profiled else 0.0
@@ -55,13 +58,16 @@ def exchange_step_stats(
     busy_per_rank = [max(host[2 + d * pp + r] for d in range(topology.dp)) for r in range(active_pp)]
     wall_per_rank = [max(host[2 + W + d * pp + r] for d in range(topology.dp)) for r in range(active_pp)]
     layer_load = [host[base + i] / host[base + L + i] if host[base + L + i] > 0 else None for i in range(L)]
-    return StepStats(vec[0].float(), host[1] > 0, busy_per_rank, wall_per_rank, layer_load)
+    return StepStats(vec[0].float(), host[1] > 0, busy_per_rank, wall_per_rank, layer_load, host[-1] > 0)
 
 
-def share_eval_loss(losses: list[torch.Tensor] | None, replicas: int, device: torch.device) -> torch.Tensor:
-    """The evaluation batch loss on every rank (only last-stage ranks computed one)."""
-    value = torch.zeros((), dtype=torch.float32, device=device)
+def share_eval_loss(losses: list[torch.Tensor] | None, replicas: int, device: torch.device,
+                    problem: bool = False) -> tuple[torch.Tensor, bool]:
+    """The evaluation batch loss on every rank (only last-stage ranks computed one), and whether
+    any rank met a pipeline protocol problem."""
+    value = torch.zeros(2, dtype=torch.float32, device=device)
     if losses:
-        value = torch.stack([l.detach().float() for l in losses]).mean().to(device) / replicas
+        value[0] = torch.stack([l.detach().float() for l in losses]).mean().to(device) / replicas
+    value[1] = 1.0 if problem else 0.0
     dist.all_reduce(value)
-    return value
+    return value[0], bool(value[1] > 0)

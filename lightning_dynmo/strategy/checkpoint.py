@@ -9,11 +9,15 @@ fails on every rank with the same message before any collective:
 
 * the file is read with ``weights_only=True`` (tensors and plain containers only), and a file that
   is not a torch checkpoint at all is called that, not answered with unpickling advice;
+* every entry of the archive must match the CRC-32 the zip format stores for it (``torch.load``
+  does not check it, so flipped bytes inside a tensor would load silently); the error names the
+  damaged entry;
 * every floating-point tensor of the model and optimizer state must be finite;
 * with ``strict=True`` the keys must be exactly the whole model's (the error names the missing and
   unexpected keys, as ``nn.Module.load_state_dict`` does), and shapes must always match;
-* the optimizer state must have the module's optimizer's groups, parameter counts and, for every
-  per-parameter tensor, its parameter's shape.
+* the optimizer state must come from the module's optimizer type (its param groups' settings,
+  e.g. SGD's ``momentum`` where Adam has ``betas``) and have its groups, parameter counts and, for
+  every per-parameter tensor, its parameter's shape.
 
 Expert parallelism: a rank holds one shard of each expert parameter (dim 0 split over its expert
 peers). Saving gathers the shards (and their optimizer state) into whole tensors over the peers
@@ -31,6 +35,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
+from ..protocol import state_dict_key
+from ..runtime.merged_parameters import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
 from ..runtime.optimizer_layout import OptimizerLayout
 
 if TYPE_CHECKING:
@@ -58,6 +64,8 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
             head = fh.read(2)
         if not head.startswith(b"\x80"):  # neither torch.save's zip archive nor a (legacy) pickle
             raise CheckpointError(f"{path} is not a checkpoint: it is not a torch.save archive")
+    if local and zipfile.is_zipfile(path):
+        check_archive(path)
     try:
         ckpt = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     except FileNotFoundError:
@@ -81,6 +89,22 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
         )
     check_finite(ckpt, path)
     return ckpt
+
+
+def check_archive(path) -> None:
+    """Every entry of the ``torch.save`` zip archive ``path`` against its stored CRC-32."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, RuntimeError) as err:  # a damaged header, a short read
+        raise CheckpointError(f"{path} is damaged: its archive cannot be read ({err}). Resume from another "
+                              "checkpoint") from None
+    if bad is not None:
+        what = "a tensor's storage" if "/data/" in bad else "the pickled structure" if bad.endswith(".pkl") else "an entry"
+        raise CheckpointError(
+            f"{path} is damaged: archive entry {bad!r} ({what}) does not match its CRC-32 checksum, so the file "
+            "changed after it was written (disk, copy or transfer error). Resume from another checkpoint"
+        )
 
 
 def _nonfinite(t) -> bool:
@@ -145,8 +169,14 @@ def _whole_experts(strategy: "DynMoStrategy", tensors: dict[str, Any]) -> dict[s
     ep = strategy.expert_parallel
     if ep is None:
         return tensors
-    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    sharded = _sharded_keys(strategy)
     return {**tensors, **ep.gather({k: v for k, v in tensors.items() if k in sharded}, strategy.root_device)}
+
+
+def _sharded_keys(strategy: "DynMoStrategy") -> set[str]:
+    """The state-dict keys of the expert parameters (see :func:`~lightning_dynmo.protocol.state_dict_key`)."""
+    module = strategy.lightning_module
+    return {state_dict_key(module, name) for name in strategy.expert_parallel.sharded_parameters(module)}
 
 
 def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +184,7 @@ def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, A
     ep = strategy.expert_parallel
     if ep is None:
         return state
-    sharded = set(ep.sharded_parameters(strategy.lightning_module))
+    sharded = _sharded_keys(strategy)
     return {k: (ep.shard.take(v) if k in sharded else v) for k, v in state.items()}
 
 
@@ -170,7 +200,7 @@ def _own_optimizer_shards(strategy: "DynMoStrategy", o: int, sd: dict) -> dict:
         slot = layout.slot(name)
         if slot is None or slot.optimizer != o or slot.index not in state:
             continue
-        whole = tuple(shapes[name])
+        whole = tuple(shapes[state_dict_key(strategy.lightning_module, name)])
         state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == whole else v)
                              for k, v in state[slot.index].items()}
     return {**sd, "state": state}
@@ -184,7 +214,7 @@ def full_model_state_dict(strategy: "DynMoStrategy") -> dict[str, Any]:
     full: dict[str, Any] = {}
     for part in parts or []:
         full.update(part)
-    return full
+    return merge_state(full, merges_of(strategy.lightning_module)) if full else full
 
 
 def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]:
@@ -206,16 +236,42 @@ def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]
     merged: dict[str, dict] = {}
     for part in parts:
         merged.update(part)
-    return layout.global_state_dict(opt, o, merged)
+    sd = layout.global_state_dict(opt, o, merged)
+    return merge_optimizer_state(sd, _keys_by_index(strategy, o), merges_of(strategy.lightning_module))
+
+
+def _keys_by_index(strategy: "DynMoStrategy", o: int) -> dict[int, str]:
+    """``{single-process index: state-dict key}`` of optimizer ``o``'s parameters (the names that
+    checkpoint merges use, whatever the model's pipeline granularity)."""
+    module = strategy.lightning_module
+    return {i: state_dict_key(module, n) for i, n in strategy.optimizer_layout.names_by_index(o).items()}
 
 
 def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: bool = True) -> None:
     """Check the checkpoint against the whole model, then load the entries of the layers this rank holds."""
     module = strategy.lightning_module
     check_model_state(strategy.full_state_shapes, checkpoint["state_dict"], strict, type(module).__name__)
-    own = module.state_dict()
-    state = _own_shards(strategy, {k: v for k, v in checkpoint["state_dict"].items() if k in own})
+    merges = merges_of(module)  # parameters kept in pieces (e.g. a chunked LM head) load from their merged entry
+    own = set(split_state(module.state_dict(), merges))
+    state = _own_shards(strategy, {k: v for k, v in split_state(checkpoint["state_dict"], merges).items() if k in own})
     module.load_state_dict(state, strict=False)
+
+
+def optimizer_type_problems(o: int, optimizer, sd: Any) -> list[str]:
+    """A state dict saved by another optimizer type: its param groups carry settings the module's
+    optimizer does not have *and* lack some it has (one side alone is a torch version adding or
+    dropping a setting). torch would load it and fail at the first step (``KeyError: 'step'``)."""
+    opt = getattr(optimizer, "_optimizer", optimizer)
+    groups = sd.get("param_groups") if isinstance(sd, Mapping) else None
+    if not isinstance(groups, list) or not groups or not isinstance(groups[0], Mapping) or not opt.param_groups:
+        return []
+    saved, own = set(groups[0]) - {"params"}, set(opt.param_groups[0]) - {"params"}
+    if not (saved - own and own - saved):
+        return []
+    return [f"optimizer_states[{o}] was saved by another optimizer type than the module's {type(opt).__name__}: its "
+            f"param groups have {sorted(saved - own)} where {type(opt).__name__}'s have {sorted(own - saved)}. Resume "
+            "with the optimizer it was saved with, or load only the weights (the checkpoint's 'state_dict' into "
+            "the module) and start the optimizer afresh"]
 
 
 def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> None:
@@ -224,11 +280,22 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
     optimizers = strategy.optimizers
     if len(states) != len(optimizers):
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
-    shapes = strategy.full_state_shapes
-    problems = [p for o, sd in enumerate(states) for p in strategy.optimizer_layout.problems(o, sd, shapes)]
+    problems = [p for o, (opt, sd) in enumerate(zip(optimizers, states)) for p in optimizer_type_problems(o, opt, sd)]
+    if not problems:  # the same optimizer type: do the shapes fit (merged parameters split into their pieces)?
+        module, layout = strategy.lightning_module, strategy.optimizer_layout
+        merges = merges_of(module)  # state-dict keys, like full_state_shapes
+        full = dict(strategy.full_state_shapes)
+        for merged, pieces in merges.items():  # each piece: its rows of the merged parameter
+            full.update({key: (rows, *full.get(merged, (0,))[1:]) for key, rows in pieces})
+        # the layout names parameters as named_parameters() does (e.g. a sublayer GPT's pipeline indices)
+        shapes = {name: full[key] for name in layout.slots if (key := state_dict_key(module, name)) in full}
+        states = [split_optimizer_state(sd, _keys_by_index(strategy, o), layout.group_indices[o], merges)
+                  if isinstance(sd, dict) and "param_groups" in sd else sd for o, sd in enumerate(states)]
+        problems = [p for o, sd in enumerate(states) for p in layout.problems(o, sd, shapes)]
     if problems:
         raise CheckpointError(
             "the checkpoint's optimizer state does not fit the module's optimizer: " + "; ".join(problems[:_MAX_LISTED])
+            + (f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else "")
             + " (was it saved from a different model or configure_optimizers()?)"
         )
     for o, (opt, sd) in enumerate(zip(optimizers, states)):

@@ -1,11 +1,13 @@
 """Wires plan/ and runtime/ for Algorithm 1: profile after a trigger, decide, migrate, re-pack.
 
-Per step: ``before_step`` acts on the profile of the previous step (if one was taken) and starts
-profiling when the policy or a re-pack request asks; ``after_step`` takes in the step's shared
+When to profile and decide is :class:`~lightning_dynmo.plan.controller.RebalanceController`'s
+(pure): per step, ``before_step`` asks it and carries the answers out (profiling hooks, the cost
+gather, the balancer, migrations, records), and ``after_step`` hands it the step's shared
 statistics. Every rank runs the same code on the same agreed numbers, so decisions agree, provided
 the balancer is deterministic: each rank calls it itself, so every decision (and the initial
-partition) is checked with one small all-reduce (MIN of a hash and its negation), and a balancer
-that answers differently on different ranks stops training on every rank with a message saying so.
+partition) is checked with one small all-reduce (MIN of a hash and its negation; the same
+all-reduce agrees on what the decision cost, for the overhead budget), and a balancer that answers
+differently on different ranks stops training on every rank with a message saying so.
 """
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ import logging
 import math
 import time
 import zlib
-from collections import deque
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..plan.balancers import BalanceProblem, get_balancer
+from ..plan.balancers import BalanceProblem, BalancerResultError, get_balancer
 from ..plan.cost_model import CostModel, LayerCosts
-from ..plan.measurements import loads_near_profile, merge_layer_costs, scale_by_load, smooth_load
+from ..plan.budget import OverheadBudget
+from ..plan.controller import RebalanceController
+from ..plan.measurements import merge_layer_costs
 from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
 from ..plan.policy import Decision, RebalancePolicy, decide
@@ -39,42 +43,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
-REPROFILE_STEPS = 200
-#: Decisions from load counters test a move's gain under each of this many recent steps' loads.
-LOAD_SAMPLE_STEPS = 8
-
-
 class BalancerDisagreementError(RuntimeError):
     """Ranks computed different partitions from the same costs: the balancer is not deterministic."""
 
 
 class Rebalancer:
+    """Carries out what :class:`~lightning_dynmo.plan.controller.RebalanceController` answers:
+    profiles, decides, migrates, records, and charges what each of those cost (seconds agreed by
+    every rank) to its overhead budget."""
+
     def __init__(self, strategy: "DynMoStrategy", policy: RebalancePolicy, balancer: str, repack: int | str,
-                 repack_tolerance: float, plot: bool, plot_interval: int = 50) -> None:
+                 repack_tolerance: float, plot: bool, plot_interval: int = 50,
+                 budget: OverheadBudget | None = None) -> None:
         self.strategy = strategy
         self.policy = policy
+        self.controller = RebalanceController(policy, budget)
         self.balancer = balancer
         self.repack = repack
         self.repack_tolerance = repack_tolerance
         self.recorder = DecisionRecorder(plot, plot_interval)
         self._warned_never = False
         self.known_costs: dict[int, tuple[float, float]] = {}  # layer -> (fwd, bwd) s per micro-batch
-        self.load_at_profile: dict[int, float | None] = {}
-        self.layer_load: list[float | None] = []  # the last step's load factors
-        self.smoothed_load: list[float | None] | None = None  # their moving average (what decisions use)
-        self.recent_loads: deque[list[float | None]] = deque(maxlen=LOAD_SAMPLE_STEPS)  # per step, newest last
         self.migration_cost: float | None = None  # measured seconds of the last migration
-        self.profiled_costs: LayerCosts | None = None  # merged costs of the last profiled step
-        self.profile_step = -(10**9)
-        self.rank_busy: list[float] = []
-        self.rank_wall: list[float] = []
-        self._profiling_reason: str | None = None
-        self._decide_next = False
-        self._profiled_steps = 0  # profiled steps so far in the current profile window
-        self._load_sum: list[float | None] = []  # per-layer load summed over the window
-        self._repack_requested: int | str | None = None
-        self._counter_requests: list[str] = []  # request_rebalance(..., reprofile=False)
+        self.migration_seconds = 0.0  # all migrations of the run
+        self._unagreed = 0.0  # this rank's overhead seconds not yet agreed (sent with the next agreement check)
 
     # ------------------------------------------------------------------ requests
     def request_rebalance(self, reason: str, reprofile: bool = True) -> None:
@@ -87,58 +79,41 @@ class Rebalancer:
                     "rebalance when dynamism callbacks ask (this warning is given once)"
                 )
             return
-        if reprofile:
-            self.policy.request(str(reason))
-        else:
-            self._counter_requests.append(str(reason))
+        self.controller.request(reason, reprofile)
 
     def request_repack(self, target: int | str) -> None:
         """Re-packing has its own path: it works under every rebalance mode, ``never`` included."""
-        self._repack_requested = check_repack_target(target)
+        self.controller.request_repack(check_repack_target(target))
 
     @property
     def profiling(self) -> bool:
-        return self._profiling_reason is not None
+        return self.controller.profiling
+
+    # read-only views of the controller's state (metrics, benchmarks)
+    rank_busy = property(lambda self: self.controller.rank_busy)
+    rank_wall = property(lambda self: self.controller.rank_wall)
+    layer_load = property(lambda self: self.controller.layer_load)
 
     # ------------------------------------------------------------------ per step
     def before_step(self, step: int) -> None:
-        s = self.strategy
-        acted = False
-        if self._decide_next:
-            self._decide_next = False
+        s, c = self.strategy, self.controller
+        reason = c.profile_closed()
+        if reason is not None:
             s.profiler.stop_layer_profiling()
-            self._act_on_profile(step, self._profiling_reason or "peer request")
-            self._profiled_steps = 0
-            acted = True
-        elif self._profiled_steps:  # inside a profile window (the same step on every rank): keep measuring
-            self._profiling_reason = self._profiling_reason or "peer request"
+            self._act_on_profile(step, reason)
+        elif c.in_profile_window:  # (the same step on every rank): keep measuring
             if not s.profiler.layer_profiling:
                 s.profiler.start_layer_profiling(s.layers, s.local_layer_indices())
             return
         self._agree_on_counter_requests()
-        if self._counter_requests and self.policy.mode == "never":
-            self.policy.request(self._counter_requests[-1])  # the policy drops (and reports) it
-            self._counter_requests.clear()
-        reasons = []
-        if self._counter_requests:
-            reasons.append("counters: " + "; ".join(dict.fromkeys(self._counter_requests)))
-            self._counter_requests.clear()
-        policy_reason = self.policy.profile_reason(step)
-        if policy_reason:
-            reasons.append(policy_reason)
-        reason = "; ".join(reasons) or None
-        if reason and self._can_decide_from_counters(step, reason):
-            if not acted:  # (a decision was just taken on a fresh profile: nothing to add)
-                self._rebalance(step, f"{reason} (load counters)", self.counter_costs(), [],
-                                samples=self.load_cost_samples())
-            reason = None
-        elif reason and self.profiled_costs is not None and not loads_near_profile(self.smoothed_load,
-                                                                                    self._load_at_profile_list()):
-            reason += " (layer loads left the profiled band: re-profiling)"
-        if self._repack_requested is not None:
-            reason = "; ".join(r for r in (reason, f"repack to {self._repack_requested}") if r)
-        self._profiling_reason = reason
-        if reason:
+        actions = c.plan(step, decided=reason is not None)
+        for trigger, why in actions.skipped:
+            self._record(Decision(step=step, reason=trigger, before=str(s.partition), applied=False, why=why,
+                                  kind="skip"))
+        if actions.counters:
+            self._rebalance(step, actions.counters, c.counter_costs(), [], samples=c.load_cost_samples(),
+                            source="counters")
+        if actions.profile:
             s.profiler.start_layer_profiling(s.layers, s.local_layer_indices())
 
     def _agree_on_counter_requests(self) -> None:
@@ -146,65 +121,39 @@ class Rebalancer:
         released by re-packing) one rank may ask for a decision from load counters while another
         does not, and the decision is a collective: any rank's request counts for all (one small
         all-reduce per step, only when the world holds more than one pipeline's ranks)."""
-        s = self.strategy
+        s, c = self.strategy, self.controller
         if s.layout.topology.world_size == s.layout.pp_size:
             return
-        flag = torch.tensor([1.0 if self._counter_requests else 0.0], dtype=torch.float64, device=s.root_device)
+        flag = torch.tensor([1.0 if c.counter_requests else 0.0], dtype=torch.float64, device=s.root_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and not self._counter_requests:
-            self._counter_requests.append("a load monitor of another replica")
+        if flag.item() > 0 and not c.counter_requests:
+            c.request("a load monitor of another replica", reprofile=False)
 
     def after_step(self, stats: StepStats) -> None:
-        if self._profiling_reason:
-            for i, ft in self.strategy.profiler.layer_times().items():
+        s, c = self.strategy, self.controller
+        if c.profiling:
+            for i, ft in s.profiler.layer_times().items():
                 self.known_costs[i] = ft
-        self.rank_busy, self.rank_wall = stats.rank_busy, stats.rank_wall
-        if stats.profiled:  # the profile window's mean load is what its times were measured at
-            self._profiled_steps += 1
-            if self._profiled_steps == 1:
-                self._load_sum = list(stats.layer_load)
-            else:
-                self._load_sum = [None if n is None or t is None else n + t
-                                  for n, t in zip(stats.layer_load, self._load_sum)]
-            self.load_at_profile = {i: None if t is None else t / self._profiled_steps
-                                    for i, t in enumerate(self._load_sum)}
-        self._decide_next = stats.profiled and self._profiled_steps >= self.policy.profile_steps
-        self.layer_load = stats.layer_load
-        self.recent_loads.append(list(stats.layer_load))
-        self.smoothed_load = smooth_load(self.smoothed_load, stats.layer_load, self.policy.ema_decay)
-        self.policy.observe_busy(stats.rank_busy)
+        c.after_step(s.lightning_module.trainer.global_step, stats.profiled, stats.rank_busy, stats.rank_wall,
+                     stats.layer_load)
+        if self.policy.mode != "never":
+            s.lightning_module.log("rebalance/overhead_fraction", c.budget.overhead_fraction(), on_step=True,
+                                   on_epoch=False, batch_size=1)
 
-    # ------------------------------------------------------------------ per-iteration decisions
-    def _can_decide_from_counters(self, step: int, reason: str) -> bool:
-        """Layers that report their load (MoE, MoD, sparse attention, early exit) let the policy
-        decide without a profiled step: the last profile scaled by the step's load factors
-        (c_i = r_i t_i). A dynamism *event* (e.g. freezing changes what a layer computes), a
-        profile older than ``REPROFILE_STEPS`` and loads that moved beyond the band where scaling
-        is credible (:func:`~lightning_dynmo.plan.measurements.loads_near_profile`) still take a
-        fresh profile."""
-        return (
-            self.profiled_costs is not None
-            and any(x is not None for x in self.layer_load)
-            and "event:" not in reason
-            and step - self.profile_step < REPROFILE_STEPS
-            and loads_near_profile(self.smoothed_load, self._load_at_profile_list())
-        )
-
-    def _load_at_profile_list(self) -> list[float | None]:
-        return [self.load_at_profile.get(i) for i in range(len(self.strategy.layers))]
+    def summary(self) -> dict:
+        """What DynMo cost and what its applied decisions gained, measured (see
+        :meth:`~lightning_dynmo.plan.budget.OverheadBudget.summary`), plus the migrations' seconds."""
+        out = self.controller.budget.summary()
+        out["migration_s"] = round(self.migration_seconds, 4)
+        out["decisions"] = sum(1 for d in self.recorder.decisions if d.kind != "skip")
+        out["skipped"] = sum(1 for d in self.recorder.decisions if d.kind == "skip")
+        return out
 
     def counter_costs(self) -> LayerCosts:
-        """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
-        return scale_by_load(self.profiled_costs, self.smoothed_load, self._load_at_profile_list())
+        return self.controller.counter_costs()
 
     def load_cost_samples(self) -> list[LayerCosts]:
-        """The last profiled costs under each recent step's own load factors: how much a move's
-        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.gain_is_clear`).
-        Empty when no layer reports its load (nothing varies that a profile does not show)."""
-        if not any(x is not None for loads in self.recent_loads for x in loads):
-            return []
-        at_profile = self._load_at_profile_list()
-        return [scale_by_load(self.profiled_costs, loads, at_profile) for loads in self.recent_loads]
+        return self.controller.load_cost_samples()
 
     # ------------------------------------------------------------------ costs
     def cost_model(self) -> CostModel:
@@ -213,9 +162,10 @@ class Rebalancer:
         return CostModel(microbatches=m, schedule=s.layout.spec.cost_schedule, capacity=s.options.memory_capacity,
                          virtual_stages=s.layout.virtual)
 
-    def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
+    def gather_layer_costs(self, timelines: bool = True) -> tuple[LayerCosts, list[dict]]:
         """Per-layer costs identical on every rank (collective over the world) as last profiled;
-        plus every rank's chunk timeline of the last step."""
+        plus every rank's chunk timeline of the last step (``timelines=False``: none, e.g. when no
+        plot will draw them: they are most of what the gather carries)."""
         s = self.strategy
         local = {}
         for i in s.local_layer_indices():
@@ -223,7 +173,7 @@ class Rebalancer:
             f, b = self.known_costs.get(i, (math.nan, math.nan))
             params = sum(p.numel() for p in layer.parameters())
             local[i] = (f, b, params, layer_memory_bytes(layer, s.optimizers))
-        events = s.last_step_events()
+        events = s.last_step_events() if timelines else []
         parts: list = [None] * s.layout.topology.world_size
         dist.all_gather_object(parts, (local, events))
         costs = merge_layer_costs([p for p, _ in parts], len(s.layers), s.engines.activation_bytes())
@@ -242,15 +192,30 @@ class Rebalancer:
         params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
         problem = BalanceProblem(costs=LayerCosts.from_params(params), num_stages=s.layout.num_stages,
                                  model=self.cost_model(), current=None)
-        partition = get_balancer(self.balancer)(problem).partition
+        with self.agreed_failure("the initial partition at setup"):
+            partition = get_balancer(self.balancer)(problem).partition
         self.check_agreement(str(partition), True, "the initial partition at setup")
         return partition
 
-    def check_agreement(self, result: str | None, applied: bool, what: str) -> None:
-        """Every rank must have reached the same result (one all-reduce over the world)."""
+    @contextmanager
+    def agreed_failure(self, what: str):
+        """A balancer result that fails its check (``BalancerResultError``) on some ranks is
+        raised on every rank: the failing ranks join the agreement all-reduce the others make
+        next, so no rank waits in it alone."""
+        try:
+            yield
+        except BalancerResultError as err:
+            self.check_agreement(f"error: {err}", False, what)
+            raise
+
+    def check_agreement(self, result: str | None, applied: bool, what: str, started: float | None = None) -> float:
+        """Every rank must have reached the same result (one all-reduce over the world). The same
+        all-reduce agrees on the overhead seconds spent since ``started`` plus what was left
+        unagreed: returns the slowest rank's (what the overhead budget is charged)."""
         s = self.strategy
         h = float(zlib.crc32(repr((result, bool(applied))).encode()))
-        both = torch.tensor([h, -h], dtype=torch.float64, device=s.root_device)
+        local = self._unagreed + (time.perf_counter() - started if started is not None else 0.0)
+        both = torch.tensor([h, -h, -local], dtype=torch.float64, device=s.root_device)
         dist.all_reduce(both, op=dist.ReduceOp.MIN)
         if float(both[0]) != -float(both[1]):
             raise BalancerDisagreementError(
@@ -259,36 +224,50 @@ class Rebalancer:
                 "on the same BalanceProblem, so it must return the same partition for the same problem: no "
                 "rank-, time- or unseeded-random-dependent choices"
             )
+        self._unagreed = 0.0
+        return -float(both[2])
 
     # ------------------------------------------------------------------ decisions
     def _act_on_profile(self, step: int, reason: str) -> None:
         """Algorithm 1: balance on the profiled costs, migrate, then (optionally) re-pack."""
-        costs, events = self.gather_layer_costs()
-        self.profiled_costs, self.profile_step = costs, step
+        started = time.perf_counter()
+        c = self.controller
+        costs, events = self.gather_layer_costs(timelines=self.recorder.plot)
+        c.profiled(step, costs)
         self._trace(step, costs)
         if self.policy.mode != "never" and not reason.startswith("repack"):
-            self._rebalance(step, reason, costs, events, samples=self.load_cost_samples())
-        target = self._repack_requested if self._repack_requested is not None else self.repack
-        self._repack_requested = None
+            self._rebalance(step, reason, costs, events, samples=c.load_cost_samples(), started=started)
+        target = c.take_repack()
+        if target is None:
+            target = self.repack
         if target != "off" and self.strategy.layout.pp_size > 1:
             self._repack(step, target, costs)
 
     def _rebalance(self, step: int, reason: str, costs: LayerCosts, events: list[dict],
-                   samples: list[LayerCosts] = ()) -> None:
+                   samples: list[LayerCosts] = (), started: float | None = None, source: str = "decision") -> None:
+        """Decide, agree (and charge the budget what deciding cost), migrate if applied, record."""
         s = self.strategy
+        started = time.perf_counter() if started is None else started
         model, before = self.cost_model(), s.partition
         cost = self.migration_cost
         if cost is None:
             cost = max(self.rank_wall) if self.rank_wall else 0.0  # first time: assume one step
-        decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
-                               current=before, policy=self.policy, migration_cost=cost, samples=samples)
-        self.check_agreement(decision.after, new is not None, f"the decision at step {step}")
-        self.policy.decided(step, applied=new is not None, left=before)
+        with self.agreed_failure(f"the decision at step {step}"):
+            decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
+                                   current=before, policy=self.policy, migration_cost=cost, samples=samples)
+        overhead = self.check_agreement(decision.after, new is not None, f"the decision at step {step}", started)
+        self.controller.charge(step, overhead, source)
+        seconds = 0.0
         if new is not None:
             seconds, moved_bytes = self.migrate(new)
             self.migration_cost = seconds + (decision.decision_ms or 0.0) / 1e3
+            self.migration_seconds += seconds
             decision = decision.with_(migration_ms=seconds * 1e3, migration_bytes=moved_bytes)
+        self.controller.decided(step, applied=new is not None, left=before, cost=overhead + seconds,
+                                counters=source == "counters")
+        recording = time.perf_counter()
         self._record(decision, costs, model, events, before, new)
+        self._unagreed += time.perf_counter() - recording  # agreed and charged with the next decision
 
     def _repack(self, step: int, target: int | str, costs: LayerCosts) -> None:
         s = self.strategy
@@ -299,17 +278,19 @@ class Rebalancer:
             self._record(base.with_(why="refused: no step has run yet"))
             return
         try:
-            plan = plan_repack(
-                costs, before, self.cost_model(), ranks_before, target, self.balancer,
-                lambda r: s.choose_microbatches(s.last_batch_size, pp=r), s.layout.virtual, self.repack_tolerance,
-            )
+            with self.agreed_failure(f"the re-pack decision at step {step}"):
+                plan = plan_repack(
+                    costs, before, self.cost_model(), ranks_before, target, self.balancer,
+                    lambda r: s.choose_microbatches(s.last_batch_size, pp=r), s.layout.virtual, self.repack_tolerance,
+                )
         except RepackRefused as err:
             self.check_agreement(None, False, f"the re-pack decision at step {step}")
             self._record(base.with_(why=f"refused: {err}"))
             return
         self.check_agreement(f"{plan.partition} on {plan.ranks} ranks", True, f"the re-pack decision at step {step}")
         seconds, _ = self.migrate(plan.partition, ranks=plan.ranks)
-        self.policy.applied(step)  # a re-pack changes the rank count: nothing to undo
+        self.migration_seconds += seconds
+        self.controller.repacked(step)
         self._record(base.with_(
             applied=True, after=str(plan.partition), ranks_after=plan.ranks, microbatches=plan.microbatches,
             released=tuple(s.layout.released_ranks), predicted_step_after=plan.predicted_step, migration_ms=seconds * 1e3,
@@ -324,7 +305,7 @@ class Rebalancer:
             "microbatches": s.last_microbatches, "forward": list(costs.forward), "backward": list(costs.backward),
             "params": list(costs.params), "memory": list(costs.memory), "activation": list(costs.activation),
             "layer_load": self.layer_load, "rank_busy": self.rank_busy, "rank_wall": self.rank_wall,
-            "profiled_steps": self._profiled_steps,  # the steps the per-layer times are the mean of
+            "profiled_steps": self.controller.closed_window_steps,  # the steps the per-layer times are the mean of
         })
 
     def _record(self, decision: Decision, costs=None, model=None, events=(), before=None, after=None) -> None:
@@ -355,7 +336,6 @@ class Rebalancer:
         s.layout.partition = partition
         s.replica_pipeline_groups = groups
         s.pipeline_group = groups[s.layout.dp_rank] if not s.layout.released else None
-        s.layout.released_ranks = s.layout.topology.released_ranks(ranks)
         s.tied.update(s.layout, s.options.timeout)
         if s.layout.released:
             s.engines.clear()

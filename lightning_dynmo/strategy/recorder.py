@@ -77,6 +77,23 @@ def write_cost_trace(out_dir: str | None, is_global_zero: bool, row: dict) -> No
         fh.write(json.dumps(row) + "\n")
 
 
+def dynmo_summary_text(summary: dict) -> str:
+    """The end-of-fit sanity check in words: did DynMo pay on this model?"""
+    frac = summary.get("overhead_fraction")
+    lines = [f"dynmo: overhead {summary['overhead_s'] * 1e3:.0f} ms of {summary['train_s']:.1f} s of pipeline steps"
+             + (f" ({frac:.2%})" if frac is not None else "")
+             + f", migrations {summary['migration_s'] * 1e3:.0f} ms; {summary['decisions']} decisions, "
+             f"{summary['skipped']} skip records"]
+    for p in summary.get("applied_decisions", []):
+        if p["step_ms_after"] is None or p["gain"] is None:
+            lines.append(f"  step {p['step']}: applied, step time {p['step_ms_before']:.1f} ms before, not measured after")
+        else:
+            lines.append(f"  step {p['step']}: step time {p['step_ms_before']:.1f} -> {p['step_ms_after']:.1f} ms "
+                         f"({-p['gain']:+.1%}), cost {p['cost_ms']:.0f} ms: "
+                         + ("paid for itself" if p["paid"] else "did not pay"))
+    return "\n".join(lines)
+
+
 def log_step(module, stats, inputs, now: float, last_step_end: float | None, replicas: int, pp_size: int) -> None:
     """The loss for the progress bar plus ``pipeline/*`` metrics; model metrics are the model's."""
     bs = inputs.shape[0]

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import nn
 
+from ..plan.budget import OverheadBudget
 from ..plan.cost_model import LayerCosts
 from ..plan.partition import Partition
 from ..plan.policy import RebalancePolicy
@@ -50,10 +51,9 @@ from ..plan.layout import PipelineLayout
 from ..plan.schedules import choose_microbatches
 from ..plan.topology import Topology
 from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
-from ..runtime.engine import EngineCache, Placement
+from ..runtime.engine import EngineCache, Placement, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
-from ..runtime.batches import check_same_batch
 from ..runtime.groups import build_groups
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
@@ -69,8 +69,10 @@ from .collectives import WorldCollectives
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
+from .partial_batch import BatchSizes, check_last_batch
 from .rebalancer import Rebalancer
-from .recorder import log_step
+from .step_guard import check_before_run
+from .recorder import dynmo_summary_text, log_step
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         profile_steps: consecutive steps one per-layer profile spans; decisions use each layer's
             mean over them (1: decide on one step, cheapest; 2-3 when step times are noisy, e.g.
             a shared machine, where one step's measurement can flip a decision back and forth).
+        overhead_budget: under ``rebalance="auto"``, the share of the training time that the
+            profiling and decisions the policy starts by itself may cost over the last 100 steps
+            (more when the last applied decision measurably paid for itself); those that keep
+            changing nothing also back off exponentially (see :mod:`lightning_dynmo.plan.budget`).
+            ``float("inf")``: no limit. Events (freezing, pruning, re-packing) are always served.
         memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
             activations in flight); balancers never exceed it. ``None``: unlimited.
         repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
@@ -147,6 +154,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         rebalance_cooldown: int = 10,
         rebalance_hysteresis: float = 0.5,
         profile_steps: int = 1,
+        overhead_budget: float = 0.01,
         memory_capacity: float | None = None,
         repack: str | int = "off",
         repack_tolerance: float = 0.05,
@@ -178,7 +186,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
                                  horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis,
                                  profile_steps=profile_steps)
         self.rebalancer = Rebalancer(self, policy, balancer, repack, self.options.repack_tolerance, self.options.plot,
-                                     self.options.plot_interval)
+                                     self.options.plot_interval,
+                                     OverheadBudget(fraction=overhead_budget, window=max(100, rebalance_horizon)))
         self._num_nodes = 1
         # pipeline state (set in setup_environment / setup)
         self.layout: PipelineLayout | None = None  # set in setup_environment
@@ -191,12 +200,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.last_migration: MigrationStats | None = None
         self.last_batch_size: int | None = None
         self.last_microbatches: int | None = None
-        self.released_ranks: list[int] = []
         self._layers: nn.ModuleList | None = None
         self._layers_attr = ""
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
-        self._batch_checked = False
+        self._batch_sizes = BatchSizes()
         self._apply_step = True
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
@@ -328,6 +336,18 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             self.profiler.stop_layer_profiling()
         super().teardown()
 
+    def on_train_end(self) -> None:
+        """The end-of-fit sanity check: what DynMo cost and what its applied decisions gained."""
+        super().on_train_end()
+        if self.rebalancer.policy.mode != "never":
+            rank_zero_info(dynmo_summary_text(self.dynmo_summary))
+
+    @property
+    def dynmo_summary(self) -> dict:
+        """Measured overhead (profiling, decisions, migrations) and step time after vs before
+        each applied decision (same on every rank)."""
+        return self.rebalancer.summary()
+
     # ------------------------------------------------------------------ pipeline geometry
     @property
     def schedule(self) -> str:
@@ -437,14 +457,17 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
 
     # ------------------------------------------------------------------ pipeline execution
     def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
-        m = self.choose_microbatches(inputs.shape[0])
-        if train:
+        o = self.options  # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
+        m, partial = self._batch_sizes.microbatches(o.schedule, inputs.shape[0], self.layout.pp_size, o.virtual_stages,
+                                                    o.microbatches)
+        if train and not partial:
             self.last_microbatches = m
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
                               self.pipeline_group, self.root_device)
         loss_fn = self.lightning_module.pipeline_loss
+        inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
         return self.engines.get(placement, inputs, m, train, pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn,
-                                targets)
+                                targets, inputs_fn if callable(inputs_fn) else None)
 
     def invalidate_pipeline(self) -> None:
         """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
@@ -469,19 +492,22 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         """Each layer's load factor in the last step (layers implementing ReportsLoad), same everywhere."""
         return list(self.rebalancer.layer_load)
 
+    def on_train_start(self) -> None:
+        o = self.options
+        check_last_batch(self.lightning_module.trainer.train_dataloader, o.schedule, self.layout.pp_size,
+                         o.virtual_stages, o.microbatches)
+
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.rebalancer.before_step(self.lightning_module.trainer.global_step)
 
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
-        if not self._batch_checked:
-            self._batch_checked = True
-            if self.pipeline_parallel > 1:
-                check_same_batch(inputs, targets, self.pipeline_group, self.global_rank, self.root_device)
+        if not self.released:  # same batch everywhere, grad-ness unchanged (strategy/step_guard.py)
+            check_before_run(self, inputs, targets, module.trainer.global_step)
         now = time.perf_counter()
         self.last_batch_size = int(inputs.shape[0])
-        losses, busy, wall, loads = None, 0.0, 0.0, {}
+        losses, busy, wall, loads, problem = None, 0.0, 0.0, {}, None
         self._held_grads.clear()
         if self.released:
             self.profiler.begin_step()  # its timeline is empty, not its last active step's
@@ -493,13 +519,14 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
                 self.profiler.begin_step()
                 losses = unscale_losses(self.precision_plugin, engine.run(inputs, targets, train=True))
             self._held_grads.hold(module.parameters())
-            busy, wall = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds
+            busy, wall, problem = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds, engine.problem
             loads = collect_load_factors(self._layers, self.local_layer_indices())
         stats = exchange_step_stats(
             losses=losses, profiled=self.rebalancer.profiling, busy=busy, wall=wall, loads=loads,
             topology=self.topology, active_pp=self.layout.pp_size, num_layers=len(self._layers),
-            global_rank=self.global_rank, device=self.root_device,
+            global_rank=self.global_rank, device=self.root_device, problem=problem is not None,
         )
+        raise_step_problem(problem, stats.problem)
         self._apply_step = check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite)
         self.rebalancer.after_step(stats)
         log_step(self.lightning_module, stats, inputs, now, self._last_step_end, self.topology.dp, self.layout.pp_size)
@@ -538,11 +565,13 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         ``{stage}_loss`` (model-specific metrics such as perplexity are the model's to log)."""
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
         ctx = self.precision_plugin.val_step_context() if stage == "val" else self.precision_plugin.test_step_context()
-        losses = None
+        losses, problem = None, None
         if not self.released:
             with ctx:
-                losses = self._engine_for(inputs, targets, train=False).run(inputs, targets, train=False)
-        loss = share_eval_loss(losses, self.topology.dp, self.root_device)
+                engine = self._engine_for(inputs, targets, train=False)
+                losses, problem = engine.run(inputs, targets, train=False), engine.problem
+        loss, flagged = share_eval_loss(losses, self.topology.dp, self.root_device, problem is not None)
+        raise_step_problem(problem, flagged)
         self.lightning_module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True,
                                   batch_size=inputs.shape[0], sync_dist=True)  # identical everywhere: mean is exact
         hook = getattr(self.lightning_module, "on_pipeline_eval_loss", None)
@@ -594,6 +623,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         partition = partition if isinstance(partition, Partition) else Partition(tuple(partition))
         self.rebalancer.migrate(partition, ranks=ranks)
         return self.released_ranks
+
+    @property
+    def released_ranks(self) -> list[int]:
+        """Global ranks re-packing has released so far (empty before any packing)."""
+        return list(self.layout.released_ranks) if self.layout is not None else []
 
     # ------------------------------------------------------------------ checkpoints
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:

@@ -21,8 +21,16 @@ EXPECTED = {
     "accumulate_grad_batches": r"ValueError: DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches`",
     "manual_optimisation": r"PipelineProtocolError: .*needs automatic optimisation",
     "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
-    "different_batches": r"RuntimeError: rank {rank}: the ranks of one pipeline received different batches",
+    "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different batches \(step 0\)",
     "checkpoint_two_optimizers": r"checkpoint has 2 optimizers, the module configures 1",
+    # the activation protocol (runtime/activations.py): at shape discovery, or mid-step after it
+    "layer_returns_dict": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a dict; .*tuple of tensors",
+    "layer_returns_non_tensor": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a tuple of 2 "
+                                r"\(\[2, 16, 32\], int\)",
+    "layer_changes_arity": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned 2 tensor\(s\) where "
+                           r"the pipeline discovered 1",
+    "layer_data_dependent_shape": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned tensor 0 of "
+                                  r"shape \[2, 15, 32\] .* where the pipeline discovered \[2, 16, 32\]",
 }
 # a damaged checkpoint lacks an entry of rank 0's layers and one of rank 1's
 MISSING_KEY = {0: "layers.0.wte.weight", 1: "layers.4.lm_head.weight"}

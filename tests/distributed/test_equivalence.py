@@ -25,6 +25,8 @@ from tests.support.workers.common import make_loader, make_model
 from tests.support.multiproc import run_worker
 
 from lightning_dynmo import available_balancers, available_schedules
+from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.runtime.merged_parameters import merge_optimizer_state, merges_of
 
 pytestmark = pytest.mark.slow
 SCHEDULES = available_schedules()
@@ -32,7 +34,7 @@ RTOL = 1e-5
 STEPS = 5
 CLIP = 0.3  # below every pre-clip gradient norm of these runs: clipping triggers on every step
 # absolute slack of the element-wise comparison, per quantity (values at or below it are noise)
-ATOL = {"weight": 1e-8, "exp_avg": 1e-10, "exp_avg_sq": 1e-14}
+ATOL = {"weight": 1e-8, "exp_avg": 1e-10, "exp_avg_sq": 1e-14, "momentum_buffer": 1e-10}
 
 
 class _Losses(L.Callback):
@@ -53,7 +55,7 @@ def model_key(cfg: dict) -> str:
     count) plus the data it trains on: two configs share a reference only if these agree."""
     model = make_model(cfg)
     layout = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    data = {k: cfg.get(k) for k in ("n_samples", "steps", "batch", "clip")}
+    data = {k: cfg.get(k) for k in ("n_samples", "steps", "batch", "clip", "optimizer")}
     return json.dumps([dict(model.hparams), layout, data], sort_keys=True, default=str)
 
 
@@ -107,9 +109,7 @@ def microbatched_reference(cfg: dict, dp: int, microbatches: list[int] | None = 
                 xr, yr = x[r::dp], y[r::dp]
                 per_mb = []
                 for xm, ym in zip(torch.tensor_split(xr, m), torch.tensor_split(yr, m)):
-                    h = xm
-                    for layer in layers:
-                        h = layer(h)
+                    h = run_layers(layers, model.pipeline_inputs(xm, ym))  # the pipeline's calling convention
                     model.pipeline_loss(h, ym).backward()
                     per_mb.append([p.grad for p in model.parameters()])
                     opt.zero_grad(set_to_none=True)
@@ -131,7 +131,11 @@ def microbatched_reference(cfg: dict, dp: int, microbatches: list[int] | None = 
             sched.step()
     finally:
         torch.set_num_threads(threads)
-    _REF_CACHE[key] = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict(), norms)
+    # in checkpoint naming (a chunked head's rows as one parameter, runtime/merged_parameters.py)
+    fqn = {id(p): n for n, p in model.named_parameters()}
+    names = dict(enumerate(fqn[id(p)] for g in opt.param_groups for p in g["params"]))
+    opt_sd = merge_optimizer_state(opt.state_dict(), names, merges_of(model))
+    _REF_CACHE[key] = ({k: v.clone() for k, v in model.state_dict().items()}, opt_sd, norms)
     return _REF_CACHE[key]
 
 
@@ -159,6 +163,11 @@ def check_against_reference(res: dict, cfg: dict) -> None:
         # the whole model's pre-clip norm, seen through the pipeline, is the single-process norm
         # (the worker's probe sums per-rank norms: a tied parameter, held by two ranks, would count twice)
         torch.testing.assert_close(torch.tensor(res["grad_norms"]), torch.tensor(ref_norms), rtol=RTOL, atol=0)
+        # the coefficient clipping applied (the norm it left / the norm it saw), not only its effect on
+        # the losses: torch's clip_grad_norm_ scales by min(1, clip / (norm + 1e-6))
+        coefficients = [post / pre for post, pre in zip(res["post_clip_norms"], res["grad_norms"])]
+        expected = [min(1.0, cfg["clip"] / (n + 1e-6)) for n in ref_norms]
+        torch.testing.assert_close(torch.tensor(coefficients), torch.tensor(expected), rtol=RTOL, atol=0)
         if cfg["clip"] == CLIP:
             assert_clipping_triggered(res, cfg)
     state = torch.load(res["state"])
@@ -171,9 +180,12 @@ def check_against_reference(res: dict, cfg: dict) -> None:
     assert [g["lr"] for g in optim["param_groups"]] == pytest.approx([g["lr"] for g in ref_optim["param_groups"]])
     assert set(optim["state"]) == set(ref_optim["state"])
     for i, st in ref_optim["state"].items():
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert_close(optim["state"][i][name], st[name], f"optimizer state {i}.{name}", name)
-        assert float(optim["state"][i]["step"]) == float(st["step"])
+        assert set(optim["state"][i]) == set(st), (i, set(optim["state"][i]), set(st))
+        for name in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if name in st:
+                assert_close(optim["state"][i][name], st[name], f"optimizer state {i}.{name}", name)
+        if "step" in st:
+            assert float(optim["state"][i]["step"]) == float(st["step"])
 
 
 def base(**kw) -> dict:
@@ -348,6 +360,10 @@ FOUR_RANK_RUNS = {
     **{f"pp2dp2_{s}": base(schedule=s, rebalance="every_n", balancer="test_cycle") for s in SCHEDULES},
     **{f"pp4_{s}": base(pp=4, schedule=s, rebalance="every_n", balancer="test_cycle") for s in SCHEDULES},
 }
+# SGD, no clipping: the update is the gradient times the LR, so the data-parallel divisor and the
+# micro-batch mean show in the weights (under Adam with clipping on every step a constant factor cancels)
+FOUR_RANK_RUNS["pp2dp2_sgd_no_clip"] = base(schedule="1f1b", clip=None, optimizer="sgd", rebalance="every_n",
+                                            balancer="test_cycle")
 FOUR_RANK_RUNS["pp2dp2_1f1b"]["evaluate"] = VALIDATE
 
 
@@ -371,6 +387,16 @@ def test_pp4_rebalancing_every_step_matches_single_process(four_rank_results, sc
     cfg, res = four_rank_results[f"pp4_{schedule}"]
     check_against_reference(res, cfg)
     assert migrations(res) == STEPS - 1
+
+
+def test_sgd_without_clipping_matches_single_process_with_two_replicas(four_rank_results):
+    """Issue 26 item 12: the gradient scale is checked by the weights themselves."""
+    cfg, res = four_rank_results["pp2dp2_sgd_no_clip"]
+    assert res["dp"] == 2
+    check_against_reference(res, cfg)
+    assert migrations(res) == STEPS - 1
+    state = torch.load(res["optim"], weights_only=False)["state"]
+    assert state and all(set(st) == {"momentum_buffer"} for st in state.values())  # SGD trained it
 
 
 def test_evaluation_with_two_replicas_equals_single_process(four_rank_results):

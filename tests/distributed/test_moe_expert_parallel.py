@@ -24,10 +24,10 @@ EP_RUN = dict(DATA, **PIPELINE, expert_parallel=2)
 # per-iteration decisions from load counters, on two pipelines without expert parallelism: each
 # replica's MoELoadMonitor measures its own routing, so at some step (step 7 with this data) only one
 # replica asks; every rank must still decide. (Under expert parallelism a group's replicas report the
-# same busiest-shard load, so their MoE monitors agree.)
+# same busiest-shard load, so their MoE monitors agree.) No overhead budget: every request is served.
 AUTO_DATA = dict(DATA, steps=8, n_samples=64)
 AUTO_RUN = dict(AUTO_DATA, **dict(PIPELINE, balancer="partition_time", rebalance="auto"), expert_parallel=1,
-                rebalance_cooldown=1, imbalance_threshold=0.02, monitor_threshold=0.02)
+                rebalance_cooldown=1, imbalance_threshold=0.02, monitor_threshold=0.02, overhead_budget=float("inf"))
 
 
 @pytest.fixture(scope="module")

@@ -86,6 +86,12 @@ def test_pipeline_recipe_two_cpu_ranks(tmp_path):
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / "train_ddp_process_1.log").is_file()  # rank 1 shared the run dir
     assert not (tmp_path / "outputs").exists()  # no stray run dirs from the child rank
+    # the sanity check users read: DynMo's measured overhead, and the gain of each applied decision
+    d = s["dynmo"]
+    assert d["train_s"] > 0 and 0 <= d["overhead_s"] and s["dynmo_overhead_fraction"] == d["overhead_fraction"]
+    assert set(d["overhead_s_by_source"]) == {"profiling", "decision", "counters"}
+    assert all({"step", "step_ms_before", "cost_ms"} <= set(p) for p in d["applied_decisions"])
+    assert "dynmo cost" in proc.stdout + proc.stderr and "dynmo: overhead" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -93,7 +99,7 @@ def test_single_process_baseline(tmp_path):
     run_dir = tmp_path / "run"
     proc = _run([*TINY, "strategy=single", "logger=both", f"hydra.run.dir={run_dir}"], cwd=REPO, timeout=90)
     s = _check_run_dir(run_dir, proc)
-    assert s["world_size"] == 1 and s["partition"] is None
+    assert s["world_size"] == 1 and s["partition"] is None and s["dynmo"] is None
     assert (run_dir / "logs" / "tensorboard").is_dir()
 
 

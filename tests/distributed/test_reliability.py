@@ -23,7 +23,7 @@ import torch
 from lightning_dynmo import available_schedules
 from lightning_dynmo.plan.schedules import get_schedule
 from tests.support.multiproc import ROOT, run_worker, worker_env
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import FreezeThenUnfreeze, make_loader, make_model
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "reliability_worker.py"
@@ -42,6 +42,28 @@ def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (), timeout: 
     return proc, results
 
 
+def _single_process_losses(cfg: dict, steps: int, ckpt_path: str | None = None, callbacks=()) -> list[float]:
+    """Per-step losses of plain single-process Lightning on the workers' model and loader."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        class Losses(L.Callback):
+            def __init__(self):
+                self.losses = []
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                self.losses.append(float(outputs["loss"]))
+
+        rec = Losses()
+        L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                  gradient_clip_val=cfg.get("clip", 1.0), callbacks=[rec, *callbacks]).fit(
+            make_model(cfg), train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=ckpt_path)
+    finally:
+        torch.set_num_threads(threads)
+    return rec.losses
+
+
 def _fit_and_save(cfg: dict, path: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -54,6 +76,20 @@ def _fit_and_save(cfg: dict, path: Path) -> None:
         torch.set_num_threads(threads)
 
 
+def _flip_bytes_inside(path: Path, entry: str) -> bytes:
+    """The file's bytes with 4 bytes inverted in the middle of zip entry ``entry`` (stored, not
+    compressed, as torch.save writes it): a valid archive structure, changed tensor values."""
+    import zipfile
+
+    data = bytearray(path.read_bytes())
+    info = zipfile.ZipFile(path).getinfo(entry)
+    head = info.header_offset
+    name_len, extra_len = int.from_bytes(data[head + 26:head + 28], "little"), int.from_bytes(data[head + 28:head + 30], "little")
+    start = head + 30 + name_len + extra_len + info.file_size // 2
+    data[start:start + 4] = bytes(b ^ 0xFF for b in data[start:start + 4])
+    return bytes(data)
+
+
 BASE_CKPT = {"n_layer": 4}
 TIED_CKPT = {"n_layer": 4, "tied": True}
 
@@ -63,7 +99,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     """A valid 4-layer checkpoint and damaged variants of it."""
     tmp = tmp_path_factory.mktemp("ckpts")
     paths = {name: tmp / f"{name}.ckpt" for name in
-             ("valid", "six_layers", "other_shape", "optim_count", "optim_shape", "nan_weight", "inf_optim", "random")}
+             ("valid", "six_layers", "other_shape", "optim_count", "optim_shape", "sgd_state", "nan_weight", "inf_optim", "random")}
     _fit_and_save(BASE_CKPT, paths["valid"])
     _fit_and_save({"n_layer": 6}, paths["six_layers"])
     _fit_and_save({"n_layer": 4, "mlp_ratios": [1, 4, 2, 4]}, paths["other_shape"])
@@ -81,10 +117,20 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         opt["state"].pop(last, None)
 
     variant("optim_count", drop_last_param)
+
+    def sgd_state(ck):  # what SGD(momentum=0.9) saves for the same parameters
+        opt = ck["optimizer_states"][0]
+        sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9).state_dict()["param_groups"][0]
+        opt["param_groups"] = [{**sgd, "params": g["params"]} for g in opt["param_groups"]]
+        opt["state"] = {i: {"momentum_buffer": st["exp_avg"].clone()} for i, st in opt["state"].items()}
+
+    variant("sgd_state", sgd_state)
     variant("optim_shape", lambda ck: ck["optimizer_states"][0]["state"][1].update(exp_avg=torch.zeros(3)))
     variant("nan_weight", lambda ck: ck["state_dict"]["layers.2.attn.qkv.weight"].view(-1)[5].fill_(float("nan")))
     variant("inf_optim", lambda ck: ck["optimizer_states"][0]["state"][3]["exp_avg_sq"].view(-1)[0].fill_(float("inf")))
     paths["random"].write_bytes(os.urandom(4096))
+    paths["flipped_bytes"] = tmp / "flipped_bytes.ckpt"
+    paths["flipped_bytes"].write_bytes(_flip_bytes_inside(paths["valid"], "archive/data/5"))
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -93,9 +139,11 @@ BAD_CHECKPOINTS = [
     ("other_shape", ["size mismatch", "layers.4.mlp.fc.weight"]),
     ("optim_count", ["optimizer", "parameters"]),
     ("optim_shape", ["optimizer", "exp_avg", "[3]"]),
+    ("sgd_state", ["another optimizer type", "AdamW", "'momentum'", "'betas'", "saved with"]),
     ("nan_weight", ["non-finite", "layers.2.attn.qkv.weight"]),
     ("inf_optim", ["non-finite", "exp_avg_sq"]),
     ("random", ["is not a checkpoint"]),
+    ("flipped_bytes", ["is damaged", "'archive/data/5'", "a tensor's storage", "CRC-32"]),
 ]
 
 
@@ -104,6 +152,11 @@ def _view_partition(schedule: str) -> list[int]:
     return [0, 2, 4, 6, 12] if get_schedule(schedule).multi else [0, 4, 12]
 
 
+ZERO_BUBBLE = [s for s in SCHEDULES if get_schedule(s).cost_schedule == "zero_bubble"]
+# 30 samples in batches of 8: the 4th batch of each epoch holds 6, which microbatches=4 does not divide
+PARTIAL = dict(n_layer=2, steps=5, n_samples=30, drop_last=False, microbatches=4)
+# the whole first stage (layers 0-1 of 7) frozen before the first step, unfrozen by hand at step 2
+UNFREEZE = dict(n_layer=4, steps=5, partition=[0, 2, 7], rebalance="never", unfreeze={"n": 2, "freeze_at": 0, "unfreeze_at": 2})
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
                balancer="partition_time", rebalance="every_n", rebalance_interval=2, save_state=True, late_start=4)
 
@@ -118,6 +171,17 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="balancer_later", n_layer=2, steps=3, balancer="rank_dependent_later", rebalance="every_n",
              rebalance_interval=1),
         dict(case="vector_loss", model="vector_loss", n_layer=2, steps=2),
+        dict(case="detached_loss", model="detached_loss", n_layer=2, steps=2),
+        *[dict(case=f"profile_{s}", n_layer=4, steps=2, schedule=s, rebalance="on_event") for s in ZERO_BUBBLE],
+        dict(case="short_setup", n_layer=2, steps=2, balancer="one_layer_short"),
+        dict(case="short_later", n_layer=2, steps=3, balancer="one_layer_short_later", rebalance="every_n",
+             rebalance_interval=1),
+        dict(case="bare_partition", n_layer=2, steps=2, balancer="bare_partition"),
+        dict(PARTIAL, case="partial_last_batch"),
+        dict(PARTIAL, case="partial_unrunnable", n_samples=25),
+        dict(case="augment", n_layer=2, steps=4, augment=True, dropout=0.1),
+        dict(UNFREEZE, case="unfreeze"),
+        dict(case="finetune", n_layer=4, steps=4, n_samples=16, partition=[0, 2, 7], rebalance="never"),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -184,6 +248,79 @@ def test_a_non_scalar_pipeline_loss_names_the_fix(cases):
     _assert_fails_everywhere(cases["vector_loss"], "pipeline_loss", "scalar", "[32]")
 
 
+# ------------------------------------------------------------------- issue 26, item 2
+def test_a_pipeline_loss_that_needs_no_grad_fails_on_every_rank(cases):
+    """One process raises on ``loss.backward()``; the pipeline used to train nothing."""
+    _assert_fails_everywhere(cases["detached_loss"], "DetachedLossGPT.pipeline_loss", "does not require grad",
+                             ".detach()")
+
+
+# ------------------------------------------------------------------- issue 26, item 5
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
+def test_zero_bubble_profiles_the_first_stages_backward(cases, schedule):
+    """torch runs the first stage's whole backward in its weight pass (its input, token ids,
+    needs no gradient); its layers must not look free to the balancers and the simulator."""
+    res = cases[f"profile_{schedule}"]
+    assert _errors(res) == [None, None], _errors(res)
+    costs = res["per_rank"][0]["costs"]
+    assert all(b > 0 for b in costs["backward"]), costs
+    # the embedding and the first block sit on the first stage under every initial partition here
+    assert sum(costs["backward"][:2]) >= 0.2 * sum(costs["forward"][:2]), costs
+
+
+# ------------------------------------------------------------------- issue 26, item 10
+@pytest.mark.parametrize("case,needles", [
+    ("short_setup", ["'one_layer_short'", "(4 layers in 2 stages)", "5 layers in 2 stages"]),
+    ("short_later", ["'one_layer_short_later'", "problem.num_layers"]),
+    ("bare_partition", ["'bare_partition'", "returned Partition, not a BalanceResult", "wrap it"]),
+])
+def test_a_balancer_result_of_the_wrong_kind_or_size_fails_on_every_rank_naming_it(cases, case, needles):
+    _assert_fails_everywhere(cases[case], "BalancerResultError", *needles)
+
+
+# ------------------------------------------------------------------- issue 26, item 11
+def test_a_partial_last_batch_trains_like_one_process(cases):
+    """It runs as fewer micro-batches (3 of 2 samples: the mean loss over its 6 samples); it used
+    to fail at that step."""
+    res = cases["partial_last_batch"]
+    assert _errors(res) == [None, None], _errors(res)
+    reference = _single_process_losses(PARTIAL, PARTIAL["steps"])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_partial_last_batch_no_schedule_can_run_fails_before_the_first_step(cases):
+    res = cases["partial_unrunnable"]  # 1 sample left: 1F1B on 2 ranks needs 2 micro-batches
+    _assert_fails_everywhere(res, "PartialBatchError", "holds 1 samples (8 in the others)", "drop_last=True")
+    assert all(r["losses"] == [] for r in res["per_rank"]), res
+
+
+# ------------------------------------------------------------------- issue 26, item 1
+def test_batches_that_drift_apart_after_the_first_step_stop_every_rank(cases):
+    """A dataset augmenting with the global RNG, dropout on: the ranks' RNGs drift apart after
+    step 0, so stage 0's inputs and the last stage's targets came from different draws."""
+    res = cases["augment"]
+    _assert_fails_everywhere(res, "PipelineBatchMismatchError", "different batches (step 1)", "global RNG",
+                             "torch.Generator().manual_seed")
+    assert all(len(r["losses"]) == 1 for r in res["per_rank"]), res  # step 0 agreed and trained
+
+
+# ------------------------------------------------------------------- issue 26, item 8
+def test_unfreezing_a_frozen_stage_by_hand_trains_like_one_process(cases):
+    """The stages were built while stage 0 was frozen (it sent no gradient); it used to fail in
+    torch's stage backward on one rank and hang the other."""
+    res = cases["unfreeze"]
+    assert _errors(res) == [None, None], _errors(res)
+    reference = _single_process_losses(UNFREEZE, UNFREEZE["steps"], callbacks=[FreezeThenUnfreeze(**UNFREEZE["unfreeze"])])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_a_param_group_added_mid_run_is_refused_on_every_rank(cases):
+    res = cases["finetune"]  # BaseFinetuning.unfreeze_and_add_param_group at epoch 1 (step 2)
+    _assert_fails_everywhere(res, "OptimizerGroupsChangedError", "unfreeze_and_add_param_group", "configure_optimizers",
+                             "requires_grad_(True)")
+    assert all(len(r["losses"]) == 2 for r in res["per_rank"]), res
+
+
 # ---------------------------------------------------------------------------------- item 9
 def test_skipped_training_step_warns_once_and_the_loss_hook_runs(cases):
     warned = [w for w in cases["warn_training_step"]["per_rank"][0]["warnings"] if "training_step" in w]
@@ -231,24 +368,8 @@ def test_a_tied_checkpoint_resumes_on_the_pipeline_like_in_one_process(cases, ch
     and continues with the losses of a single-process resume."""
     res = cases["ckpt_tied_resume"]
     assert _errors(res) == [None, None], _errors(res)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        class Losses(L.Callback):
-            def __init__(self):
-                self.losses = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.losses.append(float(outputs["loss"]))
-
-        rec = Losses()
-        L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0,
-                  callbacks=[rec]).fit(make_model(TIED_CKPT), train_dataloaders=make_loader(TIED_CKPT, 8),
-                                       ckpt_path=checkpoints["tied"])
-    finally:
-        torch.set_num_threads(threads)
-    assert res["per_rank"][0]["losses"] == pytest.approx(rec.losses, rel=1e-5)
+    reference = _single_process_losses(TIED_CKPT, 3, ckpt_path=checkpoints["tied"])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
     state = torch.load(res["state"])
     assert torch.equal(state["layers.0.wte.weight"], state["layers.6.lm_head.weight"])
 

@@ -28,6 +28,7 @@ RUNS = {
     "save": base(pp=4, steps=6, n_samples=48, rebalance="every_n", rebalance_interval=3, balancer="partition_param",
                  repack=2, save_ckpt=True),
     "request_never": base(pp=4, steps=6, balancer="partition_param", request_repack=[2, 2], logger=True),
+    "repack_to": base(pp=4, steps=5, balancer="partition_param", repack_to=[2, 2]),  # the public call
     "replicas": base(pp=2, steps=5, balancer="partition_param", request_repack=[2, 1]),  # 2 x 2 -> 1 x 2
     "virtual": base(pp=4, steps=5, schedule="interleaved_1f1b", balancer="partition_param", request_repack=[2, 2]),
     "retune": base(pp=4, steps=5, batch=16, microbatches=None, balancer="partition_param", request_repack=[2, 2]),
@@ -63,6 +64,15 @@ def assert_released(res: dict, released: list[int]) -> None:
         if r not in released:
             assert res["grads_per_rank"][r] > 0 and res["optim_tensors_per_rank"][r] > 0, r
     assert res["released_hook_per_rank"] == [released] * world  # the hook fired on every rank
+    assert res["strategy_released_ranks_per_rank"] == [released] * world  # strategy.released_ranks agrees
+
+
+def test_repack_to_returns_the_released_ranks(runs):
+    _, r = runs
+    cfg, res = r["repack_to"]
+    assert res["repack_to_returned_per_rank"] == [[2, 3]] * 4  # every rank hears which ranks went
+    assert_released(res, [2, 3])
+    check_against_reference(res, cfg)
 
 
 def test_pack_4_to_2_matches_single_process_and_releases_ranks(runs):

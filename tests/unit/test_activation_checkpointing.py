@@ -203,13 +203,13 @@ def test_auto_policy_recomputes_only_in_stages_over_capacity():
     with torch.no_grad():
         for layer in layers:
             h = layer(h)
-            specs.append(TensorSpec.of(h, requires_grad=h.is_floating_point()))
+            specs.append((TensorSpec.of(h, requires_grad=h.is_floating_point()),))
     spec = get_schedule("gpipe")
     partition = Partition((0, 1, 6))
     state = {i: layer_state_bytes(layers[i]) for i in range(len(layers))}
     probe = ActivationCheckpointing("auto", 1e12, state.__getitem__)
     assert probe.layers_to_recompute(layers, partition, spec, 0, 1, specs, x, 1) == frozenset()
-    acts = probe.saved_bytes[(tuple(x.shape), x.dtype)]
+    acts = probe.saved_bytes[((tuple(x.shape), x.dtype),)]
     need1 = sum(state[i] for i in range(1, 6)) + sum(acts[i] for i in range(1, 6))
     policy = ActivationCheckpointing("auto", need1 - 1, state.__getitem__)
     chosen = policy.layers_to_recompute(layers, partition, spec, 0, 1, specs, x, 1)

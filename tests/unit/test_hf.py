@@ -278,3 +278,27 @@ def test_mixtral_router_loss_gradients_are_the_mean_of_transformers_per_layer_pe
     assert torch.equal(on[router], got[router])  # ...and follows output_router_logits
     with pytest.raises(ValueError, match="needs an MoE model"):
         load(saved(tmp_path, "llama")[1], router_aux_loss=True)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(tmp_path, arch):
+    """Issue 26 item 4: the layers beyond the config's count used to be dropped without a word."""
+    _, path = saved(tmp_path, arch)
+    cfg = json.loads((path / "config.json").read_text())
+    key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
+    (path / "config.json").write_text(json.dumps({**cfg, key: 1}))
+    with pytest.raises(CheckpointMismatchError, match=r"beyond the config's 1, which would be dropped: \['[a-z.]*\b(h|layers)\.1\."):
+        HFCausalLM.from_pretrained(path)
+
+
+@pytest.mark.parametrize("keep", [100, 0.5])
+def test_a_truncated_safetensors_file_is_named(tmp_path, keep):
+    """Issue 26 item 11: safetensors' own error does not say which file."""
+    from lightning_dynmo.models.hf_checkpoint import CheckpointFileError
+
+    _, path = saved(tmp_path, "llama")
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(CheckpointFileError, match=rf"{re.escape(str(file))} cannot be read .*truncated or damaged"):
+        HFCausalLM.from_pretrained(path)

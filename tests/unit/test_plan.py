@@ -171,8 +171,9 @@ def test_topology_layout_and_released_ranks():
                             partition=Partition.from_sizes([1] * 8))
     assert (layout.pp_rank, layout.dp_rank, layout.num_stages) == (1, 1, 8)
     assert layout.local_layer_indices() == [1, 5]
+    assert layout.released_ranks == []
     layout.packed_pp = 1
-    assert layout.released and layout.num_stages == 2
+    assert layout.released and layout.num_stages == 2 and layout.released_ranks == [1, 2, 3, 5, 6, 7]
 
 
 def test_zbv_layout_is_a_v():

@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import warnings
 from pathlib import Path
 
@@ -161,6 +162,18 @@ def test_random_bytes_are_not_a_checkpoint(tmp_path):
     with pytest.raises(Exception, match=r"junk.ckpt is not a checkpoint") as err:
         DynMoStrategy().load_checkpoint(path)
     assert "weights_only=False" not in str(err.value)
+
+
+@pytest.mark.parametrize("entry", ["good/data/3", "good/data.pkl"])  # torch.save names entries after the file
+def test_flipped_bytes_inside_a_checkpoint_are_refused_naming_the_entry(tmp_path, entry):
+    """Issue 26 item 3: torch.load does not check the zip CRCs, so this file loads (wrong values)."""
+    from tests.distributed.test_reliability import _flip_bytes_inside
+
+    good, bad = tmp_path / "good.ckpt", tmp_path / "bad.ckpt"
+    _tiny_checkpoint(good)
+    bad.write_bytes(_flip_bytes_inside(good, entry))
+    with pytest.raises(Exception, match=rf"bad.ckpt is damaged: archive entry '{entry}'.*CRC-32"):
+        DynMoStrategy().load_checkpoint(bad)
 
 
 def test_checkpoints_load_with_weights_only_true(tmp_path, monkeypatch):
@@ -340,3 +353,67 @@ def test_one_replica_keeps_the_loader_and_seeds_a_global_rng_shuffle(monkeypatch
         orders.append([b[0].tolist() for b in loader])
     assert orders[0] == orders[1] and orders[0] != [b[0].tolist() for b in plain]
     assert isinstance(plain.sampler, SequentialSampler)
+
+
+def test_a_weight_pass_is_shared_by_forward_time_where_no_input_gradient_was_timed():
+    """Issue 26 item 5: a stage whose layers timed no input-gradient backward must not hand its
+    weight-gradient time to nobody (every layer looked free to the balancers)."""
+    from lightning_dynmo.runtime.profiler import PipelineProfiler
+
+    prof = PipelineProfiler(torch.device("cpu"))
+    prof.register_stage(0, range(0, 2))
+    prof.fwd.update({0: 1.0, 1: 3.0})
+    prof.fwd_calls.update({0: 1, 1: 1})
+    prof.wgt[0] = 8.0
+    times = prof.layer_times()
+    assert times[0] == (1.0, 2.0) and times[1] == (3.0, 6.0)
+
+
+def test_every_balancer_result_is_checked_naming_the_balancer():
+    """Issue 26 item 10: a wrong-size partition or a bare Partition fails where the balancer is
+    called (it used to fail deep in placement with IndexError / AttributeError)."""
+    from lightning_dynmo import BalancerResultError, BalanceProblem, BalanceResult, CostModel, LayerCosts, register_balancer
+    from lightning_dynmo.plan.balancers import unregister_balancer
+
+    problem = BalanceProblem(LayerCosts.from_params([1, 2, 3, 4]), 2, CostModel(4))
+    outputs = {"t_bare": Partition((0, 2, 4)),
+               "t_short": BalanceResult(Partition((0, 1, 3)), 1, 0.0, 0.0, "short"),
+               "t_three": BalanceResult(Partition((0, 1, 2, 4)), 1, 0.0, 0.0, "three"),
+               "t_ok": BalanceResult(Partition((0, 3, 4)), 1, 0.0, 0.0, "ok")}
+    for name, out in outputs.items():
+        register_balancer(name, override=True)(lambda p, out=out: out)
+    try:
+        for name, needle in [("t_bare", "returned Partition, not a BalanceResult"), ("t_short", "3 layers in 2 stages"),
+                             ("t_three", "4 layers in 3 stages")]:
+            with pytest.raises(BalancerResultError, match=f"balancer '{name}'.*{re.escape(needle)}"):
+                get_balancer(name)(problem)
+        assert get_balancer("t_ok")(problem) is outputs["t_ok"]
+    finally:
+        for name in outputs:
+            unregister_balancer(name)
+
+
+def test_infeasible_partition_error_formats_without_a_capacity():
+    from lightning_dynmo import InfeasiblePartitionError
+
+    err = InfeasiblePartitionError(None, None, 4, 2)
+    assert str(err) == "no partition of 4 layers into 2 stages fits the memory capacity"
+    assert "1e+06 bytes per stage" in str(InfeasiblePartitionError(1e6, 2e6, 4, 2))
+
+
+def test_the_batch_digest_sees_a_reordered_batch_and_stale_gradness_is_found():
+    """Issue 26 items 1 and 8: the per-step checks of strategy/step_guard.py."""
+    from lightning_dynmo.runtime.engine import TensorSpec
+    from lightning_dynmo.strategy.step_guard import batch_digest, stale_gradness
+
+    x = torch.arange(32).reshape(4, 8)
+    assert batch_digest(x) == batch_digest(x.clone())
+    assert batch_digest(x) != batch_digest(x[[1, 0, 2, 3]])  # same values, other order
+    layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    for p in layers[0].parameters():
+        p.requires_grad_(False)
+    built_frozen = [TensorSpec((1, 2), torch.float32, False), TensorSpec((1, 2), torch.float32, True)]
+    assert not stale_gradness(layers, [0, 1], built_frozen) and not stale_gradness(layers, [0], None)
+    for p in layers[0].parameters():
+        p.requires_grad_(True)  # unfrozen by hand: layer 0's output now needs a gradient
+    assert stale_gradness(layers, [0], built_frozen) and not stale_gradness(layers, [1], built_frozen)

@@ -5,7 +5,7 @@ Built in: ``uniform``, ``param`` (static baselines), ``partition_time`` / ``part
 own with ``@register_balancer("name")``.
 """
 from .base import BalanceProblem, BalanceResult, InfeasiblePartitionError, Objective, objective
-from .registry import available_balancers, get_balancer, register_balancer, unregister_balancer
+from .registry import BalancerResultError, available_balancers, get_balancer, register_balancer, unregister_balancer
 from . import static, exact, diffusion  # noqa: E402,F401  (register the built-ins)
 from .static import megatron_layout, param, uniform
 from .exact import partition_param, partition_time
@@ -15,6 +15,7 @@ from .diffusion import diffuse, diffusion_param, diffusion_time
 __all__ = [
     "BalanceProblem",
     "BalanceResult",
+    "BalancerResultError",
     "InfeasiblePartitionError",
     "Objective",
     "available_balancers",

@@ -15,14 +15,13 @@ from ..partition import Partition
 class InfeasiblePartitionError(ValueError):
     """No contiguous partition fits the per-stage memory capacity."""
 
-    def __init__(self, capacity: float, min_peak_memory: float, num_layers: int, num_stages: int):
+    def __init__(self, capacity: float | None, min_peak_memory: float | None, num_layers: int, num_stages: int):
         self.capacity = capacity
         self.min_peak_memory = min_peak_memory
-        super().__init__(
-            f"no partition of {num_layers} layers into {num_stages} stages fits the memory "
-            f"capacity of {capacity:.6g} bytes per stage; the smallest achievable peak stage "
-            f"memory is {min_peak_memory:.6g} bytes"
-        )
+        cap = "the memory capacity" if capacity is None else f"the memory capacity of {capacity:.6g} bytes per stage"
+        peak = "" if min_peak_memory is None else (
+            f"; the smallest achievable peak stage memory is {min_peak_memory:.6g} bytes")
+        super().__init__(f"no partition of {num_layers} layers into {num_stages} stages fits {cap}{peak}")
 
 
 @dataclass(frozen=True)

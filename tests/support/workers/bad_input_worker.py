@@ -54,6 +54,15 @@ def parameter_outside_layers_model():
     return model
 
 
+def misbehaving_model(how: str):
+    """The test GPT with its first block wrapped to break the activation protocol (``how``)."""
+    from tests.support.two_stream import Misbehaving
+
+    model = make_model(CFG)
+    model.layers[1] = Misbehaving(model.layers[1], how)
+    return model
+
+
 def per_rank_shuffled_loader(batch: int) -> DataLoader:
     """Every rank shuffles with its own seed: the ranks of one pipeline see different batches."""
     rank = int(os.environ.get("RANK", "0"))
@@ -119,6 +128,10 @@ CASES = {
     "manual_optimisation": lambda out: fit(model=manual_optimisation_model()),
     "parameter_outside_layers": lambda out: fit(model=parameter_outside_layers_model()),
     "different_batches": lambda out: fit(loader=per_rank_shuffled_loader(8), trainer_kw={"use_distributed_sampler": False}),
+    "layer_returns_dict": lambda out: fit(model=misbehaving_model("dict")),
+    "layer_returns_non_tensor": lambda out: fit(model=misbehaving_model("non_tensor")),
+    "layer_changes_arity": lambda out: fit(model=misbehaving_model("arity")),
+    "layer_data_dependent_shape": lambda out: fit(model=misbehaving_model("shape")),
     "checkpoint_missing_keys": lambda out: fit(ckpt_path=damaged_checkpoint(out, "missing_keys")),
     "checkpoint_two_optimizers": lambda out: fit(ckpt_path=damaged_checkpoint(out, "two_optimizers")),
 }

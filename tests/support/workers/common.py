@@ -16,6 +16,22 @@ from lightning_dynmo.plan.balancers import BalanceResult
 from lightning_dynmo.models import GPT, GPTConfig
 
 
+class SGDGPT(GPT):
+    """The test GPT trained by SGD with momentum (the module's LR schedule kept): an update is
+    the gradient times the LR, so a constant factor in the gradient (a missing data-parallel
+    divisor or micro-batch mean) changes the weights, where Adam's normalisation cancels it."""
+
+    def configure_optimizers(self):
+        conf = super().configure_optimizers()
+        adam = conf["optimizer"]
+        sgd = torch.optim.SGD([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in adam.param_groups],
+                              lr=self.hparams.lr, momentum=0.9)
+        sched = conf["lr_scheduler"]["scheduler"]
+        conf["optimizer"] = sgd
+        conf["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(sgd, sched.lr_lambdas[0])
+        return conf
+
+
 def make_model(cfg: dict, cls: type = GPT) -> GPT:
     """The test GPT; ``cfg["gpt"]``: further GPTConfig fields; ``cfg["tied"]``: the LM head shares
     the token embedding's weight (GPT-2's tying), so the parameter is used by the first and the
@@ -27,12 +43,13 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         n_layer=n_layer,
         n_head=2,
         n_embd=cfg.get("n_embd", 32),
-        dropout=0.0,
+        dropout=cfg.get("dropout", 0.0),
         bias=False,  # the key bias has an exactly-zero gradient; Adam would amplify rounding noise there
         mlp_ratios=tuple(cfg.get("mlp_ratios", [1, 4, 2, 8, 1, 3][:n_layer])),  # heterogeneous layers
         tie_embeddings=bool(cfg.get("tied", False)),
         **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
+    cls = SGDGPT if cfg.get("optimizer") == "sgd" and cls is GPT else cls
     return cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
 
 
@@ -70,7 +87,7 @@ def make_loader(cfg: dict, batch: int, reference: bool = False, dp: int | None =
         dp = max(1, batch // cfg["batch"]) if reference and cfg.get("batch") else 1
     if reference and dp > 1:
         return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
-    return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=True)
+    return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=cfg.get("drop_last", True))
 
 
 def shift_one_boundary(problem):
@@ -94,6 +111,21 @@ def shift_one_boundary(problem):
 # the same user balancer under the names the workers use
 for _name in ("test_cycle", "test_shift"):
     register_balancer(_name, override=True)(shift_one_boundary)
+
+
+class FreezeThenUnfreeze(L.Callback):
+    """What a user (or Lightning's BaseFinetuning) does by hand: ``requires_grad_(False)`` on the
+    first ``n`` pipeline layers at step ``freeze_at``, ``requires_grad_(True)`` at ``unfreeze_at``,
+    without telling the strategy (layers another rank holds have no parameters here)."""
+
+    def __init__(self, n: int, freeze_at: int, unfreeze_at: int):
+        self.n, self.freeze_at, self.unfreeze_at = n, freeze_at, unfreeze_at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step in (self.freeze_at, self.unfreeze_at):
+            for layer in list(pl_module.pipeline_layers())[: self.n]:
+                for p in layer.parameters():
+                    p.requires_grad_(trainer.global_step == self.unfreeze_at)
 
 
 class LossRecorder(L.Callback):
@@ -129,3 +161,10 @@ def run_spec(run_one) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def two_stream_loader(batch: int) -> DataLoader:
+    """Data of the two-stream toy model (tests/support/two_stream.py)."""
+    data = torch.randint(0, 32, (64, 13), generator=torch.Generator().manual_seed(7))
+    return DataLoader(TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous()), batch_size=batch,
+                      shuffle=False, drop_last=True)

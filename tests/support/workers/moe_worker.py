@@ -121,6 +121,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             rebalance_interval=cfg.get("rebalance_interval", 1),
             rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
             imbalance_threshold=cfg.get("imbalance_threshold", 0.1),
+            overhead_budget=cfg.get("overhead_budget", 0.01),
             expert_parallel=cfg.get("expert_parallel", 1),
             activation_checkpointing=cfg.get("checkpointing", False),
             repack=cfg.get("repack", "off"),

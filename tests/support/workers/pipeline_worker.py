@@ -35,6 +35,22 @@ class RepackRequest(L.Callback):
             trainer.strategy.request_repack(self.target)
 
 
+class DirectRepack(L.Callback):
+    """Calls ``strategy.repack_to(ranks, even split)`` at the end of a given step (on every rank)
+    and keeps what it returned."""
+
+    def __init__(self, step: int, ranks: int):
+        self.step, self.ranks, self.returned = step, ranks, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            from lightning_dynmo.plan.partition import Partition
+
+            n = trainer.strategy.partition.num_layers
+            sizes = [n // self.ranks + (i < n % self.ranks) for i in range(self.ranks)]
+            self.returned = trainer.strategy.repack_to(self.ranks, Partition.from_sizes(sizes))
+
+
 class ReleaseListener(L.Callback):
     """What a launcher would do: listen for released workers."""
 
@@ -43,6 +59,19 @@ class ReleaseListener(L.Callback):
 
     def on_workers_released(self, ranks):
         self.ranks = list(ranks)
+
+
+def _pipeline_grad_norm(trainer) -> float:
+    """The whole model's gradient norm: local norms summed over the pipeline group (NaN on a
+    released rank, which joins no collective)."""
+    s = trainer.strategy
+    if s.released:
+        return math.nan
+    grads = [p.grad for p in trainer.lightning_module.parameters() if p.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+    sq = local.double().square().reshape(1)
+    dist.all_reduce(sq, group=s.pipeline_group)
+    return float(sq.sqrt())
 
 
 class StepProbe(L.Callback):
@@ -58,6 +87,16 @@ class StepProbe(L.Callback):
         self._saved = 0
         self._hooks = None
 
+        self.post_clip_norms: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.gradient_clip_val and not getattr(self, "_stepping", False):
+            # right after the update (a pre-hook would run before Lightning's closure): the norm
+            # clipping left (the optimizers here leave .grad as it was)
+            self._stepping = True
+            for opt in trainer.optimizers:
+                opt.register_step_post_hook(lambda *_: self.post_clip_norms.append(_pipeline_grad_norm(trainer)))
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._saved = 0
 
@@ -69,15 +108,7 @@ class StepProbe(L.Callback):
         self._hooks.__enter__()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        s = trainer.strategy
-        if s.released:
-            self.grad_norms.append(math.nan)
-            return
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
-        sq = local.double().square().reshape(1)
-        dist.all_reduce(sq, group=s.pipeline_group)
-        self.grad_norms.append(float(sq.sqrt()))
+        self.grad_norms.append(_pipeline_grad_norm(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._hooks.__exit__(None, None, None)
@@ -113,6 +144,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         profile_steps=cfg.get("profile_steps", 1),
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
+        activation_checkpointing=cfg.get("activation_checkpointing", False),
     )
     rec = LossRecorder()
     probe = StepProbe()
@@ -126,6 +158,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if cfg.get("request_repack"):
         step, target = cfg["request_repack"]
         callbacks.append(RepackRequest(int(step), target))
+    direct = None
+    if cfg.get("repack_to"):
+        direct = DirectRepack(*[int(v) for v in cfg["repack_to"]])
+        callbacks.append(direct)
     monitor = None
     if cfg.get("sparse_monitor") is not None:  # SparseAttentionMonitor kwargs
         from lightning_dynmo import SparseAttentionMonitor
@@ -160,7 +196,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     optim_tensors = sum(1 for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
                         if torch.is_tensor(v) and v.numel() > 1)
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
-             chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors)
+             chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
+             list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
@@ -170,7 +207,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
               "released_hook": released_hook.ranks, "optim_tensors_per_rank": [x[4] for x in per_rank],
               "released_hook_per_rank": [x[5] for x in per_rank], "saved_tensors_per_rank": [x[6] for x in per_rank],
-              "grad_norms": probe.grad_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
+              "strategy_released_ranks_per_rank": [x[7] for x in per_rank],
+              "repack_to_returned_per_rank": [x[8] for x in per_rank],
+              "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None}
     if trainer.global_rank == 0:

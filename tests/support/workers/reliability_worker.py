@@ -27,7 +27,7 @@ from lightning_dynmo import DynMoStrategy, Partition, register_balancer
 from lightning_dynmo.models import GPT
 from lightning_dynmo.plan.balancers import BalanceResult, get_balancer
 
-from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.common import FreezeThenUnfreeze, LossRecorder, make_loader, make_model, run_spec
 
 
 # ---------------------------------------------------------------------------------- modules
@@ -80,6 +80,13 @@ class VectorLossGPT(GPT):
         return F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="none")
 
 
+class DetachedLossGPT(GPT):
+    """``pipeline_loss`` of a detached output: one process raises, a pipeline must too."""
+
+    def pipeline_loss(self, output, target):
+        return super().pipeline_loss(output.detach(), target)
+
+
 class StepLoggingGPT(GPT):
     """A user model as many are written: logging in ``training_step`` and no pipeline loss hook."""
 
@@ -96,6 +103,43 @@ class HookGPT(GPT):
 
     def on_pipeline_train_loss(self, loss, batch, batch_idx):
         self.hook_calls = getattr(self, "hook_calls", []) + [(int(batch_idx), float(loss))]
+
+
+class AugmentedTokens(torch.utils.data.Dataset):
+    """Token sequences with one position replaced by a token drawn from the *global* RNG (an
+    augmentation as many datasets write it): the draws follow each rank's RNG."""
+
+    def __init__(self, cfg: dict):
+        x, y = make_loader(cfg, 1).dataset.tensors
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i].clone()
+        x[int(torch.randint(0, x.numel(), ()))] = int(torch.randint(0, 64, ()))
+        return x, self.y[i]
+
+
+class FinetuneFirstLayers(L.pytorch.callbacks.BaseFinetuning):
+    """Lightning's own fine-tuning recipe: the first two layers frozen before the optimizer is
+    built, unfrozen and added as a new param group at epoch 1."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(list(pl_module.pipeline_layers())[:2])
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(list(pl_module.pipeline_layers())[:2], optimizer)
+
+
+class SeedGlobalRNG(L.Callback):
+    """``torch.manual_seed`` on every rank when training starts (what ``seed_everything`` does):
+    the ranks' global RNGs agree there and drift apart as dropout runs on some ranks only."""
+
+    def on_train_start(self, trainer, pl_module):
+        torch.manual_seed(1234)
 
 
 # ---------------------------------------------------------------------------------- balancers
@@ -122,10 +166,48 @@ def rank_dependent_later(problem):
     return _shifted(problem, -int(os.environ.get("RANK", "0")))
 
 
+@register_balancer("one_layer_short", override=True)
+def one_layer_short(problem):
+    """Wrong size: splits one layer fewer than the problem has."""
+    b = list(get_balancer("uniform")(problem).partition.boundaries)
+    b[-1] -= 1
+    return BalanceResult(partition=Partition(tuple(b)), rounds=1, predicted_step_time=0.0, max_load=0.0, name="short")
+
+
+@register_balancer("one_layer_short_later", override=True)
+def one_layer_short_later(problem):
+    """Right at setup (no current partition), one layer short at every later decision."""
+    if problem.current is None:
+        return get_balancer("uniform")(problem)
+    return one_layer_short(problem)
+
+
+@register_balancer("bare_partition", override=True)
+def bare_partition(problem):
+    """Returns a Partition where a BalanceResult is due."""
+    return get_balancer("uniform")(problem).partition
+
+
 # ---------------------------------------------------------------------------------- callbacks
 class RequestEveryStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         trainer.strategy.request_rebalance("test request")
+
+
+class ProfileOnce(L.Callback):
+    """Asks for a profile at step 0 (step 1 is profiled); at the end gathers the per-layer costs."""
+
+    def __init__(self):
+        self.costs = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            trainer.strategy.request_rebalance("profile for the test")
+
+    def on_train_end(self, trainer, pl_module):
+        costs, _ = trainer.strategy.gather_layer_costs()
+        self.costs = {"forward": list(costs.forward), "backward": list(costs.backward),
+                      "partition": list(trainer.strategy.partition.boundaries)}
 
 
 class BatchOrder(L.Callback):
@@ -165,13 +247,21 @@ class WritePidsAndCrawl(L.Callback):
 # ---------------------------------------------------------------------------------- runs
 def build(cfg: dict, out_dir: str, idx: int):
     case = cfg["case"]
-    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
+    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "detached_loss": DetachedLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
     model = view_model(cfg) if cfg.get("model") == "view" else make_model(cfg, cls=model_cls)
     callbacks: list = []
     if case == "request_under_never":
         callbacks.append(RequestEveryStep())
     if case == "order":
         callbacks.append(BatchOrder())
+    if cfg.get("augment"):
+        callbacks.append(SeedGlobalRNG())
+    if case == "finetune":
+        callbacks.append(FinetuneFirstLayers())
+    if case == "unfreeze":
+        callbacks.append(FreezeThenUnfreeze(**cfg["unfreeze"]))
+    if case.startswith("profile"):
+        callbacks.append(ProfileOnce())
     if case in ("restart", "restart_reference"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
             dirpath=os.path.join(out_dir, f"ckpt{idx}"), save_last=True, every_n_train_steps=cfg["ckpt_every"],
@@ -212,7 +302,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         warnings.simplefilter("always")
         try:
             for _ in range(2 if cfg["case"] == "fit_twice" else 1):  # a second fit on the split module must refuse
-                trainer.fit(model, train_dataloaders=make_loader(cfg, cfg.get("batch", 8)), ckpt_path=cfg.get("resume"))
+                loader = make_loader(cfg, cfg.get("batch", 8))
+                if cfg.get("augment"):
+                    loader = torch.utils.data.DataLoader(AugmentedTokens(cfg), batch_size=cfg.get("batch", 8))
+                trainer.fit(model, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
         except Exception as err:  # noqa: BLE001 - recorded and compared by the test
             error = f"{type(err).__name__}: {err}"
     local = {
@@ -222,6 +315,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         "global_step": trainer.global_step,
         "hook_calls": getattr(trainer.lightning_module, "hook_calls", None),
         "order": next((c.first_tokens for c in callbacks if isinstance(c, BatchOrder)), None),
+        "costs": next((c.costs for c in callbacks if isinstance(c, ProfileOnce)), None),
     }
     per_rank = [None] * world
     dist.all_gather_object(per_rank, local)

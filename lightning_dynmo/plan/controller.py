@@ -1,0 +1,232 @@
+"""The rebalance state machine (pure): when to profile, when to decide and on what; the
+rebalancer (strategy/) only carries its answers out.
+
+Per step, on numbers every rank agrees on (so every rank answers the same):
+
+1. :meth:`RebalanceController.profile_closed` before the step: a profile window just ended, so
+   decide on it now (the reason), or ``None``. Inside a window :attr:`in_profile_window` says
+   to keep profiling.
+2. :meth:`RebalanceController.plan` after that decision: what else this step does
+   (:class:`StepActions`): a decision from load counters (no profiling: the last profile
+   scaled by each layer's load, c_i = r_i t_i), profiling this step, and the triggers skipped
+   with why (the back-off and the overhead budget of :mod:`~lightning_dynmo.plan.budget`,
+   which govern only what ``auto`` starts by itself: events, ``every_n`` and ``on_event`` run
+   as asked).
+3. :meth:`RebalanceController.after_step` with the step's shared statistics.
+
+It holds what the policy (:class:`~lightning_dynmo.plan.policy.RebalancePolicy`: requests,
+cooldown, hysteresis) does not: counter requests, the profile window, load smoothing and the
+recent loads a move's gain is tested under, and the budget.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from .budget import OverheadBudget
+from .cost_model import LayerCosts
+from .measurements import loads_near_profile, scale_by_load, smooth_load
+from .policy import RebalancePolicy
+
+#: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
+REPROFILE_STEPS = 200
+#: Decisions from load counters test a move's gain under each of this many recent steps' loads.
+LOAD_SAMPLE_STEPS = 8
+#: Loads within this of a no-op decision's from counters repeat it: skipped at the cost of a comparison.
+LOAD_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class StepActions:
+    counters: str | None = None  # decide now from load counters, with this reason
+    profile: str | None = None  # profile this step per layer, with this reason
+    skipped: tuple[tuple[str, str], ...] = ()  # (trigger, why it was skipped) to record
+
+
+class RebalanceController:
+    def __init__(self, policy: RebalancePolicy, budget: OverheadBudget | None = None) -> None:
+        self.policy = policy
+        self.budget = budget if budget is not None else OverheadBudget(window=max(100, policy.horizon))
+        self.counter_requests: list[str] = []  # request(..., reprofile=False)
+        self.repack_requested: int | str | None = None
+        self.profiling_reason: str | None = None
+        self.decide_next = False
+        self.profiled_steps = 0  # profiled steps so far in the current window
+        self.closed_window_steps = 0  # profiled steps of the window that closed last (its times are their mean)
+        self.load_sum: list[float | None] = []  # per-layer load summed over the window
+        self.load_at_profile: list[float | None] = []  # the window's mean load (what its times were measured at)
+        self.profiled_costs: LayerCosts | None = None
+        self.profile_step = -(10**9)
+        self.layer_load: list[float | None] = []  # the last step's load factors
+        self.smoothed_load: list[float | None] | None = None  # their moving average (what decisions use)
+        self.recent_loads: deque[list[float | None]] = deque(maxlen=LOAD_SAMPLE_STEPS)  # per step, newest last
+        self.rank_busy: list[float] = []
+        self.rank_wall: list[float] = []
+        self._skip_noted = False  # a skip was recorded since the last decision
+        self._unmoved: tuple[int, list[float | None]] | None = None  # (profile step, loads) of a no-op counter decision
+
+    # ------------------------------------------------------------------ requests
+    def request(self, reason: str, reprofile: bool = True) -> None:
+        if reprofile:
+            self.policy.request(str(reason))
+        else:
+            self.counter_requests.append(str(reason))
+
+    def request_repack(self, target: int | str) -> None:
+        self.repack_requested = target
+
+    def take_repack(self) -> int | str | None:
+        target, self.repack_requested = self.repack_requested, None
+        return target
+
+    @property
+    def profiling(self) -> bool:
+        return self.profiling_reason is not None
+
+    @property
+    def in_profile_window(self) -> bool:
+        return self.profiled_steps > 0 and not self.decide_next
+
+    # ------------------------------------------------------------------ per step
+    def profile_closed(self) -> str | None:
+        """Before a step: the reason to decide on the profile window that just ended (``None``:
+        none ended). Inside a window, keeps the reason (a peer may have started it)."""
+        if self.decide_next:
+            self.decide_next = False
+            self.closed_window_steps, self.profiled_steps = self.profiled_steps, 0
+            reason, self.profiling_reason = self.profiling_reason or "peer request", None
+            return reason
+        if self.profiled_steps:
+            self.profiling_reason = self.profiling_reason or "peer request"
+        return None
+
+    def plan(self, step: int, decided: bool) -> StepActions:
+        """What this step does besides a decision on a closed profile (``decided``)."""
+        if self.counter_requests and self.policy.mode == "never":
+            self.counter_requests.clear()
+        reasons = []
+        if self.counter_requests:
+            reasons.append("counters: " + "; ".join(dict.fromkeys(self.counter_requests)))
+            self.counter_requests.clear()
+        policy_reason = self.policy.profile_reason(step)
+        event = policy_reason is not None and policy_reason.startswith("event:")
+        if event:
+            self.budget.structural()
+        if policy_reason:
+            reasons.append(policy_reason)
+        reason = "; ".join(reasons) or None
+        counters, skipped = None, []
+        if reason and self.can_decide_from_counters(step, reason):
+            why = self._refusal(step, "counters")
+            if why:
+                skipped.append((f"{reason} (load counters)", why))
+            elif not decided:  # (a decision was just taken on a fresh profile: nothing to add)
+                counters = f"{reason} (load counters)"
+            reason = None
+        elif reason:
+            if self.profiled_costs is not None and not loads_near_profile(self.smoothed_load, self.load_at_profile):
+                reason += " (layer loads left the profiled band: re-profiling)"
+            why = None if event else self._refusal(step, "profile")
+            if why:
+                skipped.append((reason, why))
+                reason = None
+        if self.repack_requested is not None:
+            self.budget.structural()
+            reason = "; ".join(r for r in (reason, f"repack to {self.repack_requested}") if r)
+        self.profiling_reason = reason
+        if skipped and self._skip_noted:
+            skipped = []  # one record per run of skips: the first says why
+        self._skip_noted = self._skip_noted or bool(skipped)
+        return StepActions(counters=counters, profile=reason, skipped=tuple(skipped))
+
+    def _unchanged(self) -> str | None:
+        """A decision from counters on the same profile and (within ``LOAD_TOLERANCE``) the same
+        loads as the last one, which changed nothing, would change nothing: one comparison."""
+        if self._unmoved is None or self._unmoved[0] != self.profile_step:
+            return None
+        then = self._unmoved[1]
+        now = self.smoothed_load or []
+        if len(then) != len(now) or any((a is None) != (b is None) or (a is not None and abs(a - b) > LOAD_TOLERANCE)
+                                        for a, b in zip(then, now)):
+            return None
+        return f"skipped: layer loads within {LOAD_TOLERANCE} of the last decision from counters, which changed nothing"
+
+    def _refusal(self, step: int, action: str) -> str | None:
+        """Only what ``auto`` starts by itself is weighed against the budget and the back-off
+        (an infinite budget: nothing is)."""
+        if self.policy.mode != "auto" or math.isinf(self.budget.fraction):
+            return None
+        return (self._unchanged() if action == "counters" else None) or self.budget.refusal(step, action)
+
+    def after_step(self, step: int, profiled: bool, rank_busy: list[float], rank_wall: list[float],
+                   layer_load: list[float | None]) -> None:
+        """The step's shared statistics (``profiled``: some rank profiled layers)."""
+        self.rank_busy, self.rank_wall = list(rank_busy), list(rank_wall)
+        if profiled:  # the profile window's mean load is what its times were measured at
+            self.profiled_steps += 1
+            if self.profiled_steps == 1:
+                self.load_sum = list(layer_load)
+            else:
+                self.load_sum = [None if n is None or t is None else n + t for n, t in zip(layer_load, self.load_sum)]
+            self.load_at_profile = [None if t is None else t / self.profiled_steps for t in self.load_sum]
+        self.decide_next = profiled and self.profiled_steps >= self.policy.profile_steps
+        self.layer_load = list(layer_load)
+        self.recent_loads.append(list(layer_load))
+        self.smoothed_load = smooth_load(self.smoothed_load, layer_load, self.policy.ema_decay)
+        self.policy.observe_busy(rank_busy)
+        self.budget.observe_step(step, max(rank_wall) if rank_wall else 0.0, profiled)
+
+    # ------------------------------------------------------------------ decisions
+    def profiled(self, step: int, costs: LayerCosts) -> None:
+        """The merged costs of the profile window that closed at ``step``."""
+        self.profiled_costs, self.profile_step = costs, step
+
+    def decided(self, step: int, applied: bool, left=None, cost: float = 0.0, counters: bool = False) -> None:
+        """A rebalance decision's outcome (``cost``: the seconds it took, migration included;
+        ``counters``: it was taken from load counters)."""
+        self._unmoved = (self.profile_step, list(self.smoothed_load or [])) if counters and not applied else None
+        self.policy.decided(step, applied=applied, left=left)
+        self.budget.decided(step, applied, cost)
+        self._skip_noted = False
+
+    def repacked(self, step: int) -> None:
+        self.policy.applied(step)  # a re-pack changes the rank count: nothing to undo
+        self.budget.structural()
+        self._skip_noted = False
+
+    def charge(self, step: int, seconds: float, source: str) -> None:
+        self.budget.charge(step, seconds, source)
+
+    # ------------------------------------------------------------------ decisions from load counters
+    def can_decide_from_counters(self, step: int, reason: str) -> bool:
+        """Layers that report their load (MoE, MoD, sparse attention, early exit) let the policy
+        decide without a profiled step: the last profile scaled by the step's load factors
+        (c_i = r_i t_i). A dynamism *event* (e.g. freezing changes what a layer computes), a
+        profile older than ``REPROFILE_STEPS`` and loads that moved beyond the band where scaling
+        is credible (:func:`~lightning_dynmo.plan.measurements.loads_near_profile`) still take a
+        fresh profile."""
+        return (
+            self.profiled_costs is not None
+            and any(x is not None for x in self.layer_load)
+            and "event:" not in reason
+            and step - self.profile_step < REPROFILE_STEPS
+            and loads_near_profile(self.smoothed_load, self.load_at_profile)
+        )
+
+    def counter_costs(self) -> LayerCosts:
+        """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
+        return scale_by_load(self.profiled_costs, self.smoothed_load, self._at_profile())
+
+    def load_cost_samples(self) -> list[LayerCosts]:
+        """The last profiled costs under each recent step's own load factors: how much a move's
+        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.gain_is_clear`).
+        Empty when no layer reports its load (nothing varies that a profile does not show)."""
+        if self.profiled_costs is None or not any(x is not None for loads in self.recent_loads for x in loads):
+            return []
+        at_profile = self._at_profile()
+        return [scale_by_load(self.profiled_costs, loads, at_profile) for loads in self.recent_loads]
+
+    def _at_profile(self) -> list[float | None]:
+        n = self.profiled_costs.num_layers
+        return [self.load_at_profile[i] if i < len(self.load_at_profile) else None for i in range(n)]

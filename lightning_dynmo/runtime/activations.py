@@ -1,0 +1,119 @@
+"""Activations between pipeline layers: one tensor or a fixed-arity tuple of tensors.
+
+A layer is called with the activation unpacked (``layer(*acts)``, as torch's ``PipelineStage``
+calls a stage) and returns a tensor or a tuple of tensors. A layer consumes as many leading
+tensors as its ``forward`` has required positional parameters (all of them with ``*args``);
+the tensors it does not consume pass through after its outputs unchanged. So a model can carry
+something a late layer needs (the targets of a chunked LM head) past layers that know nothing of
+it: ``(idx, targets) -> Embedding -> (x, targets) -> Block -> (x, targets) -> ...``.
+
+What a layer returns is checked against the spec discovered for it: a dict, a non-tensor, an
+arity or a shape that differs from the discovered one is a :class:`PipelineProtocolError` that
+names the layer (the runtime makes every rank raise it, see ``runtime/engine.py``).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..protocol import PipelineProtocolError
+
+__all__ = ["as_acts", "call_layer", "consumed", "describe", "output_problem", "run_layers", "unpack"]
+
+_ARITY: dict[type, int | None] = {}
+
+
+def consumed(layer: nn.Module, available: int) -> int:
+    """How many leading tensors of ``available`` ``layer`` takes (the rest pass through)."""
+    cls = type(layer)
+    if cls not in _ARITY:
+        n: int | None = 0
+        try:
+            params = inspect.signature(layer.forward).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+            n = None
+        for p in params:
+            if p.kind is inspect.Parameter.VAR_POSITIONAL:
+                n = None
+                break
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
+                n += 1
+        _ARITY[cls] = n
+    n = _ARITY[cls]
+    return available if n is None else min(max(n, 1), available)
+
+
+def describe(out) -> str:
+    if isinstance(out, torch.Tensor):
+        return f"a tensor of shape {list(out.shape)} ({out.dtype})"
+    if isinstance(out, (tuple, list)):
+        return f"a {type(out).__name__} of {len(out)} (" + ", ".join(
+            f"{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in out) + ")"
+    return f"a {type(out).__name__}"
+
+
+def as_acts(out) -> tuple[torch.Tensor, ...] | None:
+    """``out`` as a tuple of tensors, or None when it is not a tensor or a tuple/list of tensors."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and len(out) > 0 and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    return None
+
+
+def unpack(acts: tuple[torch.Tensor, ...]):
+    """A one-tensor activation as the tensor itself (what single-tensor models see), else the tuple."""
+    return acts[0] if len(acts) == 1 else acts
+
+
+def output_problem(index: int, layer: nn.Module, out, expected: Sequence | None = None) -> str | None:
+    """Why ``out`` (layer ``index``'s output with pass-through applied) breaks the protocol, or None.
+    ``expected``: the discovered specs (``shape``, ``dtype`` per tensor) it must match."""
+    name = f"pipeline layer {index} ({type(layer).__name__})"
+    acts = as_acts(out)
+    if acts is None:
+        return (f"{name} returned {describe(out)}; a pipeline layer must return a tensor or a tuple of tensors "
+                "(a fixed number of them): return the values the next layers need as a tuple, in a fixed order")
+    if expected is None:
+        return None
+    if len(acts) != len(expected):
+        return (f"{name} returned {len(acts)} tensor(s) where the pipeline discovered {len(expected)}: the "
+                "number of tensors a layer passes on must not change between steps")
+    for k, (t, sp) in enumerate(zip(acts, expected)):
+        if tuple(t.shape) != tuple(sp.shape) or t.dtype != sp.dtype:
+            return (f"{name} returned tensor {k} of shape {list(t.shape)} ({t.dtype}) where the pipeline discovered "
+                    f"{list(sp.shape)} ({sp.dtype}): a layer's output shape must depend only on its input's shape "
+                    "(no data-dependent shapes; pad to a fixed size and carry a mask instead)")
+    return None
+
+
+def call_layer(layer: nn.Module, acts: tuple[torch.Tensor, ...], fn: Callable | None = None):
+    """Run ``layer`` (through ``fn`` if given, e.g. a checkpointing wrapper) on the tensors it
+    consumes; returns its raw output with the tensors it did not consume appended (a tuple), or
+    the raw output itself when nothing passes through."""
+    n = consumed(layer, len(acts))
+    out = (fn or layer)(*acts[:n])
+    if n == len(acts):
+        return out
+    head = as_acts(out)
+    if head is None:
+        return out  # reported by output_problem
+    return head + tuple(acts[n:])
+
+
+def run_layers(layers: Sequence[nn.Module], x):
+    """Single-process forward through ``layers`` with the pipeline's calling convention."""
+    acts = as_acts(x)
+    if acts is None:
+        raise TypeError(f"the first pipeline layer's input must be a tensor or a tuple of tensors, got {describe(x)}")
+    for i, layer in enumerate(layers):
+        out = call_layer(layer, acts)
+        problem = output_problem(i, layer, out)
+        if problem:
+            raise PipelineProtocolError(problem)
+        acts = as_acts(out)
+    return unpack(acts)

@@ -1,0 +1,96 @@
+"""What every training step checks before its pipeline runs, in one small all-reduce over the
+pipeline group (MIN of ``[v, -v]``: each entry's minimum and maximum over the ranks):
+
+* **the same batch on every pipeline rank.** Stage 0 trains on its rank's inputs and the last
+  stage's loss uses its rank's targets; if the ranks loaded different batches the step is silently
+  wrong. A loader that is seeded once can still drift: a dataset that draws from the global RNG
+  (augmentation) gets other draws on each rank after the first step, because the ranks' global
+  RNGs advance differently (dropout runs only where its layer lives). A position-weighted digest of
+  inputs and targets (a permutation changes it) must agree on every rank, every step, or every rank
+  stops before the step runs, naming the fix.
+* **unchanged grad-ness.** Stages are built from a shape/grad table (``runtime/engine.py``); a
+  user who freezes or unfreezes layers mid-run (``requires_grad_``, as Lightning's
+  ``BaseFinetuning`` does) makes it stale, and a stage would wait for a gradient that never comes.
+  Any rank that sees a layer whose grad-ness differs from the table makes every rank rebuild its
+  stages (as ``LayerFreezing`` does through ``invalidate_pipeline``), so the step trains like one
+  process.
+* **unchanged optimizer groups.** The strategy records every parameter's optimizer slot at setup
+  (migration, checkpoints); a param group added later (``BaseFinetuning.unfreeze_and_add_param_group``)
+  is refused on every rank, naming the fix.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class PipelineBatchMismatchError(RuntimeError):
+    """The ranks of one pipeline loaded different batches for the same step."""
+
+
+class OptimizerGroupsChangedError(RuntimeError):
+    """An optimizer gained or lost param groups after setup."""
+
+
+def batch_digest(t: torch.Tensor) -> float:
+    """Sum of the values weighted by position (so reordering samples changes it), in float64."""
+    flat = t.detach().reshape(-1).double()
+    weights = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device).remainder_(9973).add_(1)
+    return float((flat * weights).sum())
+
+
+def _needs_grad(layer) -> bool:
+    return any(p.requires_grad for p in layer.parameters())
+
+
+def stale_gradness(layers, local: list[int], specs) -> bool:
+    """Whether a local layer's output grad-ness differs from the stage table ``specs`` (the rule
+    of ``discover_layer_specs``: a float output needs a gradient if its input or its layer does)."""
+    if specs is None:
+        return False
+    for i in local:
+        upstream = specs[i - 1].requires_grad if i > 0 else False
+        floating = specs[i].dtype.is_floating_point
+        if floating and (upstream or _needs_grad(layers[i])) != specs[i].requires_grad:
+            return True
+    return False
+
+
+def _groups_changed(optimizers, layout) -> bool:
+    if layout is None:
+        return False
+    return [len(getattr(o, "_optimizer", o).param_groups) for o in optimizers] != [len(g) for g in layout.group_indices]
+
+
+def check_before_run(strategy, inputs: torch.Tensor, targets: torch.Tensor, step: int) -> None:
+    """Collective over the pipeline group (only ranks in the pipeline call it). Raises on every
+    rank, or rebuilds every rank's stages, as the module docstring says."""
+    s = strategy
+    stale = stale_gradness(s.layers, s.local_layer_indices(), s.engines.layer_specs())
+    groups = _groups_changed(s.optimizers, s.optimizer_layout)
+    v = torch.tensor([batch_digest(inputs), batch_digest(targets), float(inputs.numel()), float(stale), float(groups)],
+                     dtype=torch.float64, device=s.root_device)
+    if s.layout.pp_size > 1:
+        both = torch.cat([v, -v])
+        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=s.pipeline_group)
+        lo, hi = both[:5], -both[5:]
+    else:
+        lo = hi = v
+    if hi[4] > 0:
+        raise OptimizerGroupsChangedError(
+            f"rank {s.global_rank}: an optimizer's param groups changed after setup (e.g. "
+            "BaseFinetuning.unfreeze_and_add_param_group); DynMoStrategy records every parameter's optimizer slot "
+            "at setup. Put every parameter in configure_optimizers (frozen ones too: torch skips parameters "
+            "without gradients) and unfreeze with requires_grad_(True) only"
+        )
+    if not torch.equal(lo[:3], hi[:3]):
+        raise PipelineBatchMismatchError(
+            f"rank {s.global_rank}: the ranks of one pipeline received different batches (step {step}). Every "
+            "pipeline rank must load the same batch: use a sampler with a fixed seed (Lightning's DistributedSampler, "
+            "which the Trainer injects by default, or `DataLoader(..., generator=torch.Generator().manual_seed(s))`); "
+            "a dataset that draws random numbers from the global RNG (augmentation) gets other draws on each rank "
+            "once dropout has run on some ranks only: give it its own generator, e.g. "
+            "`torch.Generator().manual_seed(seed * len(self) + index)` per sample"
+        )
+    if hi[3] > 0:
+        s.invalidate_pipeline()  # every rank: the next engine rediscovers the table (collective)

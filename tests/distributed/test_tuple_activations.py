@@ -1,0 +1,47 @@
+"""Layers that pass two tensors: a 2-rank pipeline with a migration before every step equals
+single-process training, under every schedule (the toy model: tests/support/two_stream.py)."""
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_dynmo import available_schedules
+from tests.support.multiproc import ROOT, run_worker
+from tests.support.two_stream import TwoStreamLM
+from tests.support.workers.common import LossRecorder, two_stream_loader
+
+pytestmark = pytest.mark.slow
+WORKER = ROOT / "tests" / "support" / "workers" / "tuple_worker.py"
+STEPS, BATCH = 4, 8
+RUNS = {s: {"schedule": s, "steps": STEPS, "batch": BATCH} for s in available_schedules()}
+RUNS["checkpointed"] = {"schedule": "1f1b", "steps": STEPS, "batch": BATCH, "activation_checkpointing": True}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    rec = LossRecorder()
+    model = TwoStreamLM()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[rec])
+    trainer.fit(model, train_dataloaders=two_stream_loader(BATCH))
+    return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    names = list(RUNS)
+    out = run_worker(tmp_path_factory.mktemp("tuple"), 2, [RUNS[n] for n in names], worker=WORKER)
+    return dict(zip(names, out))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_tensor_layers_match_single_process(results, reference, name):
+    res = results[name]
+    want_losses, want_state = reference
+    torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(want_losses), rtol=1e-5, atol=0)
+    assert sum(1 for h in res["history"] if h.get("applied")) == STEPS - 1, res["history"]
+    state = torch.load(res["state"])
+    assert state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
