@@ -26,6 +26,8 @@ from .report import PAPER, plot, report
 from .scenarios import (CASES, PER_ITERATION, Comparison, Profile, Snapshot, compare, dense, load_profile,
                         repack_projection)
 from .scenarios.snapshot import check_granularity
+from ..plan.balancers import BalanceProblem, get_balancer
+from ..plan.cost_model import CostModel
 from .simulate import DataParallel, Link
 
 DEFAULTS: dict = {
@@ -130,6 +132,18 @@ def ideal_seconds(trajectory: list[Snapshot], stages: int, microbatches: int, in
                      for s in trajectory)
 
 
+def stage_max_over_mean(trajectory: list[Snapshot], stages: int, balancer: str) -> float:
+    """Heaviest stage over the mean stage (per micro-batch compute, free links), iteration-weighted:
+    how far ``balancer``'s split of whole pieces is from every stage holding exactly its share."""
+    model = CostModel(4 * stages)
+    acc = 0.0
+    for s in trajectory:
+        c = s.costs
+        part = get_balancer(balancer)(BalanceProblem(c, stages, model)).partition
+        acc += s.iterations * max(model.stage_times(c, part)) * stages / c.time_sum(0, c.num_layers)
+    return acc / math.fsum(s.iterations for s in trajectory)
+
+
 def _cell(case: str, layers: int, stages: int, profile: Profile, cfg: dict, layout: dict,
           schedule: str | None = None) -> dict:
     schedule = schedule or cfg["schedule"]
@@ -160,6 +174,7 @@ def _cell(case: str, layers: int, stages: int, profile: Profile, cfg: dict, layo
         "fluid_ceiling": c.step_time[c.best_static] / ideal_seconds(traj, stages, m, c.inherent_bubble),
         "dense_efficiency": ideal_seconds(dense_traj, stages, m, ref.inherent_bubble) / min(ref.step_time.values()),
         "dense_best": min(ref.step_time, key=ref.step_time.get),
+        "stage_max_over_mean": {n: stage_max_over_mean(traj, stages, n) for n in ("partition_time", "uniform")},
     }
 
 
@@ -183,6 +198,8 @@ def _figures(cells: dict[str, dict]) -> dict:
         "fluid_ceiling": {c: round(x["fluid_ceiling"], 4) for c, x in cells.items()},
         "bubble_static": {c: round(x["bubble_static"], 4) for c, x in cells.items()},
         "bubble_dynamic": {c: round(x["bubble_dynamic"], 4) for c, x in cells.items()},
+        "stage_max_over_mean": {c: {n: round(v, 4) for n, v in x["stage_max_over_mean"].items()}
+                                for c, x in cells.items()},
         "best_dynamic_balancer": {c: x["best_dynamic"] for c, x in cells.items()},
         **({"speedup_vs_block_static": {c: round(x["speedup_vs_block_static"], 4) for c, x in cells.items()}}
            if all("speedup_vs_block_static" in x for x in cells.values()) and cells else {}),

@@ -141,6 +141,13 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
                          f"{_f(f['inherent_bubble'], '.1%')} | " + " | ".join(
                              f"{_f(f['projected_speedup_vs_static'].get(c), '.3f')} / {_f(f['fluid_ceiling'].get(c), '.3f')}"
                              for c in cfg["cases"]) + " |")
+        lines += ["", "Whole-piece quantization (1F1B grid, free links): heaviest stage over the mean stage, exact "
+                  "partition / equal piece counts (`uniform`), iteration-weighted over each trajectory:", "",
+                  "| granularity | " + " | ".join(cfg["cases"]) + " |", "|---|" + "---|" * len(cfg["cases"])]
+        for g, f in grans.items():
+            q = f["stage_max_over_mean"]
+            lines.append(f"| {g} | " + " | ".join(
+                f"{q[c]['partition_time']:.3f} / {q[c]['uniform']:.3f}" if c in q else "-" for c in cfg["cases"]) + " |")
         lines += [""]
         step_rows = []
         for g in grans:

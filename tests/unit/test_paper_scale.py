@@ -98,6 +98,8 @@ def test_projection_on_a_tiny_grid(tmp_path):
         for case in CASES:  # nothing beats every rank holding exactly its share (links and all-reduce free)
             assert figs["projected_speedup_vs_static"][case] <= figs["fluid_ceiling"][case] * (1 + 1e-9)
     assert s["schedules"]["zbv"]["sublayer"]["inherent_bubble"] < s["inherent_bubble"]  # zero bubble: smaller
+    for case, q in s["stage_max_over_mean"].items():  # the exact split is never worse than equal piece counts
+        assert 1.0 <= q["partition_time"] <= q["uniform"] * (1 + 1e-12)
     assert set(s["speedup_vs_block_static"]) == set(CASES) and "speedup_vs_block_static" not in s["granularities"]["block"]
     report = (tmp_path / "report.md").read_text()
     assert "simulated" in report.lower() and "| moe |" in report and "paper_scale.png" in report
