@@ -111,3 +111,19 @@ def test_imbalance():
     assert imbalance([1.0, 3.0]) == pytest.approx(1.0)
     assert imbalance([]) == 0.0 and imbalance([0.0, 0.0]) == 0.0
     assert CostModel.imbalance([2.0, 4.0, 6.0]) == pytest.approx(1.0)
+
+
+@given(st.data())
+def test_memory_fn_is_segment_memory_bit_for_bit(data):
+    n = data.draw(st.integers(1, 12))
+    vals = st.floats(0, 1e9, allow_nan=False, allow_infinity=False)
+    costs = LayerCosts([1.0] * n, [2.0] * n, [1] * n, data.draw(st.lists(vals, min_size=n, max_size=n)),
+                       data.draw(st.lists(vals, min_size=n, max_size=n)))
+    S = data.draw(st.integers(1, n))
+    recompute = data.draw(st.sets(st.integers(0, n - 1), max_size=2))
+    model = CostModel(data.draw(st.integers(1, 16)), data.draw(st.sampled_from(SCHEDULES)), recompute=recompute)
+    s = data.draw(st.integers(0, S - 1))
+    f = model.memory_fn(costs, s, S)
+    for i in range(n):
+        for j in range(i + 1, n + 1):
+            assert f(i, j) == model.segment_memory(costs, i, j, s, S)
