@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .report import PAPER, plot, report
-from .scenarios import (CASES, PER_ITERATION, Comparison, Profile, Snapshot, compare, dense, load_profile,
+from .scenarios import (CASES, PER_ITERATION, Profile, Snapshot, compare, dense, load_profile,
                         repack_projection)
 from .scenarios.snapshot import check_granularity
 from ..plan.balancers import BalanceProblem, get_balancer
