@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median_low
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
@@ -225,7 +226,8 @@ def _agreed_resolved(out: dict, control: str, target: float) -> bool:
     """Whether the control's two runs agree within ``target`` so far (rank 0's view, broadcast)."""
     import torch.distributed as dist
 
-    res = resolution([r.get("tokens_per_sec") for r in out[control]], [r.get("tokens_per_sec") for r in out["control"]])
+    res = resolution([r.get("tokens_per_sec") for r in out[control]], [r.get("tokens_per_sec") for r in out["control"]],
+                     median_low)
     flag = [res is not None and res <= target]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(flag, src=0)
@@ -299,7 +301,8 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
                                    for h in dyn.get("rebalances", [])]
         for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
             res[f"speedup_vs_{name}"] = round(dyn["tokens_per_sec"] / ok[name]["tokens_per_sec"], 4)
-            res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)])
+            res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)],
+                                                             median=median_low)
     if fixed and best:
         top = max(fixed, key=lambda k: fixed[k]["tokens_per_sec"])
         res["best_fixed"] = top
@@ -321,11 +324,12 @@ def _noise_floor(rounds: dict, control: dict | None, ok: dict) -> dict:
     ``resolution`` = |1 - control_a / control_b| of its medians; and a 95 % bootstrap interval
     over rounds of ``speedup_vs_static``."""
     of = (control or {}).get("control_of")
-    res = None if of is None else resolution(_per_round(rounds, of), _per_round(rounds, "control"))
+    res = None if of is None else resolution(_per_round(rounds, of), _per_round(rounds, "control"), median_low)
     out = {"control": of, "resolution": None if res is None else round(res, 4), "speedup_vs_static_ci95": None}
     if "dynmo" in ok:
         out["speedup_vs_static_ci95"] = bootstrap_ratio(
-            _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok])
+            _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok],
+            median=median_low)
     return out
 
 
