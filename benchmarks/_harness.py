@@ -92,21 +92,22 @@ def round_robin(fns: dict, rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ noise floor
-def resolution(a: list[float], b: list[float]) -> float | None:
+def resolution(a: list[float], b: list[float], median=statistics.median) -> float | None:
     """``|1 - median(a) / median(b)|`` of one configuration measured twice per round (the
-    control): how far apart two identical runs land on this machine. A speedup within it is noise."""
+    control): how far apart two identical runs land on this machine. A speedup within it is noise.
+    ``median``: the one the benchmark's summary uses (e.g. ``statistics.median_low``)."""
     a, b = [x for x in a if x], [x for x in b if x]
     if not a or not b:
         return None
-    return abs(1.0 - statistics.median(a) / statistics.median(b))
+    return abs(1.0 - median(a) / median(b))
 
 
 def bootstrap_ratio(num: list[float], dens: list[list[float]], resamples: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> list[float] | None:
+                    level: float = 0.95, median=statistics.median) -> list[float] | None:
     """A percentile bootstrap interval over rounds of ``median(num) / max_k median(dens[k])``
-    (the speedup over the better of several baselines). Rounds are resampled as a whole (a
-    round's runs share the machine's load at that time), so ``num`` and every ``dens[k]`` hold one
-    value per round, in round order."""
+    (the speedup over the better of several baselines; ``median`` as the summary takes it).
+    Rounds are resampled as a whole (a round's runs share the machine's load at that time), so
+    ``num`` and every ``dens[k]`` hold one value per round, in round order."""
     import random
 
     n = len(num)
@@ -116,8 +117,8 @@ def bootstrap_ratio(num: list[float], dens: list[list[float]], resamples: int = 
     ratios = []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
-        top = max(statistics.median(d[i] for i in idx) for d in dens)
-        ratios.append(statistics.median(num[i] for i in idx) / top)
+        top = max(median([d[i] for i in idx]) for d in dens)
+        ratios.append(median([num[i] for i in idx]) / top)
     ratios.sort()
     lo = ratios[int((1 - level) / 2 * resamples)]
     hi = ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]

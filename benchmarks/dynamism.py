@@ -19,8 +19,8 @@ same model, data and dynamism callback three times in one job:
 Every round also runs the better static configuration of the first round a second time
 (``control``): ``resolution`` = |1 - control_a / control_b| of the two runs' medians is how far
 apart identical runs land on this machine, so a speedup within ``resolution`` of 1 is noise;
-``speedup_vs_static_ci95`` is a 95 % bootstrap interval over rounds. Full runs use
-``FULL_ROUNDS`` rounds (at least). ``--case none`` is a dense GPT with no dynamism and DynMo's
+``speedup_vs_static_ci95`` is a 95 % bootstrap interval over rounds. Full runs without
+``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``) until ``resolution`` <= 0.02. ``--case none`` is a dense GPT with no dynamism and DynMo's
 default options: what turning DynMo on costs a model it cannot help (``dynmo_overhead_fraction``
 is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
 ``rebalance_history.jsonl``) go to a temporary directory per run, never the working directory.
@@ -48,16 +48,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median_low
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
 from _harness import bootstrap_ratio, resolution  # noqa: E402
 from dynamism_cases import CASES, load  # noqa: E402
 
-#: Rounds of a full (non-quick) run: enough that two runs of one static configuration (the
-#: control) land within 2 % of each other on a quiet 2-core machine (each round's runs are
-#: interleaved, and the summary takes medians over rounds).
-FULL_ROUNDS = 5
+#: A full (non-quick) run without ``--rounds`` runs at least ``FULL_ROUNDS`` rounds and adds rounds
+#: (up to ``MAX_ROUNDS``) until two runs of one static configuration (the control) land within
+#: ``TARGET_RESOLUTION`` of each other (medians over rounds; each round's runs are interleaved).
+FULL_ROUNDS = 3
+MAX_ROUNDS = 12
+TARGET_RESOLUTION = 0.02
 
 
 def _args(argv=None):
@@ -108,10 +111,11 @@ def _worker(args) -> None:
 
     case = load(args.case)
     plan = case.plan(args.quick)
+    target = None  # fixed rounds (quick, or --rounds)
     if args.rounds:
         plan["rounds"] = args.rounds
     elif not args.quick:
-        plan["rounds"] = max(plan["rounds"], FULL_ROUNDS)
+        plan["rounds"], target = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION
     plan["stages"] = args.stages
     ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
@@ -155,12 +159,15 @@ def _worker(args) -> None:
 
     def runs():
         nonlocal control
-        for r in range(plan["rounds"]):
+        done = 0
+        while done < plan["rounds"] or (target is not None and done < MAX_ROUNDS
+                                         and not _agreed_resolved(out, control, target)):
             for name, options in configs:
                 yield name, options
             if control is None:
                 control = _agreed_better_static(out)
             yield "control", dict(configs)[control]
+            done += 1
 
     # rounds interleave the configurations (u p d c u p d c ...) so that load drift on a shared
     # machine hits all of them alike; the summary takes each configuration's median round
@@ -213,6 +220,18 @@ def _worker(args) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh, default=str)
+
+
+def _agreed_resolved(out: dict, control: str, target: float) -> bool:
+    """Whether the control's two runs agree within ``target`` so far (rank 0's view, broadcast)."""
+    import torch.distributed as dist
+
+    res = resolution([r.get("tokens_per_sec") for r in out[control]], [r.get("tokens_per_sec") for r in out["control"]],
+                     median_low)
+    flag = [res is not None and res <= target]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(flag, src=0)
+    return flag[0]
 
 
 def _agreed_better_static(out: dict) -> str:
@@ -282,7 +301,8 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
                                    for h in dyn.get("rebalances", [])]
         for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
             res[f"speedup_vs_{name}"] = round(dyn["tokens_per_sec"] / ok[name]["tokens_per_sec"], 4)
-            res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)])
+            res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)],
+                                                             median=median_low)
     if fixed and best:
         top = max(fixed, key=lambda k: fixed[k]["tokens_per_sec"])
         res["best_fixed"] = top
@@ -304,11 +324,12 @@ def _noise_floor(rounds: dict, control: dict | None, ok: dict) -> dict:
     ``resolution`` = |1 - control_a / control_b| of its medians; and a 95 % bootstrap interval
     over rounds of ``speedup_vs_static``."""
     of = (control or {}).get("control_of")
-    res = None if of is None else resolution(_per_round(rounds, of), _per_round(rounds, "control"))
+    res = None if of is None else resolution(_per_round(rounds, of), _per_round(rounds, "control"), median_low)
     out = {"control": of, "resolution": None if res is None else round(res, 4), "speedup_vs_static_ci95": None}
     if "dynmo" in ok:
         out["speedup_vs_static_ci95"] = bootstrap_ratio(
-            _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok])
+            _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok],
+            median=median_low)
     return out
 
 
