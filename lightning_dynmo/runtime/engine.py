@@ -188,6 +188,16 @@ def _layer_needs_grad(layer: nn.Module) -> bool:
     return any(p.requires_grad for p in layer.parameters())
 
 
+def output_requires_grad(layer: nn.Module, in_rg: tuple, out_floating: tuple) -> tuple:
+    """Which of ``layer``'s outputs need a gradient, from which of its inputs do (``in_rg``) and
+    which outputs are floating point: the tensors it produces need one if an input it takes or its
+    own parameters do; the tensors it passes through keep theirs."""
+    used = _consumed(layer, len(in_rg))  # the tensors after the layer's own outputs passed through
+    passed = tuple(in_rg[used:])
+    grad_in = any(in_rg[:used]) or _layer_needs_grad(layer)
+    return tuple(bool(f and grad_in) for f in out_floating[: len(out_floating) - len(passed)]) + passed
+
+
 def _forward_spec(layers: nn.ModuleList, indices: range, acts: tuple, rg: tuple, local: dict) -> tuple:
     """Run ``indices`` on ``acts``; record each layer's output spec in ``local``. Returns
     ``(acts, requires_grad, problem)`` (``acts`` None after a problem)."""
@@ -201,10 +211,7 @@ def _forward_spec(layers: nn.ModuleList, indices: range, acts: tuple, rg: tuple,
         if problem:
             return None, (), problem
         acts = as_acts(out)
-        used = _consumed(layers[i], n_in)  # the tensors after the layer's own outputs passed through
-        passed = rg[used:]
-        grad_in = any(rg[:used]) or _layer_needs_grad(layers[i])
-        rg = tuple(t.is_floating_point() and grad_in for t in acts[: len(acts) - len(passed)]) + tuple(passed)
+        rg = output_requires_grad(layers[i], rg[:n_in], tuple(t.is_floating_point() for t in acts))
         local[i] = act_spec(acts, rg)
     return acts, rg, None
 

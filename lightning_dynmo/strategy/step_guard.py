@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..runtime.engine import first_stage_inputs, output_requires_grad
+
 
 class PipelineBatchMismatchError(RuntimeError):
     """The ranks of one pipeline loaded different batches for the same step."""
@@ -39,19 +41,16 @@ def batch_digest(t: torch.Tensor) -> float:
     return float((flat * weights).sum())
 
 
-def _needs_grad(layer) -> bool:
-    return any(p.requires_grad for p in layer.parameters())
-
-
-def stale_gradness(layers, local: list[int], specs) -> bool:
-    """Whether a local layer's output grad-ness differs from the stage table ``specs`` (the rule
-    of ``discover_layer_specs``: a float output needs a gradient if its input or its layer does)."""
+def stale_gradness(layers, local: list[int], specs, first_arity: int = 1) -> bool:
+    """Whether a local layer's output grad-ness differs from the stage table ``specs`` (one spec
+    per tensor a layer returns; the rule of ``discover_layer_specs``, ``output_requires_grad``).
+    ``first_arity``: how many tensors enter the first layer (none of them needs a gradient)."""
     if specs is None:
         return False
     for i in local:
-        upstream = specs[i - 1].requires_grad if i > 0 else False
-        floating = specs[i].dtype.is_floating_point
-        if floating and (upstream or _needs_grad(layers[i])) != specs[i].requires_grad:
+        in_rg = tuple(sp.requires_grad for sp in specs[i - 1]) if i > 0 else (False,) * first_arity
+        expected = output_requires_grad(layers[i], in_rg, tuple(sp.dtype.is_floating_point for sp in specs[i]))
+        if expected != tuple(sp.requires_grad for sp in specs[i]):
             return True
     return False
 
@@ -66,7 +65,9 @@ def check_before_run(strategy, inputs: torch.Tensor, targets: torch.Tensor, step
     """Collective over the pipeline group (only ranks in the pipeline call it). Raises on every
     rank, or rebuilds every rank's stages, as the module docstring says."""
     s = strategy
-    stale = stale_gradness(s.layers, s.local_layer_indices(), s.engines.layer_specs())
+    inputs_fn = getattr(s.lightning_module, "pipeline_inputs", None)
+    first = first_stage_inputs(inputs, targets, inputs_fn if callable(inputs_fn) else None)
+    stale = stale_gradness(s.layers, s.local_layer_indices(), s.engines.layer_specs(), len(first))
     groups = _groups_changed(s.optimizers, s.optimizer_layout)
     v = torch.tensor([batch_digest(inputs), batch_digest(targets), float(inputs.numel()), float(stale), float(groups)],
                      dtype=torch.float64, device=s.root_device)

@@ -412,8 +412,22 @@ def test_the_batch_digest_sees_a_reordered_batch_and_stale_gradness_is_found():
     layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
     for p in layers[0].parameters():
         p.requires_grad_(False)
-    built_frozen = [TensorSpec((1, 2), torch.float32, False), TensorSpec((1, 2), torch.float32, True)]
+    built_frozen = [(TensorSpec((1, 2), torch.float32, False),), (TensorSpec((1, 2), torch.float32, True),)]
     assert not stale_gradness(layers, [0, 1], built_frozen) and not stale_gradness(layers, [0], None)
     for p in layers[0].parameters():
         p.requires_grad_(True)  # unfrozen by hand: layer 0's output now needs a gradient
     assert stale_gradness(layers, [0], built_frozen) and not stale_gradness(layers, [1], built_frozen)
+    # two tensors through a layer that takes one: the second passes through with its own grad-ness
+    class TakesOne(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    two = nn.ModuleList([TakesOne()])
+    built = [(TensorSpec((1, 2), torch.float32, True), TensorSpec((1,), torch.int64, False))]
+    assert not stale_gradness(two, [0], built, first_arity=2)
+    two[0].lin.weight.requires_grad_(False), two[0].lin.bias.requires_grad_(False)
+    assert stale_gradness(two, [0], built, first_arity=2)
