@@ -2,9 +2,8 @@
 pipeline exactly as the single-process *block* GPT does: every schedule with a migration before
 every step (halves move one at a time, so stage boundaries fall inside blocks), hash-sparse
 attention, re-packing onto fewer ranks, MoE halves under expert parallelism, and checkpoints that
-cross granularities both ways (saved by a 2-stage block run,
-resumed at sublayer granularity, and the reverse), with losses, weights and Adam state compared
-with the block model's single-process references."""
+cross granularities both ways (saved by a 2-stage block run, resumed at sublayer granularity, and
+the reverse), with losses, weights and Adam state compared with the block model's references."""
 from __future__ import annotations
 
 import pytest
