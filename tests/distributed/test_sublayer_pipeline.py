@@ -1,9 +1,9 @@
 """A GPT cut into attention and MLP halves (``pipeline_granularity="sublayer"``) trains on the
 pipeline exactly as the single-process *block* GPT does: every schedule with a migration before
 every step (halves move one at a time, so stage boundaries fall inside blocks), hash-sparse
-attention, re-packing onto fewer ranks, and checkpoints that cross granularities both ways (saved by a 2-stage block run,
-resumed at sublayer granularity, and the reverse), with losses, weights and Adam state compared
-with the block model's single-process references."""
+attention, re-packing onto fewer ranks, MoE halves under expert parallelism, and checkpoints that
+cross granularities both ways (saved by a 2-stage block run, resumed at sublayer granularity, and
+the reverse), with losses, weights and Adam state compared with the block model's references."""
 from __future__ import annotations
 
 import pytest
@@ -113,3 +113,26 @@ def test_block_checkpoint_resumes_at_sublayer_granularity(results, crossed):
 
 def test_sublayer_checkpoint_resumes_at_block_granularity(results, crossed):
     _resumed_equals_uninterrupted(crossed[1], results["full_block"][1])
+
+
+def test_moe_halves_under_expert_parallelism_equal_single_process_block_moe(tmp_path):
+    """pp=2 x dp=2 with expert_parallel=2 and a migration before every step, MoE halves moving on
+    their own: losses, whole-expert weights and Adam state of the checkpoint are the single-process
+    block MoE GPT's (the expert shards are gathered under the block model's keys)."""
+    from tests.distributed.test_moe_expert_parallel import DATA, EP_RUN
+    from tests.distributed.test_moe_pipeline import RTOL as MOE_RTOL, _launch
+
+    (ref,) = _launch(tmp_path / "ref", [dict(DATA, dp=2)], nproc=None)
+    (ep,) = _launch(tmp_path / "ep", [dict(EP_RUN, gpt=SUB)], nproc=4)
+    assert all(h["applied"] for h in ep["history"]) and ep["history"]
+    torch.testing.assert_close(torch.tensor(ep["losses"]), torch.tensor(ref["losses"]), rtol=MOE_RTOL, atol=0)
+    se, sr = torch.load(ep["state"]), torch.load(ref["state"])
+    assert list(se) == list(sr)
+    for k in sr:
+        torch.testing.assert_close(se[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)
+    oe, orf = torch.load(ep["optim"]), torch.load(ref["optim"])
+    assert oe["state"].keys() == orf["state"].keys()
+    for i, st in orf["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = st[key].abs().max().item()
+            torch.testing.assert_close(oe["state"][i][key], st[key], rtol=1e-3, atol=1e-3 * scale, msg=f"{i} {key}")
