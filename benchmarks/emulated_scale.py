@@ -71,10 +71,11 @@ def _args(argv=None):
     ap.add_argument("--quick", action="store_true", help="8 and 16 stages, event cases, short rows")
     ap.add_argument("--stages", default=None, help="comma-separated pipeline depths (default 8,16[,24])")
     ap.add_argument("--cases", default=None, help="comma-separated cases (default: all; --quick: event cases)")
-    ap.add_argument("--step-seconds", type=float, default=0.8, help="dense step on 8 uniform stages")
+    ap.add_argument("--step-seconds", type=float, default=1.0, help="dense step on 8 uniform stages")
     ap.add_argument("--per-row", type=int, default=None, help="steps per scenario row (default 2, full 3)")
     ap.add_argument("--snapshots", type=int, default=6, help="rows of freezing / early exit")
-    ap.add_argument("--microbatches-per-stage", type=int, default=3)
+    ap.add_argument("--microbatches", type=int, default=16,
+                    help="micro-batches per step: max(this, stages) (their CPU work is what 2 cores must carry)")
     ap.add_argument("--keep", default=None, metavar="DIR", help="also write the plan and raw per-step records here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plan", default=None, help=argparse.SUPPRESS)
@@ -94,6 +95,10 @@ def _trajectory(case: str, snapshots: int, iterations: int):
     return CASES[case](LAYERS, p, snapshots=snapshots)
 
 
+def microbatches(args, stages: int) -> int:
+    return max(stages, args.microbatches)
+
+
 def _scale(step_seconds: float, microbatches: int) -> float:
     """Factor on the profile's seconds that makes the dense 8-stage uniform step last ``step_seconds``."""
     from lightning_dynmo.plan.balancers import megatron_layout
@@ -105,7 +110,7 @@ def _scale(step_seconds: float, microbatches: int) -> float:
 
 
 def build_plan(args, cases: list[str], per_row: int) -> dict:
-    k = _scale(args.step_seconds, args.microbatches_per_stage * 8)
+    k = _scale(args.step_seconds, microbatches(args, 8))
     plan = {"scale": k, "per_row": per_row, "cases": {}}
     for case in cases:
         traj = _trajectory(case, args.snapshots, 8 if args.quick else 16)
@@ -145,7 +150,7 @@ def _worker(args) -> None:
 
     plan = json.load(open(args.plan))
     S, per_row = int(args.stages), plan["per_row"]
-    m = args.microbatches_per_stage * S
+    m = microbatches(args, S)
 
     class Record(L.Callback):
         def __init__(self, timelines: bool):
@@ -305,10 +310,10 @@ def _projection(case_plan: dict, S: int, m: int) -> float:
 def summarise(plan: dict, results: dict, args) -> dict:
     res: dict = {"benchmark": "emulated_scale", "quick": args.quick, "layers": LAYERS, "schedule": "1f1b",
                  "step_seconds_target_8": args.step_seconds, "per_row": plan["per_row"],
-                 "microbatches_per_stage": args.microbatches_per_stage, "runs": {}, "errors": {}}
+                 "microbatches": {str(S): microbatches(args, S) for S in results}, "runs": {}, "errors": {}}
     errors, overheads = [], []
     for S, runs in results.items():
-        m = args.microbatches_per_stage * int(S)
+        m = microbatches(args, int(S))
         first = next(iter(plan["cases"]))
         cal = calibrate(plan["cases"][first], runs[f"{first}/uniform"], m) if f"{first}/uniform" in runs else None
         if cal:
@@ -377,7 +382,7 @@ def main(argv=None) -> None:
             out = os.path.join(tmp, f"runs_{S}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(S), "--standalone",
                    os.path.abspath(__file__), "--worker", "--plan", plan_path, "--out", out, "--stages", str(S),
-                   "--cases", ",".join(run_cases), "--microbatches-per-stage", str(args.microbatches_per_stage)]
+                   "--cases", ",".join(run_cases), "--microbatches", str(args.microbatches)]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0 or not os.path.exists(out):

@@ -3,7 +3,12 @@
 Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over single-process
 tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
 
-    python benchmarks/pipeline_throughput.py [--quick]
+    python benchmarks/pipeline_throughput.py [--quick] [--compile]
+
+``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
+compiled in place, inductor on CPU) and reports ``compile_speedup`` (compiled pipeline tokens/s
+over the eager pipeline's, compilation excluded by the warm-up steps) and
+``compile_max_loss_diff`` (largest |compiled - eager| training loss over the steps; target <= 1e-4).
 """
 from __future__ import annotations
 
@@ -45,10 +50,11 @@ def worker(args) -> None:
         from lightning_dynmo import DynMoStrategy
 
         trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, schedule=args.schedule, microbatches=args.microbatches,
-                                                   balancer="param"), devices=2, **common)
+                                                   balancer="param", compile=args.compile), devices=2, **common)
     trainer.fit(model, train_dataloaders=loader)
     sec = timer.seconds_per_step(skip=args.warmup)
-    result = {"tokens_per_sec": args.batch * args.block / sec, "seconds_per_step": sec}
+    result = {"tokens_per_sec": args.batch * args.block / sec, "seconds_per_step": sec,
+              "losses": [m.get("train_loss") for m in timer.metrics]}
     if args.mode == "pipeline":
         result["partition"] = str(trainer.strategy.partition)
     write_result(args.out, result)
@@ -68,6 +74,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)
     args.warmup = 3
@@ -76,12 +83,15 @@ def main() -> None:
         return
     repeats = args.repeats or (1 if args.quick else 3)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
-    single, pipe = [], []
+    single, pipe, compiled = [], [], []
     for r in range(repeats):  # interleaved so that load changes hit both variants alike
         single.append(launch(Path(__file__), 1, fwd + ["--mode=single"]))
         pipe.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"]))
         print(f"repeat {r}: single {single[-1]['tokens_per_sec']:.0f} tok/s, pipeline {pipe[-1]['tokens_per_sec']:.0f} tok/s",
               flush=True)
+        if args.compile:
+            compiled.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline", "--compile"], timeout=1800))
+            print(f"repeat {r}: compiled pipeline {compiled[-1]['tokens_per_sec']:.0f} tok/s", flush=True)
     s = median([x["tokens_per_sec"] for x in single])
     q = median([x["tokens_per_sec"] for x in pipe])
     m, pp = args.microbatches, 2
@@ -91,8 +101,17 @@ def main() -> None:
         "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch},
         "partition": pipe[-1]["partition"], "single_tokens_per_sec": round(s, 1), "pipeline_tokens_per_sec": round(q, 1),
         "speedup": round(q / s, 3), "ideal_speedup": round(ideal, 3), "fraction_of_ideal": round(q / s / ideal, 3),
-        "repeats": repeats, "threads_per_rank": 1,
+        "repeats": repeats, "threads_per_rank": 1, **(_compiled(pipe, compiled, q) if compiled else {}),
     }))
+
+
+def _compiled(eager: list[dict], compiled: list[dict], eager_tps: float) -> dict:
+    """compile=True against the eager pipeline: throughput and per-step training losses."""
+    c = median([x["tokens_per_sec"] for x in compiled])
+    diffs = [abs(a - b) for e, k in zip(eager, compiled) for a, b in zip(e["losses"], k["losses"])
+             if a is not None and b is not None]
+    return {"compiled_pipeline_tokens_per_sec": round(c, 1), "compile_speedup": round(c / eager_tps, 3),
+            "compile_max_loss_diff": max(diffs) if diffs else None, "compile_losses_equal": bool(diffs) and max(diffs) <= 1e-4}
 
 
 if __name__ == "__main__":
