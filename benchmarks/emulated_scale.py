@@ -1,13 +1,17 @@
 """An emulated cluster: the real strategy at 8-24 pipeline ranks on a couple of cores.
 
-    python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~5 min on 2 loaded cores)
+    python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~6 min on 2 loaded cores)
     python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, every case
 
 The model is the paper's GPT at 48 blocks (``[embedding] + 48 blocks + [final norm, head]``)
 made of layers that *wait* for their cost (``benchmarks/_emulated_model.py``): each does a tiny
 real computation on real parameters (their counts are the real layer's / 4096), then sleeps for
-its forward cost; its backward sleeps for its backward cost in a custom autograd function. A
-sleeping rank does not use a core, so S ranks run on 2 cores with the timing of S devices. All
+its forward cost; its backward sleeps for its backward cost in a custom autograd function
+(within a chunk the waits queue up like kernels on a device stream and the rank sleeps once, at
+the chunk's end; see ``_Clock.wait``). A sleeping rank does not use a core, so S ranks run on 2
+cores with the timing of S devices, provided they wake on time: a balanced pipeline waits on
+~2(m+p-1) messages in a row, and on oversubscribed cores each late wake-up adds milliseconds, so
+the ranks lower their niceness (``--nice``, default -10; they use a few percent of a core). All
 the rest is real: one process per rank (torchrun, gloo p2p, 1 torch thread each),
 ``DynMoStrategy`` with its schedule, per-layer profiler, policy, balancer and migrations (the
 layers' parameters, gradients and AdamW state move), and Lightning's loop.
@@ -33,9 +37,12 @@ cases (MoE, MoD) change every step: their layers report load factors (``ReportsL
 schedule to the end of the optimizer step (the profiled first step of each row, the engine
 rebuilds and migrations before a schedule starts are not counted; the simulator charges neither
 over the thousands of iterations a row stands for). For each run the same rows, partitions and
-micro-batches go through ``lightning_dynmo.sim.simulate`` (free links, no overheads): the
-iteration-weighted step time of the run (each row weighted by the iterations its snapshot lasts)
-measured vs simulated gives ``sim_error``. ``speedup_vs_static_<S>``: dynmo's weighted time over
+micro-batches go through ``lightning_dynmo.sim.simulate`` with the emulation's own costs
+calibrated once per depth on the dense steps of the first case's ``uniform`` run, as
+``benchmarks/simulator_validation.py`` calibrates it (per chunk, per message, per step:
+``calibration_ms``); the iteration-weighted step time of the run (each row weighted by the
+iterations its snapshot lasts) measured vs simulated gives ``sim_error`` (``sim_free_error``:
+against the simulator with free links and no overheads). ``speedup_vs_static_<S>``: dynmo's weighted time over
 the better of ``uniform`` / ``param`` (static, ``rebalance="never"``); ``sim_speedup_vs_static_<S>``
 the same from the simulated times of the same runs; ``projection_speedup_<S>``: the simulator's
 own static-vs-dynamic comparison (``sim.scenarios.compare``) of the same trajectory.
@@ -76,6 +83,9 @@ def _args(argv=None):
     ap.add_argument("--snapshots", type=int, default=6, help="rows of freezing / early exit")
     ap.add_argument("--microbatches", type=int, default=16,
                     help="micro-batches per step: max(this, stages) (their CPU work is what 2 cores must carry)")
+    ap.add_argument("--nice", type=int, default=-10,
+                    help="niceness change of the ranks (default -10: they sleep almost always, and a late wake-up "
+                         "delays the whole pipeline on a busy host; 0 leaves them alone)")
     ap.add_argument("--keep", default=None, metavar="DIR", help="also write the plan and raw per-step records here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plan", default=None, help=argparse.SUPPRESS)
@@ -137,6 +147,11 @@ def _configs(case_plan: dict) -> list[tuple[str, dict]]:
 
 
 def _worker(args) -> None:
+    if args.nice:
+        try:  # an emulated device must wake on time: let this mostly sleeping rank preempt busy jobs
+            os.nice(args.nice)
+        except OSError as e:
+            print(f"emulated_scale: cannot renice by {args.nice} ({e}); wake-ups may lag on a busy host")
     import torch
 
     torch.set_num_threads(1)
@@ -382,7 +397,7 @@ def main(argv=None) -> None:
             out = os.path.join(tmp, f"runs_{S}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(S), "--standalone",
                    os.path.abspath(__file__), "--worker", "--plan", plan_path, "--out", out, "--stages", str(S),
-                   "--cases", ",".join(run_cases), "--microbatches", str(args.microbatches)]
+                   "--cases", ",".join(run_cases), "--microbatches", str(args.microbatches), "--nice", str(args.nice)]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0 or not os.path.exists(out):
