@@ -1,7 +1,8 @@
 """An emulated cluster: the real strategy at 8-24 pipeline ranks on a couple of cores.
 
     python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~6 min on 2 loaded cores)
-    python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, every case
+    python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, 3 steps per row
+    python benchmarks/emulated_scale.py --cases moe,mod      # the per-iteration cases (not yet run)
 
 The model is the paper's GPT at 48 blocks (``[embedding] + 48 blocks + [final norm, head]``)
 made of layers that *wait* for their cost (``benchmarks/_emulated_model.py``): each does a tiny
@@ -11,7 +12,7 @@ its forward cost; its backward sleeps for its backward cost in a custom autograd
 the chunk's end; see ``_Clock.wait``). A sleeping rank does not use a core, so S ranks run on 2
 cores with the timing of S devices, provided they wake on time: a balanced pipeline waits on
 ~2(m+p-1) messages in a row, and on oversubscribed cores each late wake-up adds milliseconds, so
-the ranks lower their niceness (``--nice``, default -10; they use a few percent of a core). All
+the ranks lower their niceness (``--nice``, default -20; together they use a fraction of a core). All
 the rest is real: one process per rank (torchrun, gloo p2p, 1 torch thread each),
 ``DynMoStrategy`` with its schedule, per-layer profiler, policy, balancer and migrations (the
 layers' parameters, gradients and AdamW state move), and Lightning's loop.
@@ -77,14 +78,14 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 and 16 stages, event cases, short rows")
     ap.add_argument("--stages", default=None, help="comma-separated pipeline depths (default 8,16[,24])")
-    ap.add_argument("--cases", default=None, help="comma-separated cases (default: all; --quick: event cases)")
+    ap.add_argument("--cases", default=None, help="comma-separated cases (default: the event cases)")
     ap.add_argument("--step-seconds", type=float, default=1.0, help="dense step on 8 uniform stages")
     ap.add_argument("--per-row", type=int, default=None, help="steps per scenario row (default 2, full 3)")
     ap.add_argument("--snapshots", type=int, default=6, help="rows of freezing / early exit")
     ap.add_argument("--microbatches", type=int, default=16,
                     help="micro-batches per step: max(this, stages) (their CPU work is what 2 cores must carry)")
-    ap.add_argument("--nice", type=int, default=-10,
-                    help="niceness change of the ranks (default -10: they sleep almost always, and a late wake-up "
+    ap.add_argument("--nice", type=int, default=-20,
+                    help="niceness change of the ranks (default -20: they sleep almost always, and a late wake-up "
                          "delays the whole pipeline on a busy host; 0 leaves them alone)")
     ap.add_argument("--keep", default=None, metavar="DIR", help="also write the plan and raw per-step records here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -377,7 +378,7 @@ def main(argv=None) -> None:
         _worker(args)
         return
     stages = [int(s) for s in (args.stages or ("8,16" if args.quick else "8,16,24")).split(",")]
-    cases = (args.cases or ",".join(EVENT_CASES if args.quick else EVENT_CASES + PER_ITERATION_CASES)).split(",")
+    cases = (args.cases or ",".join(EVENT_CASES)).split(",")
     bad = [c for c in cases if c not in EVENT_CASES + PER_ITERATION_CASES]
     if bad or any(s < 2 for s in stages):
         sys.exit(f"cases must be among {EVENT_CASES + PER_ITERATION_CASES}, stages >= 2; got {cases}, {stages}")
