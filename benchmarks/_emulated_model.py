@@ -25,7 +25,7 @@ from torch import nn
 
 HIDDEN, SEQ, MICRO_BATCH = 8, 16, 1  # the tiny real activation: [micro-batch, seq, hidden]
 PARAM_SCALE = 4096  # real parameters per emulated parameter
-CHAIN_SLACK = 0.005  # the most CPU time between two layers of a chunk that the chained waits hide
+CHAIN_SLACK = 0.005  # the most CPU time between two layers of a chunk that the queued waits hide
 
 
 class _Clock:
@@ -45,19 +45,24 @@ class _Clock:
     def cost(self, i: int) -> tuple[float, float]:
         return self.forward[self.row][i], self.backward[self.row][i]
 
-    def wait(self, seconds: float, starts_chunk: bool) -> None:
-        """Wait ``seconds`` of emulated device time. Within a chunk (one stage's forward or
-        backward of one micro-batch) the waits run back to back, as kernels queued on a device
-        stream do: each ends at the previous one's end plus its cost, so the CPU time between
-        layers (Python, the tiny computation, the sleep's own overshoot) is hidden as a GPU hides
-        launch overhead behind queued work. A chunk's first wait starts when the chunk starts:
-        messages and the schedule's own work between chunks are never hidden."""
+    def wait(self, seconds: float, starts_chunk: bool, ends_chunk: bool) -> None:
+        """Spend ``seconds`` of emulated device time. Within a chunk (one stage's forward or
+        backward of one micro-batch) the layers' work is queued back to back, as kernels on a
+        device stream: each ends at the previous one's end plus its cost, and the rank sleeps
+        only at the chunk's last layer, until the end of the queue. The CPU time between layers
+        (Python, the tiny computation) is hidden as a GPU hides launch overhead behind queued
+        work; one sleep per chunk instead of one per layer keeps 16-24 ranks off the cores. While
+        the strategy profiles layers, every layer sleeps its own cost, so that its hooks time each
+        layer as they would time a real one. A chunk's first layer starts when the chunk starts:
+        messages and the schedule's work between chunks are never hidden."""
         now = time.perf_counter()
-        start = now if starts_chunk else max(min(self.deadline, now), now - CHAIN_SLACK)
+        start = now if starts_chunk else max(self.deadline, now - CHAIN_SLACK)
         self.deadline = start + seconds
-        left = self.deadline - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        profiling = self.strategy is not None and self.strategy.profiler.layer_profiling
+        if ends_chunk or profiling:
+            left = self.deadline - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
 
 
 CLOCK = _Clock()
@@ -67,14 +72,14 @@ class _WaitBackward(torch.autograd.Function):
     """Identity forward; the backward waits ``seconds`` before passing the gradient on."""
 
     @staticmethod
-    def forward(ctx, x, seconds: float, starts_chunk: bool):
-        ctx.seconds, ctx.starts_chunk = seconds, starts_chunk
+    def forward(ctx, x, seconds: float, starts_chunk: bool, ends_chunk: bool):
+        ctx.seconds, ctx.starts_chunk, ctx.ends_chunk = seconds, starts_chunk, ends_chunk
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        CLOCK.wait(ctx.seconds, ctx.starts_chunk)
-        return grad, None, None
+        CLOCK.wait(ctx.seconds, ctx.starts_chunk, ctx.ends_chunk)
+        return grad, None, None, None
 
 
 class EmulatedLayer(nn.Module):
@@ -99,12 +104,12 @@ class EmulatedLayer(nn.Module):
             y = x @ self.weight.t()
         else:
             y = x * (1.0 + torch.tanh(self.weight).mean(0))
-        if y.requires_grad:
-            y = _WaitBackward.apply(y, b, last)
+        if y.requires_grad:  # backward runs last layer first; it ends where no gradient flows on
+            y = _WaitBackward.apply(y, b, last, first or not x.requires_grad)
         if self.reports_load and CLOCK.reference[self.index] > 0:
             self._load_sum += f / CLOCK.reference[self.index]
             self._load_n += 1
-        CLOCK.wait(f, first)
+        CLOCK.wait(f, first, last)
         return y
 
     # ReportsLoad (per-iteration cases only): the work of this step relative to the reference

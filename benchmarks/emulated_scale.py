@@ -1,13 +1,18 @@
 """An emulated cluster: the real strategy at 8-24 pipeline ranks on a couple of cores.
 
-    python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~5 min on 2 loaded cores)
-    python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, every case
+    python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~6 min on 2 loaded cores)
+    python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, 3 steps per row
+    python benchmarks/emulated_scale.py --cases moe,mod      # the per-iteration cases (not yet run)
 
 The model is the paper's GPT at 48 blocks (``[embedding] + 48 blocks + [final norm, head]``)
 made of layers that *wait* for their cost (``benchmarks/_emulated_model.py``): each does a tiny
 real computation on real parameters (their counts are the real layer's / 4096), then sleeps for
-its forward cost; its backward sleeps for its backward cost in a custom autograd function. A
-sleeping rank does not use a core, so S ranks run on 2 cores with the timing of S devices. All
+its forward cost; its backward sleeps for its backward cost in a custom autograd function
+(within a chunk the waits queue up like kernels on a device stream and the rank sleeps once, at
+the chunk's end; see ``_Clock.wait``). A sleeping rank does not use a core, so S ranks run on 2
+cores with the timing of S devices, provided they wake on time: a balanced pipeline waits on
+~2(m+p-1) messages in a row, and on oversubscribed cores each late wake-up adds milliseconds, so
+the ranks lower their niceness (``--nice``, default -20; together they use a fraction of a core). All
 the rest is real: one process per rank (torchrun, gloo p2p, 1 torch thread each),
 ``DynMoStrategy`` with its schedule, per-layer profiler, policy, balancer and migrations (the
 layers' parameters, gradients and AdamW state move), and Lightning's loop.
@@ -33,9 +38,12 @@ cases (MoE, MoD) change every step: their layers report load factors (``ReportsL
 schedule to the end of the optimizer step (the profiled first step of each row, the engine
 rebuilds and migrations before a schedule starts are not counted; the simulator charges neither
 over the thousands of iterations a row stands for). For each run the same rows, partitions and
-micro-batches go through ``lightning_dynmo.sim.simulate`` (free links, no overheads): the
-iteration-weighted step time of the run (each row weighted by the iterations its snapshot lasts)
-measured vs simulated gives ``sim_error``. ``speedup_vs_static_<S>``: dynmo's weighted time over
+micro-batches go through ``lightning_dynmo.sim.simulate`` with the emulation's own costs
+calibrated once per depth on the dense steps of the first case's ``uniform`` run, as
+``benchmarks/simulator_validation.py`` calibrates it (per chunk, per message, per step:
+``calibration_ms``); the iteration-weighted step time of the run (each row weighted by the
+iterations its snapshot lasts) measured vs simulated gives ``sim_error`` (``sim_free_error``:
+against the simulator with free links and no overheads). ``speedup_vs_static_<S>``: dynmo's weighted time over
 the better of ``uniform`` / ``param`` (static, ``rebalance="never"``); ``sim_speedup_vs_static_<S>``
 the same from the simulated times of the same runs; ``projection_speedup_<S>``: the simulator's
 own static-vs-dynamic comparison (``sim.scenarios.compare``) of the same trajectory.
@@ -70,11 +78,15 @@ def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 and 16 stages, event cases, short rows")
     ap.add_argument("--stages", default=None, help="comma-separated pipeline depths (default 8,16[,24])")
-    ap.add_argument("--cases", default=None, help="comma-separated cases (default: all; --quick: event cases)")
-    ap.add_argument("--step-seconds", type=float, default=0.8, help="dense step on 8 uniform stages")
+    ap.add_argument("--cases", default=None, help="comma-separated cases (default: the event cases)")
+    ap.add_argument("--step-seconds", type=float, default=1.0, help="dense step on 8 uniform stages")
     ap.add_argument("--per-row", type=int, default=None, help="steps per scenario row (default 2, full 3)")
     ap.add_argument("--snapshots", type=int, default=6, help="rows of freezing / early exit")
-    ap.add_argument("--microbatches-per-stage", type=int, default=3)
+    ap.add_argument("--microbatches", type=int, default=16,
+                    help="micro-batches per step: max(this, stages) (their CPU work is what 2 cores must carry)")
+    ap.add_argument("--nice", type=int, default=-20,
+                    help="niceness change of the ranks (default -20: they sleep almost always, and a late wake-up "
+                         "delays the whole pipeline on a busy host; 0 leaves them alone)")
     ap.add_argument("--keep", default=None, metavar="DIR", help="also write the plan and raw per-step records here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plan", default=None, help=argparse.SUPPRESS)
@@ -94,6 +106,10 @@ def _trajectory(case: str, snapshots: int, iterations: int):
     return CASES[case](LAYERS, p, snapshots=snapshots)
 
 
+def microbatches(args, stages: int) -> int:
+    return max(stages, args.microbatches)
+
+
 def _scale(step_seconds: float, microbatches: int) -> float:
     """Factor on the profile's seconds that makes the dense 8-stage uniform step last ``step_seconds``."""
     from lightning_dynmo.plan.balancers import megatron_layout
@@ -105,7 +121,7 @@ def _scale(step_seconds: float, microbatches: int) -> float:
 
 
 def build_plan(args, cases: list[str], per_row: int) -> dict:
-    k = _scale(args.step_seconds, args.microbatches_per_stage * 8)
+    k = _scale(args.step_seconds, microbatches(args, 8))
     plan = {"scale": k, "per_row": per_row, "cases": {}}
     for case in cases:
         traj = _trajectory(case, args.snapshots, 8 if args.quick else 16)
@@ -132,6 +148,11 @@ def _configs(case_plan: dict) -> list[tuple[str, dict]]:
 
 
 def _worker(args) -> None:
+    if args.nice:
+        try:  # an emulated device must wake on time: let this mostly sleeping rank preempt busy jobs
+            os.nice(args.nice)
+        except OSError as e:
+            print(f"emulated_scale: cannot renice by {args.nice} ({e}); wake-ups may lag on a busy host")
     import torch
 
     torch.set_num_threads(1)
@@ -145,7 +166,7 @@ def _worker(args) -> None:
 
     plan = json.load(open(args.plan))
     S, per_row = int(args.stages), plan["per_row"]
-    m = args.microbatches_per_stage * S
+    m = microbatches(args, S)
 
     class Record(L.Callback):
         def __init__(self, timelines: bool):
@@ -305,10 +326,10 @@ def _projection(case_plan: dict, S: int, m: int) -> float:
 def summarise(plan: dict, results: dict, args) -> dict:
     res: dict = {"benchmark": "emulated_scale", "quick": args.quick, "layers": LAYERS, "schedule": "1f1b",
                  "step_seconds_target_8": args.step_seconds, "per_row": plan["per_row"],
-                 "microbatches_per_stage": args.microbatches_per_stage, "runs": {}, "errors": {}}
+                 "microbatches": {str(S): microbatches(args, S) for S in results}, "runs": {}, "errors": {}}
     errors, overheads = [], []
     for S, runs in results.items():
-        m = args.microbatches_per_stage * int(S)
+        m = microbatches(args, int(S))
         first = next(iter(plan["cases"]))
         cal = calibrate(plan["cases"][first], runs[f"{first}/uniform"], m) if f"{first}/uniform" in runs else None
         if cal:
@@ -357,7 +378,7 @@ def main(argv=None) -> None:
         _worker(args)
         return
     stages = [int(s) for s in (args.stages or ("8,16" if args.quick else "8,16,24")).split(",")]
-    cases = (args.cases or ",".join(EVENT_CASES if args.quick else EVENT_CASES + PER_ITERATION_CASES)).split(",")
+    cases = (args.cases or ",".join(EVENT_CASES)).split(",")
     bad = [c for c in cases if c not in EVENT_CASES + PER_ITERATION_CASES]
     if bad or any(s < 2 for s in stages):
         sys.exit(f"cases must be among {EVENT_CASES + PER_ITERATION_CASES}, stages >= 2; got {cases}, {stages}")
@@ -377,7 +398,7 @@ def main(argv=None) -> None:
             out = os.path.join(tmp, f"runs_{S}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(S), "--standalone",
                    os.path.abspath(__file__), "--worker", "--plan", plan_path, "--out", out, "--stages", str(S),
-                   "--cases", ",".join(run_cases), "--microbatches-per-stage", str(args.microbatches_per_stage)]
+                   "--cases", ",".join(run_cases), "--microbatches", str(args.microbatches), "--nice", str(args.nice)]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0 or not os.path.exists(out):

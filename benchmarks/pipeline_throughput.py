@@ -8,7 +8,15 @@ tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >=
 the same invocation also measures block granularity, interleaved, and reports its figures under
 ``"block"`` and ``fraction_of_ideal_minus_block`` (target: > -0.03, finer cuts must not cost).
 
-    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer}]
+``--head-chunks K``: the LM head + loss as K vocabulary chunks (``GPTConfig(head_chunks=K)``); with
+``--granularity sublayer`` or K > 1 the baseline beside it is whole blocks with one head.
+
+    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer}] [--head-chunks K] [--compile]
+
+``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
+compiled in place, inductor on CPU) and reports ``compile_speedup`` (compiled pipeline tokens/s
+over the eager pipeline's, compilation excluded by the warm-up steps) and
+``compile_max_loss_diff`` (largest |compiled - eager| training loss over the steps; target <= 1e-4).
 """
 from __future__ import annotations
 
@@ -51,10 +59,11 @@ def worker(args) -> None:
         from lightning_dynmo import DynMoStrategy
 
         trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, schedule=args.schedule, microbatches=args.microbatches,
-                                                   balancer="param"), devices=2, **common)
+                                                   balancer="param", compile=args.compile), devices=2, **common)
     trainer.fit(model, train_dataloaders=loader)
     sec = timer.seconds_per_step(skip=args.warmup)
-    result = {"tokens_per_sec": args.batch * args.block / sec, "seconds_per_step": sec}
+    result = {"tokens_per_sec": args.batch * args.block / sec, "seconds_per_step": sec,
+              "losses": [m.get("train_loss") for m in timer.metrics]}
     if args.mode == "pipeline":
         result["partition"] = str(trainer.strategy.partition)
     write_result(args.out, result)
@@ -77,6 +86,7 @@ def main() -> None:
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
                    help="pipeline layers: whole blocks, or attention and MLP halves (then whole blocks with one head too)")
+    p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)
     args.warmup = 3
@@ -89,6 +99,7 @@ def main() -> None:
     grains = [(args.granularity, args.head_chunks)] + ([("block", 1)] if (args.granularity, args.head_chunks) != ("block", 1) else [])
     single = {g: [] for g in grains}
     pipe = {g: [] for g in grains}
+    compiled: list[dict] = []
     for r in range(repeats):  # interleaved so that load changes hit every variant alike
         for g in grains:
             variant = [f"--granularity={g[0]}", f"--head-chunks={g[1]}"]
@@ -96,6 +107,10 @@ def main() -> None:
             pipe[g].append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"] + variant))
             print(f"repeat {r} ({g[0]}, head_chunks={g[1]}): single {single[g][-1]['tokens_per_sec']:.0f} tok/s, "
                   f"pipeline {pipe[g][-1]['tokens_per_sec']:.0f} tok/s", flush=True)
+        if args.compile:  # the configuration asked for, compiled
+            compiled.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline", "--compile", f"--granularity={grains[0][0]}",
+                                                            f"--head-chunks={grains[0][1]}"], timeout=1800))
+            print(f"repeat {r}: compiled pipeline {compiled[-1]['tokens_per_sec']:.0f} tok/s", flush=True)
     m, pp = args.microbatches, 2
     ideal = m * pp / (m + pp - 1)
 
@@ -119,7 +134,17 @@ def main() -> None:
         "pipeline_tokens_per_sec": out["pipeline_tokens_per_sec"], "speedup": out["speedup"],
         "ideal_speedup": round(ideal, 3), "fraction_of_ideal": out["fraction_of_ideal"], **extra,
         "repeats": repeats, "threads_per_rank": 1,
+        **(_compiled(pipe[grains[0]], compiled, out["pipeline_tokens_per_sec"]) if compiled else {}),
     }))
+
+
+def _compiled(eager: list[dict], compiled: list[dict], eager_tps: float) -> dict:
+    """compile=True against the eager pipeline: throughput and per-step training losses."""
+    c = median([x["tokens_per_sec"] for x in compiled])
+    diffs = [abs(a - b) for e, k in zip(eager, compiled) for a, b in zip(e["losses"], k["losses"])
+             if a is not None and b is not None]
+    return {"compiled_pipeline_tokens_per_sec": round(c, 1), "compile_speedup": round(c / eager_tps, 3),
+            "compile_max_loss_diff": max(diffs) if diffs else None, "compile_losses_equal": bool(diffs) and max(diffs) <= 1e-4}
 
 
 if __name__ == "__main__":

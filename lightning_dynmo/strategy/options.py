@@ -41,12 +41,13 @@ class PipelineOptions:
     process_group_backend: str | None
     activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/checkpointing.py)
     expert_parallel: int = 1  # replicas each stage's experts are split over (runtime/expert_parallel.py)
+    compile: bool = False  # torch.compile each local pipeline layer in place (runtime/compile.py)
 
     @classmethod
     def validate(cls, *, pipeline_parallel, schedule, microbatches, virtual_stages, balancer, partition,
                  memory_capacity, repack, repack_tolerance, plot, timeout, start_method,
                  process_group_backend, plot_interval=50, on_nonfinite="error",
-                 activation_checkpointing=False, expert_parallel=1) -> "PipelineOptions":
+                 activation_checkpointing=False, expert_parallel=1, compile=False) -> "PipelineOptions":
         pp = positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
         positive_int("expert_parallel", expert_parallel)
         spec = get_schedule(schedule)
@@ -71,6 +72,8 @@ class PipelineOptions:
                 f"is NaN/Inf), got {on_nonfinite!r}"
             )
         activation_checkpointing = check_activation_checkpointing(activation_checkpointing, memory_capacity)
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {compile!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
@@ -83,7 +86,7 @@ class PipelineOptions:
             memory_capacity=memory_capacity, repack=repack, repack_tolerance=float(repack_tolerance),
             plot=bool(plot), plot_interval=plot_interval, on_nonfinite=on_nonfinite, timeout=timeout or DEFAULT_TIMEOUT, start_method=start_method,
             process_group_backend=process_group_backend, activation_checkpointing=activation_checkpointing,
-            expert_parallel=expert_parallel,
+            expert_parallel=expert_parallel, compile=compile,
         )
 
 

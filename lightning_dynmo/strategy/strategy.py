@@ -62,6 +62,7 @@ from ..runtime.profiler import PipelineProfiler
 from ..runtime.step_stats import exchange_step_stats, share_eval_loss
 from ..runtime.tied import TiedParameters, find_tied_parameters
 from ..runtime.checkpointing import ActivationCheckpointing, layer_state_bytes
+from ..runtime.compile import compile_local_layers
 from ..runtime.materialize import materialize_pipeline, meta_init_context
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from . import checkpoint
@@ -131,6 +132,9 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             of its stage (must divide the replica count and every layer's ``num_experts``);
             tokens travel to their expert's owner by ``all_to_all`` (see
             :mod:`lightning_dynmo.runtime.expert_parallel`). 1: every replica holds every expert.
+        compile: ``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys
+            unchanged); a layer that arrives by migration is compiled on its new rank, the others
+            are not recompiled (see :mod:`lightning_dynmo.runtime.compile`).
 
     A model built under ``trainer.init_module(empty_init=True)`` (the meta device) is materialised
     layer by layer: each rank allocates and initialises only the layers it owns (see
@@ -163,6 +167,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         on_nonfinite: Literal["error", "skip", "ignore"] = "error",
         activation_checkpointing: bool | Literal["auto"] = False,
         expert_parallel: int = 1,
+        compile: bool = False,
         accelerator=None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment=None,
@@ -180,7 +185,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             virtual_stages=virtual_stages, balancer=balancer, partition=partition, memory_capacity=memory_capacity,
             repack=repack, repack_tolerance=repack_tolerance, plot=plot, timeout=timeout, start_method=start_method,
             process_group_backend=process_group_backend, plot_interval=plot_interval, on_nonfinite=on_nonfinite,
-            activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel,
+            activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel, compile=compile,
         )
         policy = RebalancePolicy(mode=rebalance, interval=rebalance_interval, threshold=imbalance_threshold,
                                  horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis,
@@ -466,8 +471,12 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
                               self.pipeline_group, self.root_device)
         loss_fn = self.lightning_module.pipeline_loss
         inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
-        return self.engines.get(placement, inputs, m, train, pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn,
-                                targets, inputs_fn if callable(inputs_fn) else None)
+        engine = self.engines.get(placement, inputs, m, train,
+                                  pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn, targets,
+                                  inputs_fn if callable(inputs_fn) else None)
+        if self.options.compile:  # placed at setup or arrived by migration (after the eager shape discovery)
+            compile_local_layers(self._layers, self.local_layer_indices())
+        return engine
 
     def invalidate_pipeline(self) -> None:
         """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
