@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "attention_dispatch.h"
+#include "check_format.h"
 #include "cpu_dispatch.h"
 
 TORCH_LIBRARY_FRAGMENT(ldsparse, m) {
@@ -80,9 +81,10 @@ struct Geometry {
 Geometry check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t bs,
                       const c10::optional<at::Tensor>& slot_token, const char* op) {
   TORCH_CHECK(q.dim() == 4, op, ": q, k, v must be [batch, heads, seq, head_dim], got q of shape ",
-              q.sizes());
+              shape(q.sizes()));
   TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), op,
-              ": q, k, v must have the same shape, got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+              ": q, k, v must have the same shape, got ", shape(q.sizes()), ", ", shape(k.sizes()), ", ",
+              shape(v.sizes()));
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), op,
               ": q, k, v must have the same dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, op,
@@ -90,13 +92,14 @@ Geometry check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   Geometry g{q.size(0), q.size(1), q.size(2), q.size(2), q.size(3), bs, 0, 0, 0, -1};
   for (int i = 0; i < kNumAttnBlocks; ++i)
     if (kAttnBlocks[i] == bs) g.bi = i;
-  TORCH_CHECK(g.bi >= 0, op, ": block_size must be 16, 32, 64 or 128, got ", bs);
+  TORCH_CHECK(g.bi >= 0, op, ": block_size must be 16, 32, 64 or 128, got ", num(bs));
   TORCH_CHECK(g.D >= 1, op, ": head_dim must be positive");
   if (slot_token.has_value()) {
     const auto& st = *slot_token;
     TORCH_CHECK(st.scalar_type() == at::kInt, op, ": slot_token must be int32, got ", st.scalar_type());
     TORCH_CHECK(st.dim() == 3 && st.size(0) == g.B && st.size(1) == g.H, op,
-                ": slot_token must be [B, H, slots] = [", g.B, ", ", g.H, ", S], got ", st.sizes());
+                ": slot_token must be [B, H, slots] = [", num(g.B), ", ", num(g.H), ", S], got ",
+                shape(st.sizes()));
     TORCH_CHECK(st.device().is_cpu() && st.is_contiguous(), op, ": slot_token must be contiguous on the CPU");
     g.S = st.size(2);
     // Every token exactly once per head, other slots -1: outputs are then fully written.
@@ -107,14 +110,15 @@ Geometry check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       int64_t mapped = 0;
       for (int64_t s = 0; s < g.S; ++s) {
         const int64_t t = p[bh * g.S + s];
-        TORCH_CHECK(t >= -1 && t < g.T, op, ": slot_token values must be -1 or a token in [0, ", g.T,
-                    "), got ", t);
+        TORCH_CHECK(t >= -1 && t < g.T, op, ": slot_token values must be -1 or a token in [0, ", num(g.T),
+                    "), got ", num(t));
         if (t < 0) continue;
-        TORCH_CHECK(!seen[t], op, ": token ", t, " has two slots in head ", bh);
+        TORCH_CHECK(!seen[t], op, ": token ", num(t), " has two slots in head ", num(bh));
         seen[t] = 1;
         ++mapped;
       }
-      TORCH_CHECK(mapped == g.T, op, ": every token needs a slot; head ", bh, " maps ", mapped, " of ", g.T);
+      TORCH_CHECK(mapped == g.T, op, ": every token needs a slot; head ", num(bh), " maps ", num(mapped), " of ",
+                num(g.T));
     }
   }
   g.nblk = (g.S + bs - 1) / bs;
@@ -133,9 +137,9 @@ void check_layout(const at::Tensor& ptr, const at::Tensor& idx, const Geometry& 
   TORCH_CHECK(ptr.scalar_type() == at::kInt && idx.scalar_type() == at::kInt, op, ": ", pn, " and ",
               in, " must be int32, got ", ptr.scalar_type(), " and ", idx.scalar_type());
   TORCH_CHECK(ptr.dim() == 3 && ptr.size(0) == g.B && ptr.size(1) == g.H && ptr.size(2) == g.nblk + 1,
-              op, ": ", pn, " must have shape [B, H, ceil(S / block_size) + 1] = [", g.B, ", ", g.H,
-              ", ", g.nblk + 1, "] (S = ", g.S, " slots), got ", ptr.sizes());
-  TORCH_CHECK(idx.dim() == 1, op, ": ", in, " must be 1-D, got shape ", idx.sizes());
+              op, ": ", pn, " must have shape [B, H, ceil(S / block_size) + 1] = [", num(g.B), ", ",
+              num(g.H), ", ", num(g.nblk + 1), "] (S = ", num(g.S), " slots), got ", shape(ptr.sizes()));
+  TORCH_CHECK(idx.dim() == 1, op, ": ", in, " must be 1-D, got shape ", shape(idx.sizes()));
   TORCH_CHECK(ptr.device().is_cpu() && idx.device().is_cpu(), op, ": layout must be on the CPU");
   TORCH_CHECK(ptr.is_contiguous() && idx.is_contiguous(), op, ": layout tensors must be contiguous");
   const int32_t* p = ptr.data_ptr<int32_t>();
@@ -145,24 +149,25 @@ void check_layout(const at::Tensor& ptr, const at::Tensor& idx, const Geometry& 
   for (int64_t bh = 0; bh < g.heads(); ++bh) {
     const int32_t* pp = p + bh * (n + 1);
     TORCH_CHECK(pp[0] == end, op, ": ", pn, "[b, h, 0] must equal the previous head's last offset (",
-                end, "; heads are stored one after another), got ", pp[0], " at head ", bh);
+                num(end), "; heads are stored one after another), got ", num(pp[0]), " at head ", num(bh));
     for (int64_t r = 0; r < n; ++r) {
       TORCH_CHECK(pp[r] <= pp[r + 1] && pp[r + 1] <= nnz, op, ": ", pn,
-                  " must be non-decreasing and at most ", in, ".numel() = ", nnz);
+                  " must be non-decreasing and at most ", in, ".numel() = ", num(nnz));
       int64_t prev = -1;
       for (int64_t e = pp[r]; e < pp[r + 1]; ++e) {
         const int64_t c = ix[e];
         TORCH_CHECK(c > prev, op, ": ", in, " must be strictly increasing within a block row");
         TORCH_CHECK(c >= 0 && c < n && (transposed ? c >= r : c <= r), op,
-                    ": layout is not causal or out of range: block (", transposed ? c : r, ", ",
-                    transposed ? r : c, ") of head ", bh, " (query block, key block) needs key <= query < ", n);
+                    ": layout is not causal or out of range: block (", num(transposed ? c : r), ", ",
+                    num(transposed ? r : c), ") of head ", num(bh),
+                    " (query block, key block) needs key <= query < ", num(n));
         prev = c;
       }
     }
     end = pp[n];
   }
-  TORCH_CHECK(end == nnz, op, ": the last offset of ", pn, " (", end, ") must equal ", in,
-              ".numel() (", nnz, ")");
+  TORCH_CHECK(end == nnz, op, ": the last offset of ", pn, " (", num(end), ") must equal ", in,
+              ".numel() (", num(nnz), ")");
 }
 
 struct Scratch {  // 64-byte aligned per-thread buffer
@@ -228,7 +233,7 @@ class Workspace {
   }
   static char* allocate(size_t bytes) {
     char* p = static_cast<char*>(std::aligned_alloc(64, std::max<size_t>(64, bytes)));
-    TORCH_CHECK(p != nullptr, "ldsparse: cannot allocate ", bytes, " bytes of attention workspace");
+    TORCH_CHECK(p != nullptr, "ldsparse: cannot allocate ", num(bytes), " bytes of attention workspace");
     return p;
   }
   std::vector<size_t> offsets_;
@@ -462,7 +467,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_attn_bwd_cpu(
   TORCH_CHECK(grad_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes(), op,
               ": grad_out and out must have q's shape");
   TORCH_CHECK(lse_in.dim() == 3 && lse_in.size(0) == g.B && lse_in.size(1) == g.H && lse_in.size(2) == g.S,
-              op, ": lse must be [B, H, S] (S = ", g.S, " slots), got ", lse_in.sizes());
+              op, ": lse must be [B, H, S] (S = ", num(g.S), " slots), got ", shape(lse_in.sizes()));
   TORCH_CHECK(grad_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type() &&
               lse_in.scalar_type() == q_in.scalar_type(), op, ": grad_out, out, lse must have q's dtype");
   auto dq = at::empty({g.B, g.H, g.T, g.D}, q_in.options());

@@ -124,7 +124,7 @@ void check_csr_ends(const at::Tensor& crow, const at::Tensor& col, const char* o
   const int32_t* cr = crow.data_ptr<int32_t>();
   const int64_t rows = crow.numel() - 1;
   TORCH_CHECK(cr[0] == 0 && cr[rows] == col.numel(), op, ": crow_indices must start at 0 and end at "
-              "the number of non-zeros (", col.numel(), "), got ", cr[0], " and ", cr[rows]);
+              "the number of non-zeros (", num(col.numel()), "), got ", num(cr[0]), " and ", num(cr[rows]));
 }
 
 struct Scratch {  // 64-byte aligned per-thread tile buffer
@@ -258,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_transpose_cpu(const at::Tenso
                                                                  const at::Tensor& col_in,
                                                                  int64_t n_cols) {
   check_csr(crow_in, col_in, "ldsparse.csr_transpose");
-  TORCH_CHECK(n_cols >= 0, "ldsparse.csr_transpose: n_cols must be >= 0, got ", n_cols);
+  TORCH_CHECK(n_cols >= 0, "ldsparse.csr_transpose: n_cols must be >= 0, got ", num(n_cols));
   check_fits_int(n_cols, "n_cols", "ldsparse.csr_transpose");
   const auto crow = crow_in.cpu().contiguous(), col = col_in.cpu().contiguous();
   check_csr_ends(crow, col, "ldsparse.csr_transpose");
@@ -271,8 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> csr_transpose_cpu(const at::Tenso
   const int32_t* ci = col.data_ptr<int32_t>();
   int32_t* ct = crow_t.data_ptr<int32_t>();
   for (int64_t j = 0; j < nnz; ++j) {
-    TORCH_CHECK(ci[j] >= 0 && ci[j] < n_cols, "ldsparse.csr_transpose: col_indices[", j, "] = ", ci[j],
-                " is outside [0, n_cols = ", n_cols, ")");
+    TORCH_CHECK(ci[j] >= 0 && ci[j] < n_cols, "ldsparse.csr_transpose: col_indices[", num(j), "] = ",
+                num(ci[j]), " is outside [0, n_cols = ", num(n_cols), ")");
     ++ct[ci[j] + 1];
   }
   for (int64_t c = 0; c < n_cols; ++c) ct[c + 1] += ct[c];

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "attention_kernels.cuh"
+#include "check_format.h"
 
 namespace ldsparse {
 namespace {
@@ -30,9 +31,9 @@ Shape check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
               ": q, k, v must have the same dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, op,
               " (CUDA): float32 or bfloat16 only, got ", q.scalar_type());
-  TORCH_CHECK(bs == 16 || bs == 32 || bs == 64 || bs == 128, op, ": block_size must be 16, 32, 64 or 128, got ", bs);
+  TORCH_CHECK(bs == 16 || bs == 32 || bs == 64 || bs == 128, op, ": block_size must be 16, 32, 64 or 128, got ", num(bs));
   TORCH_CHECK(q.size(3) >= 1 && q.size(3) <= ak::kMaxHeadDim, op, " (CUDA): head_dim must be in [1, ",
-              ak::kMaxHeadDim, "], got ", q.size(3));
+              num(ak::kMaxHeadDim), "], got ", num(q.size(3)));
   Shape s{q.size(0), q.size(1), q.size(2), q.size(2), q.size(3), 0};
   if (slot_token.has_value()) {
     const auto& st = *slot_token;
