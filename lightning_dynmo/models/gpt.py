@@ -350,12 +350,11 @@ class GPT(CausalLMModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: for sampling)."""
+        k = self.config.head_chunks
         x = idx
-        for layer in self.layers[: self.head_index]:
+        for layer in self.layers if k == 1 else self.layers[:-k]:
             x = layer(x)
-        if self.config.head_chunks > 1:
-            return head_logits(self.layers[self.head_index:], x)
-        return self.layers[-1](x)
+        return x if k == 1 else head_logits(self.layers[-k:], x)
 
     # ------------------------------------------------------------------ lightning hooks
     def on_train_batch_start(self, batch, batch_idx) -> None:
