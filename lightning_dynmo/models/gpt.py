@@ -379,11 +379,6 @@ class GPT(CausalLMModule):
         """Block-granularity index of the (first) LM head layer: its seed and its checkpoint key."""
         return self.config.n_layer + 2
 
-    @property
-    def first_head_layer(self) -> int:
-        """Pipeline index of the (first) LM head layer, whatever the granularity."""
-        return len(self.layers) - self.config.head_chunks
-
     def lm_loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.config.head_chunks == 1:
             return super().lm_loss(idx, targets)
@@ -391,12 +386,11 @@ class GPT(CausalLMModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: for sampling)."""
+        k = self.config.head_chunks
         x = idx
-        for layer in self.layers[: self.first_head_layer]:
+        for layer in self.layers if k == 1 else self.layers[:-k]:
             x = layer(x)
-        if self.config.head_chunks > 1:
-            return head_logits(self.layers[self.first_head_layer:], x)
-        return self.layers[-1](x)
+        return x if k == 1 else head_logits(self.layers[-k:], x)
 
     # ------------------------------------------------------------------ lightning hooks
     def on_train_batch_start(self, batch, batch_idx) -> None:
