@@ -34,6 +34,7 @@ from ..runtime.migration import MigrationStats, execute_migration
 from ..runtime.profiler import layer_memory_bytes
 from ..runtime.step_stats import StepStats
 from .recorder import DecisionRecorder, write_cost_trace
+from .requests import PEER_REQUEST, agree_on_actions
 
 if TYPE_CHECKING:
     from .strategy import DynMoStrategy
@@ -108,11 +109,11 @@ class Rebalancer:
         if self._decide_next:
             self._decide_next = False
             s.profiler.stop_layer_profiling()
-            self._act_on_profile(step, self._profiling_reason or "peer request")
+            self._act_on_profile(step, self._profiling_reason or PEER_REQUEST)
             self._profiled_steps = 0
             acted = True
         elif self._profiled_steps:  # inside a profile window (the same step on every rank): keep measuring
-            self._profiling_reason = self._profiling_reason or "peer request"
+            self._profiling_reason = self._profiling_reason or PEER_REQUEST
             if not s.profiler.layer_profiling:
                 s.profiler.start_layer_profiling(s.layers, s.local_layer_indices())
             return
@@ -279,9 +280,10 @@ class Rebalancer:
         costs, events = self.gather_layer_costs()
         self.profiled_costs, self.profile_step = costs, step
         self._trace(step, costs)
-        if self.policy.mode != "never" and not reason.startswith("repack"):
+        rebalance, requested = agree_on_actions(reason, self._repack_requested, self.strategy.root_device)
+        if self.policy.mode != "never" and rebalance:
             self._rebalance(step, reason, costs, events, samples=self.load_cost_samples())
-        target = self._repack_requested if self._repack_requested is not None else self.repack
+        target = requested if requested is not None else self.repack
         self._repack_requested = None
         if target != "off" and self.strategy.layout.pp_size > 1:
             self._repack(step, target, costs)

@@ -64,13 +64,13 @@ from ..runtime.checkpointing import ActivationCheckpointing, layer_state_bytes
 from ..runtime.materialize import materialize_pipeline, meta_init_context
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from . import checkpoint
-from .collectives import WorldCollectives
+from .collectives import WorldCollectives, explain_timeout
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
 from .partial_batch import BatchSizes, check_last_batch
 from .rebalancer import Rebalancer
-from .step_guard import check_before_run
+from .step_guard import check_before_run, waiting_hint
 from .recorder import log_step
 
 log = logging.getLogger(__name__)
@@ -478,7 +478,9 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
                          o.virtual_stages, o.microbatches)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.rebalancer.before_step(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        with explain_timeout(waiting_hint(self.global_rank, step)):  # a decision's collectives
+            self.rebalancer.before_step(step)
 
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
@@ -571,7 +573,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
 
     def request_repack(self, target: int | str = "auto") -> None:
         """Ask to pack the pipeline onto ``target`` ranks (or ``"auto"``): the next step is
-        profiled and then packed, under any ``rebalance`` mode. Call on every rank."""
+        profiled and then packed, under any ``rebalance`` mode. A request made on some ranks only
+        acts on all of them (agreed at the decision, see strategy/requests.py)."""
         self.rebalancer.request_repack(target)
 
     @property

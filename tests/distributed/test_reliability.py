@@ -157,6 +157,7 @@ ZERO_BUBBLE = [s for s in SCHEDULES if get_schedule(s).cost_schedule == "zero_bu
 PARTIAL = dict(n_layer=2, steps=5, n_samples=30, drop_last=False, microbatches=4)
 # the whole first stage (layers 0-1 of 7) frozen before the first step, unfrozen by hand at step 2
 UNFREEZE = dict(n_layer=4, steps=5, partition=[0, 2, 7], rebalance="never", unfreeze={"n": 2, "freeze_at": 0, "unfreeze_at": 2})
+REPACK_RANK0 = dict(n_layer=2, steps=5, rebalance="never")
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
                balancer="partition_time", rebalance="every_n", rebalance_interval=2, save_state=True, late_start=4)
 
@@ -182,6 +183,7 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(case="augment", n_layer=2, steps=4, augment=True, dropout=0.1),
         dict(UNFREEZE, case="unfreeze"),
         dict(case="finetune", n_layer=4, steps=4, n_samples=16, partition=[0, 2, 7], rebalance="never"),
+        dict(REPACK_RANK0, case="repack_rank0"),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -302,6 +304,16 @@ def test_batches_that_drift_apart_after_the_first_step_stop_every_rank(cases):
     _assert_fails_everywhere(res, "PipelineBatchMismatchError", "different batches (step 1)", "global RNG",
                              "torch.Generator().manual_seed")
     assert all(len(r["losses"]) == 1 for r in res["per_rank"]), res  # step 0 agreed and trained
+
+
+# ------------------------------------------------------------------- issue 26, item 7
+def test_a_repack_requested_on_rank_0_only_is_agreed_and_packs(cases):
+    """Requests are agreed like rebalance requests (it used to hang: rank 0 packed alone)."""
+    res = cases["repack_rank0"]
+    assert _errors(res) == [None, None], _errors(res)
+    assert [r["pipeline_ranks"] for r in res["per_rank"]] == [1, 1]
+    reference = _single_process_losses(REPACK_RANK0, REPACK_RANK0["steps"])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
 
 
 # ------------------------------------------------------------------- issue 26, item 8
