@@ -53,7 +53,7 @@ from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, s
 from ..runtime.engine import EngineCache, Placement
 from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
-from ..runtime.groups import build_groups
+from ..runtime.groups import build_groups, build_packed_groups
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
 from ..runtime.placement import check_local_layers_present, collect_load_factors, drop_remote_layers
@@ -317,6 +317,9 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.pipeline_group, self.data_parallel_group, self.replica_pipeline_groups = build_groups(
             self.layout.topology, self.global_rank, o.timeout
         )
+        if self.layout.packed_pp is not None:  # test/validate after a re-pack: the pipelines fit ended with
+            self.replica_pipeline_groups = build_packed_groups(self.layout.topology, self.layout.packed_pp, o.timeout)
+            self.pipeline_group = None if self.released else self.replica_pipeline_groups[self.layout.dp_rank]
         self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
 
     def teardown(self) -> None:

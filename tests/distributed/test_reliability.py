@@ -539,3 +539,20 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
         for p in pids:  # clean up what this test started, by pid
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------- issue 26, item 6
+def test_trainer_test_and_validate_after_a_repack_equal_single_process(tmp_path):
+    """After ``request_repack(1)`` at step 2 rank 1 is released; ``trainer.test`` and then
+    ``trainer.validate`` on the same trainer used to hang (the kept rank in shape discovery on
+    the unpacked group, the released rank in the loss exchange)."""
+    from tests.distributed.test_equivalence import base, check_evaluation
+
+    cfg = base(steps=4, request_repack=[2, 1], evaluate={"val_batches": 2, "test": True, "validate": True},
+               timeout=20)
+    res = run_worker(tmp_path, 2, [cfg], timeout=300)[0]
+    assert [h["ranks_after"] for h in res["history"] if h.get("kind") == "repack"] == [1], res["history"]
+    assert res["released_per_rank"] == [False, True]
+    check_evaluation(res, cfg)  # validation inside fit and trainer.test, against one process
+    assert "validate_error" not in res, res["validate_error"]
+    assert res["validate_metrics"]["val_loss"] == pytest.approx(res["metrics"]["val_loss"], rel=1e-6)
