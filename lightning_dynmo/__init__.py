@@ -19,6 +19,8 @@ from .plan.policy import Decision
 from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad
 from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy
+from .strategy.partial_batch import PartialBatchError
+from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError
 
 __all__ = [
     "BalanceProblem",
@@ -34,7 +36,10 @@ __all__ = [
     "LayerFreezing",
     "MixtureOfDepths",
     "MoELoadMonitor",
+    "OptimizerGroupsChangedError",
+    "PartialBatchError",
     "Partition",
+    "PipelineBatchMismatchError",
     "PipelineControl",
     "PipelineProtocolError",
     "RemoteLayer",
