@@ -20,6 +20,8 @@ from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, Repor
 from .plan.schedules import available_schedules
 from .runtime.activations import run_layers
 from .strategy import DynMoStrategy
+from .strategy.partial_batch import PartialBatchError
+from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError
 
 __all__ = [
     "BalanceProblem",
@@ -35,7 +37,10 @@ __all__ = [
     "LayerFreezing",
     "MixtureOfDepths",
     "MoELoadMonitor",
+    "OptimizerGroupsChangedError",
+    "PartialBatchError",
     "Partition",
+    "PipelineBatchMismatchError",
     "PipelineControl",
     "PipelineProtocolError",
     "RemoteLayer",

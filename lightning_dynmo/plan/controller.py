@@ -36,6 +36,8 @@ LOAD_SAMPLE_STEPS = 8
 #: Loads within this of a no-op decision's from counters repeat it: skipped at the cost of a comparison.
 LOAD_TOLERANCE = 0.01
 
+PEER_REQUEST = "peer request"  # the reason of a rank that profiled only because another rank asked
+
 
 @dataclass(frozen=True)
 class StepActions:
@@ -95,10 +97,10 @@ class RebalanceController:
         if self.decide_next:
             self.decide_next = False
             self.closed_window_steps, self.profiled_steps = self.profiled_steps, 0
-            reason, self.profiling_reason = self.profiling_reason or "peer request", None
+            reason, self.profiling_reason = self.profiling_reason or PEER_REQUEST, None
             return reason
         if self.profiled_steps:
-            self.profiling_reason = self.profiling_reason or "peer request"
+            self.profiling_reason = self.profiling_reason or PEER_REQUEST
         return None
 
     def plan(self, step: int, decided: bool) -> StepActions:

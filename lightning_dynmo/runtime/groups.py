@@ -5,6 +5,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..plan.layout import PipelineLayout
 from ..plan.topology import Topology
 
 
@@ -21,6 +22,16 @@ def build_groups(topo: Topology, rank: int, timeout: timedelta):
     if topo.dp > 1:
         dp_groups = [dist.new_group(topo.replica_ranks(s), timeout=timeout) for s in range(topo.pp)]
         dp_group = dp_groups[topo.pp_rank(rank)]
+    return pp_group, dp_group, pp_groups
+
+
+def groups_of_layout(layout: PipelineLayout, rank: int, timeout: timedelta):
+    """:func:`build_groups` for ``layout``; where it was packed (a ``trainer.test``/``validate``
+    after a fit that re-packed) the pipeline groups are the packed ones fit ended with."""
+    pp_group, dp_group, pp_groups = build_groups(layout.topology, rank, timeout)
+    if layout.packed_pp is not None:
+        pp_groups = build_packed_groups(layout.topology, layout.packed_pp, timeout)
+        pp_group = None if layout.released else pp_groups[layout.dp_rank]
     return pp_group, dp_group, pp_groups
 
 

@@ -38,11 +38,18 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from ..protocol import state_dict_key
 from ..runtime.merged_parameters import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
 from ..runtime.optimizer_layout import OptimizerLayout
+from .collectives import explain_timeout
 
 if TYPE_CHECKING:
     from .strategy import DynMoStrategy
 
 _MAX_LISTED = 30
+SAVE_ON_EVERY_RANK = (
+    "Saving gathers every pipeline rank's layers onto rank 0, and a rank did not join (if none stopped, see "
+    "its log): trainer.save_checkpoint (and the strategy's "
+    "lightning_module_state_dict / optimizer_state) must be called on every rank, not under "
+    "`if trainer.is_global_zero:` (ModelCheckpoint already calls it on every rank)"
+)
 
 
 class CheckpointError(RuntimeError):
@@ -159,7 +166,8 @@ def gather_to_zero(strategy: "DynMoStrategy", obj: Any) -> list[Any] | None:
     if strategy.layout.pp_size == 1:
         return [obj]
     out = [None] * strategy.layout.pp_size if strategy.global_rank == 0 else None
-    dist.gather_object(obj, out, dst=0, group=strategy.replica_pipeline_groups[0])
+    with explain_timeout(SAVE_ON_EVERY_RANK):
+        dist.gather_object(obj, out, dst=0, group=strategy.replica_pipeline_groups[0])
     return out
 
 

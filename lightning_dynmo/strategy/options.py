@@ -13,7 +13,7 @@ from ..plan.partition import Partition
 from ..plan.repack import check_repack_target
 from ..plan.schedules import ScheduleSpec, get_schedule
 from ..plan.validation import positive_int
-from ..protocol import PipelineProtocolError, pipeline_layers_of
+from ..protocol import PipelineProtocolError, RemoteLayer, pipeline_layers_of
 from ..runtime.checkpointing import check_activation_checkpointing
 from ..runtime.expert_parallel import check_expert_parallel_model
 
@@ -137,6 +137,16 @@ def check_stage_count(num_layers: int, num_stages: int, pipeline_parallel: int, 
 # compute pipeline_loss): such a training_step loses nothing when it is skipped
 _PIPELINE_NAMES = {"pipeline_loss", "pipeline_layers", "forward", "training_step", "super", "layers",
                    "size", "shape", "view", "reshape", "flatten", "float", "long", "to", "mean", "detach", "item"}
+
+
+def check_not_split(layers, rank: int) -> None:
+    """A second ``fit`` on a module an earlier fit split across the pipeline is refused."""
+    if any(isinstance(layer, RemoteLayer) for layer in layers):
+        raise RuntimeError(
+            f"rank {rank}: this module was already split across the pipeline by an earlier fit; "
+            "its optimizer cannot be rebuilt from the local layers alone. Build a fresh module and resume with "
+            "trainer.fit(model, ckpt_path=...) (checkpoints load under any partition)."
+        )
 
 
 def skipped_training_step_warning(module) -> str | None:

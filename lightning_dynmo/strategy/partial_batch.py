@@ -41,15 +41,22 @@ def _no_count(spec: ScheduleSpec, size: int, full: int, pp: int) -> PartialBatch
 
 
 class BatchSizes:
-    """Micro-batch counts per batch size, with the partial-batch rule of the module docstring."""
+    """Micro-batch counts per batch size for the strategy's ``options``, with the partial-batch
+    rule of the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, options) -> None:
+        self.options = options
         self.largest = 0
         self._told: set[int] = set()
 
-    def microbatches(self, spec: ScheduleSpec, batch_size: int, pp: int, virtual: int,
-                     pinned: int | None) -> tuple[int, bool]:
+    def check_loader(self, loaders, pp: int) -> None:
+        """Before the first step (see :func:`check_last_batch`)."""
+        o = self.options
+        check_last_batch(loaders, o.schedule, pp, o.virtual_stages, o.microbatches)
+
+    def microbatches(self, batch_size: int, pp: int) -> tuple[int, bool]:
         """``(count, partial)``: ``partial`` when ``batch_size`` ran with the fallback count."""
+        spec, virtual, pinned = self.options.schedule, self.options.virtual_stages, self.options.microbatches
         self.largest = max(self.largest, batch_size)
         try:
             return choose_microbatches(spec, batch_size, pp, virtual, pinned), False

@@ -37,6 +37,7 @@ from ..runtime.migration import MigrationStats, execute_migration
 from ..runtime.profiler import layer_memory_bytes
 from ..runtime.step_stats import StepStats
 from .recorder import DecisionRecorder, write_cost_trace
+from .requests import agree_on_actions
 
 if TYPE_CHECKING:
     from .strategy import DynMoStrategy
@@ -235,11 +236,11 @@ class Rebalancer:
         costs, events = self.gather_layer_costs(timelines=self.recorder.plot)
         c.profiled(step, costs)
         self._trace(step, costs)
-        if self.policy.mode != "never" and not reason.startswith("repack"):
+        # a request made on some ranks only acts on all (strategy/requests.py): one small all-reduce
+        rebalance, requested = agree_on_actions(reason, c.take_repack(), self.strategy.root_device)
+        if self.policy.mode != "never" and rebalance:
             self._rebalance(step, reason, costs, events, samples=c.load_cost_samples(), started=started)
-        target = c.take_repack()
-        if target is None:
-            target = self.repack
+        target = requested if requested is not None else self.repack
         if target != "off" and self.strategy.layout.pp_size > 1:
             self._repack(step, target, costs)
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.engine import first_stage_inputs, output_requires_grad
+from .collectives import explain_timeout
 
 
 class PipelineBatchMismatchError(RuntimeError):
@@ -32,6 +33,13 @@ class PipelineBatchMismatchError(RuntimeError):
 
 class OptimizerGroupsChangedError(RuntimeError):
     """An optimizer gained or lost param groups after setup."""
+
+
+def waiting_hint(rank: int, step: int) -> str:
+    """What a timeout in a step's collectives most likely means (see ``explain_timeout``)."""
+    return (f"rank {rank} waited for the other ranks in step {step}: a rank stopped, or is inside a call that every "
+            "rank must make and only some made (trainer.save_checkpoint, strategy.rebalance_to / repack_to / "
+            "gather_layer_costs)")
 
 
 def batch_digest(t: torch.Tensor) -> float:
@@ -73,7 +81,8 @@ def check_before_run(strategy, inputs: torch.Tensor, targets: torch.Tensor, step
                      dtype=torch.float64, device=s.root_device)
     if s.layout.pp_size > 1:
         both = torch.cat([v, -v])
-        dist.all_reduce(both, op=dist.ReduceOp.MIN, group=s.pipeline_group)
+        with explain_timeout(waiting_hint(s.global_rank, step)):
+            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=s.pipeline_group)
         lo, hi = both[:5], -both[5:]
     else:
         lo = hi = v

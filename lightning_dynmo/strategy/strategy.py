@@ -54,7 +54,7 @@ from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, s
 from ..runtime.engine import EngineCache, Placement, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
-from ..runtime.groups import build_groups
+from ..runtime.groups import groups_of_layout
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
 from ..runtime.placement import check_local_layers_present, collect_load_factors, drop_remote_layers
@@ -66,13 +66,13 @@ from ..runtime.compile import compile_local_layers
 from ..runtime.materialize import materialize_pipeline, meta_init_context
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from . import checkpoint
-from .collectives import WorldCollectives
+from .collectives import WorldCollectives, explain_timeout
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
-from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, skipped_training_step_warning
-from .partial_batch import BatchSizes, check_last_batch
+from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, check_not_split, skipped_training_step_warning
+from .partial_batch import BatchSizes
 from .rebalancer import Rebalancer
-from .step_guard import check_before_run
+from .step_guard import check_before_run, waiting_hint
 from .recorder import dynmo_summary_text, log_step
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._layers_attr = ""
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
-        self._batch_sizes = BatchSizes()
+        self._batch_sizes = BatchSizes(self.options)
         self._apply_step = True
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
@@ -326,9 +326,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         die_with_launcher(self.local_rank)  # a rank must not outlive the process that launched it
         if backend != "nccl":  # Lightning registers this for NCCL only; gloo threads need it too
             atexit.register(_destroy_dist_connection)
-        self.pipeline_group, self.data_parallel_group, self.replica_pipeline_groups = build_groups(
-            self.layout.topology, self.global_rank, o.timeout
-        )
+        self.pipeline_group, self.data_parallel_group, self.replica_pipeline_groups = groups_of_layout(
+            self.layout, self.global_rank, o.timeout)
         self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
 
     def teardown(self) -> None:
@@ -410,13 +409,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and any(isinstance(layer, RemoteLayer) for layer in layers):
-            raise RuntimeError(
-                f"rank {self.global_rank}: this module was already split across the pipeline by an earlier fit; "
-                "its optimizer cannot be rebuilt from the local layers alone. Build a fresh module and resume with "
-                "trainer.fit(model, ckpt_path=...) (checkpoints load under any partition)."
-            )
         if fitting:
+            check_not_split(layers, self.global_rank)
             message = skipped_training_step_warning(module)
             if message:
                 rank_zero_warn(message)
@@ -462,9 +456,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
 
     # ------------------------------------------------------------------ pipeline execution
     def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
-        o = self.options  # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
-        m, partial = self._batch_sizes.microbatches(o.schedule, inputs.shape[0], self.layout.pp_size, o.virtual_stages,
-                                                    o.microbatches)
+        # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
+        m, partial = self._batch_sizes.microbatches(inputs.shape[0], self.layout.pp_size)
         if train and not partial:
             self.last_microbatches = m
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
@@ -502,12 +495,12 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         return list(self.rebalancer.layer_load)
 
     def on_train_start(self) -> None:
-        o = self.options
-        check_last_batch(self.lightning_module.trainer.train_dataloader, o.schedule, self.layout.pp_size,
-                         o.virtual_stages, o.microbatches)
+        self._batch_sizes.check_loader(self.lightning_module.trainer.train_dataloader, self.layout.pp_size)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.rebalancer.before_step(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        with explain_timeout(waiting_hint(self.global_rank, step)):  # a decision's collectives
+            self.rebalancer.before_step(step)
 
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
@@ -603,7 +596,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
 
     def request_repack(self, target: int | str = "auto") -> None:
         """Ask to pack the pipeline onto ``target`` ranks (or ``"auto"``): the next step is
-        profiled and then packed, under any ``rebalance`` mode. Call on every rank."""
+        profiled and then packed, under any ``rebalance`` mode. A request made on some ranks only
+        acts on all of them (agreed at the decision, see strategy/requests.py)."""
         self.rebalancer.request_repack(target)
 
     @property

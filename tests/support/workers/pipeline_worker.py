@@ -219,13 +219,15 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         torch.save(optim, result["optim"])
         if cfg.get("save_ckpt"):
             result["ckpt"] = os.path.join(ckpt_dir, "last.ckpt")
-    if evaluate and evaluate.get("test"):  # the usual Lightning flow: fit, then test on the same trainer
+    for stage in ("test", "validate"):  # the usual Lightning flow: fit, then test/validate on the same trainer
+        if not (evaluate and evaluate.get(stage)):
+            continue
         try:
-            out = trainer.test(model, dataloaders=eval_loader(cfg, cfg["batch"]), verbose=False)
-            result["test_metrics"] = out[0] if out else {}
+            out = getattr(trainer, stage)(model, dataloaders=eval_loader(cfg, cfg["batch"]), verbose=False)
+            result[f"{stage}_metrics"] = out[0] if out else {}
         except Exception as exc:  # noqa: BLE001 - reported to the test, which says what it expected
-            result["test_error"] = f"{type(exc).__name__}: {exc}"
-            print(f"rank {trainer.global_rank}: trainer.test failed: {result['test_error']}", flush=True)
+            result[f"{stage}_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"rank {trainer.global_rank}: trainer.{stage} failed: {result[f'{stage}_error']}", flush=True)
     return result
 
 

@@ -134,6 +134,14 @@ class FinetuneFirstLayers(L.pytorch.callbacks.BaseFinetuning):
             self.unfreeze_and_add_param_group(list(pl_module.pipeline_layers())[:2], optimizer)
 
 
+class RepackOnRankZero(L.Callback):
+    """``request_repack(1)`` at the end of step 1, on rank 0 only (``if trainer.is_global_zero``)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 1 and trainer.is_global_zero:
+            trainer.strategy.request_repack(1)
+
+
 class SeedGlobalRNG(L.Callback):
     """``torch.manual_seed`` on every rank when training starts (what ``seed_everything`` does):
     the ranks' global RNGs agree there and drift apart as dropout runs on some ranks only."""
@@ -256,6 +264,8 @@ def build(cfg: dict, out_dir: str, idx: int):
         callbacks.append(BatchOrder())
     if cfg.get("augment"):
         callbacks.append(SeedGlobalRNG())
+    if case == "repack_rank0":
+        callbacks.append(RepackOnRankZero())
     if case == "finetune":
         callbacks.append(FinetuneFirstLayers())
     if case == "unfreeze":
@@ -316,6 +326,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         "hook_calls": getattr(trainer.lightning_module, "hook_calls", None),
         "order": next((c.first_tokens for c in callbacks if isinstance(c, BatchOrder)), None),
         "costs": next((c.costs for c in callbacks if isinstance(c, ProfileOnce)), None),
+        "pipeline_ranks": trainer.strategy.layout.pp_size if trainer.strategy.layout else None,
     }
     per_rank = [None] * world
     dist.all_gather_object(per_rank, local)
