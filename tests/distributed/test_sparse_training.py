@@ -50,10 +50,18 @@ def test_csr_training_under_pp2_dp2_equals_masked_dense(results):
     assert a["memory"]["ratio"] < 0.15 and ref["memory"]["ratio"] == pytest.approx(1.0)
 
 
+def gradients_and_presence_mask_only(sent: list, grads: list) -> bool:
+    """The data-parallel exchange is the gradients plus the presence mask of
+    runtime/gradients.py (one float32 per trainable parameter of the stage: a few hundred bytes
+    here, where one frozen or dense tensor sent by mistake adds thousands)."""
+    extra = [s - g for s, g in zip(sent, grads)]
+    return len(sent) == len(grads) and all(0 <= e <= 4 * 64 and e % 4 == 0 for e in extra)
+
+
 def test_data_parallel_exchange_carries_only_trainable_kept_values(results):
     (a, _, _), _, _ = results
     sent, grads = a["sent"], a["grads"]
-    assert sent == grads  # exactly the gradients: CSR layers' kept values, no frozen parameters
+    assert gradients_and_presence_mask_only(sent, grads), (sent, grads)  # CSR kept values, no frozen parameters
     assert a["frozen_with_grad"] == [0.0] * len(sent)
     assert sent[3] < 0.5 * sent[0]  # 78.75 % sparse
     assert sent[4] < sent[3]  # the embedding and block 1 froze: they left the exchange
@@ -84,5 +92,6 @@ def test_egeria_freezing_with_migrations_decides_as_one_process(results):
     (_, _, c), (_, _, ref_c), _ = results
     assert c["freezing"] == ref_c["freezing"] == [[5, 1], [7, 2], [9, 3]]
     assert sum(h["applied"] for h in c["history"]) >= 5  # layers (and their references) moved meanwhile
-    assert c["sent"] == c["grads"] and c["sent"][-1] < c["sent"][5] < c["sent"][0]  # frozen layers leave the exchange
+    assert gradients_and_presence_mask_only(c["sent"], c["grads"]), (c["sent"], c["grads"])
+    assert c["sent"][-1] < c["sent"][5] < c["sent"][0]  # frozen layers leave the exchange
     torch.testing.assert_close(torch.tensor(c["losses"]), torch.tensor(ref_c["losses"]), rtol=1e-5, atol=0)
