@@ -250,6 +250,11 @@ def shard_slots(sent: Tensor, size: int) -> Tensor:
     return sent.reshape(size, size, -1).sum(dim=(0, 2))
 
 
+# torch >= 2.12 names it all_gather_single; older releases (2.4-2.11, e.g. CUDA images) only have
+# all_gather_into_tensor, the same collective under its earlier name
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def run_sharded_experts(local: Callable[[Tensor, Tensor], Tensor], x: Tensor, counts: Tensor,
                         ep: ExpertParallel) -> tuple[Tensor, Tensor]:
     """Experts of a sharded layer on tokens ``x`` sorted by global expert (``counts [E]`` rows
@@ -259,7 +264,7 @@ def run_sharded_experts(local: Callable[[Tensor, Tensor], Tensor], x: Tensor, co
     size, me = ep.size, ep.shard.rank
     n = counts.numel() // size
     sent = counts.new_empty(size * counts.numel())
-    dist.all_gather_single(sent, counts.contiguous(), group=ep.peers)  # row p: peer p's rows per expert
+    _all_gather_flat(sent, counts.contiguous(), group=ep.peers)  # row p: peer p's rows per expert
     sent = sent.view(size, size * n)
     received = sent[:, me * n:(me + 1) * n]  # row j: peer j's rows per local expert
     send = counts.view(size, n).sum(1).tolist()
