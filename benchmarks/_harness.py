@@ -39,8 +39,24 @@ def launch(script: Path, nproc: int, args: list[str], timeout: int = 900) -> dic
                    str(script), "--worker", "--out", str(out), *args]
         proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
-            raise RuntimeError(f"benchmark worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+            raise RuntimeError(_failure_report(proc))
         return json.loads(out.read_text())
+
+
+_CAUSE_MARKS = ("Error", "error:", "terminate called", "what():", "Traceback", "Exception", "Fatal", "Signal")
+
+
+def _failure_report(proc: subprocess.CompletedProcess) -> str:
+    """What a failed run says about its cause: the workers' first error lines (torchrun's own
+    summary at the end only names the signal), the tails, and a file with the whole output."""
+    fd, path = tempfile.mkstemp(prefix="dynmo_bench_failure_", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(proc.stdout + "\n----- stderr -----\n" + proc.stderr)
+    lines = (proc.stdout + "\n" + proc.stderr).splitlines()
+    causes = [ln for ln in lines if any(m in ln for m in _CAUSE_MARKS) and "torch/distributed/elastic" not in ln
+              and "error_file" not in ln and "ChildFailedError" not in ln][:40]
+    return ("benchmark worker failed (whole output: " + path + ")\nfirst error lines:\n" + "\n".join(causes)
+            + f"\n--- stdout tail ---\n{proc.stdout[-2000:]}\n--- stderr tail ---\n{proc.stderr[-3000:]}")
 
 
 def write_result(path: str, result: dict) -> None:

@@ -184,8 +184,9 @@ def main(argv=None) -> None:
         runs = launch(os.path.abspath(__file__), args.stages * args.dp, forwarded + (["--quick"] if args.quick else []),
                       timeout=args.timeout)
     except Exception as e:  # noqa: BLE001 - the JSON line says what failed
-        print(str(e)[-6000:], file=sys.stderr)
-        print(json.dumps({"benchmark": "at_scale", "stages": args.stages, "error": f"{type(e).__name__}"[:200]}))
+        print(str(e)[:8000], file=sys.stderr)  # the report leads with the workers' first error lines
+        cause = next((ln for ln in str(e).splitlines()[2:] if ln.strip()), "")
+        print(json.dumps({"benchmark": "at_scale", "stages": args.stages, "error": f"{type(e).__name__}: {cause}"[:400]}))
         sys.exit(1)
     for key, r in runs.items():
         if r.get("error"):

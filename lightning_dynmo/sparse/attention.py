@@ -316,14 +316,25 @@ block_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------- public API
-def resolve_backend(backend: str, device: Union[str, torch.device]) -> str:
-    """``"kernel"`` or ``"flex"``: what ``backend`` means for tensors on ``device``."""
+# torch's compiled FlexAttention refuses head dims below 16 on CUDA ("NYI: embedding dimension
+# ... must be at least 16"); "auto" keeps our kernel there, found on an H200 (torch 2.11)
+FLEX_MIN_HEAD_DIM = 16
+
+
+def resolve_backend(backend: str, device: Union[str, torch.device], head_dim: Optional[int] = None) -> str:
+    """``"kernel"`` or ``"flex"``: what ``backend`` means for tensors on ``device`` with
+    ``head_dim`` channels per head (unknown: assume flex can take it)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}")
+    small = head_dim is not None and int(head_dim) < FLEX_MIN_HEAD_DIM
+    on_cuda = torch.device(device).type == "cuda"
     if backend == "auto":
         from .flex import flex_available
 
-        return "flex" if torch.device(device).type == "cuda" and flex_available() else "kernel"
+        return "flex" if on_cuda and not small and flex_available() else "kernel"
+    if backend == "flex" and on_cuda and small:
+        raise ValueError(f"backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (torch's FlexAttention "
+                         f"does not compile smaller ones), got {head_dim}: use backend='auto' or 'kernel'")
     return backend
 
 
@@ -370,7 +381,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor,
         raise ValueError(f"layout is for (batch={layout.batch}, heads={layout.heads}, seq={layout.seq_len}) "
                          f"but q is [{b}, {h}, {t}, {d}]" + (f" with {slots} slots" if slot_token is not None else ""))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if resolve_backend(backend, q.device) == "flex":
+    if resolve_backend(backend, q.device, d) == "flex":
         from .flex import flex_block_sparse_attention
 
         return flex_block_sparse_attention(q, k, v, layout, scale, slot_token)

@@ -236,7 +236,7 @@ def hash_sparse_attention(q: Tensor, k: Tensor, v: Tensor, rotations: Tensor, nb
         buckets = hash_buckets(k, rotations, nb_hash, center)
     plan = hash_sort_plan(buckets, nb_hash, block_size)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if resolve_backend(backend, q.device) == "flex":
+    if resolve_backend(backend, q.device, d) == "flex":
         from .flex import flex_block_sparse_attention
 
         out = flex_block_sparse_attention(q, k, v, plan.layout, scale, plan.slot_token,

@@ -141,6 +141,12 @@ def test_flex_forward_with_slots_equals_reference_on_cpu(b, h, t, bs, nb):
 def test_backend_choice_and_errors():
     assert resolve_backend("auto", "cpu") == "kernel" and resolve_backend("flex", "cpu") == "flex"
     assert resolve_backend("auto", "cuda") == "flex"  # (flex is available: see pytestmark)
+    # FlexAttention does not compile head dims below 16 on CUDA (found on an H200): auto keeps
+    # the kernel there and an explicit flex says why
+    assert resolve_backend("auto", "cuda", head_dim=5) == "kernel"
+    assert resolve_backend("auto", "cuda", head_dim=16) == "flex"
+    with pytest.raises(ValueError, match="head_dim >= 16 on CUDA"):
+        resolve_backend("flex", "cuda", head_dim=8)
     with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
         resolve_backend("triton", "cpu")
     with pytest.raises(ValueError, match="attention_backend"):
