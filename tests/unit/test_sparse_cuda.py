@@ -199,7 +199,10 @@ def test_cuda_graph_capture_forward_and_backward(dtype):
     for seed in (1, 2):
         xs = torch.randn(50, 72, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
         xs.requires_grad_()
-        layer.zero_grad(set_to_none=False)
+        # set_to_none: the first backward hands .grad the graph's static gradient buffer (autograd
+        # steals it), so zeroing in place and accumulating would add that buffer to itself on the
+        # next replay (2x gradients, seen on an H200) -- torch's graphed-callable rule, not ours
+        layer.zero_grad(set_to_none=True)
         y = graphed(xs)
         g = torch.ones_like(y)
         y.backward(g)

@@ -225,12 +225,15 @@ def test_flex_kernel_and_masked_sdpa_agree_on_cuda(dtype, t, bs, density):
     grad = torch.randn(b, h, t, d, generator=gen).to("cuda", dtype)
     mask = layout.token_mask()
     results = {}
+    # the reference runs in fp32 on the same (rounded) inputs: bf16 masked SDPA itself is off on
+    # rows with no visible key (nonzero where the answer is 0; seen on an H200, torch 2.11)
     for name, fn in {"flex": lambda q, k, v: block_sparse_attention(q, k, v, layout, backend="flex"),
                      "kernel": lambda q, k, v: block_sparse_attention(q, k, v, layout, backend="kernel"),
                      "sdpa": lambda q, k, v: torch.nan_to_num(_sdpa(q, k, v, mask))}.items():
-        q, k, v = (x.clone().requires_grad_() for x in base)
+        ref = name == "sdpa"
+        q, k, v = (x.detach().float().clone().requires_grad_() if ref else x.clone().requires_grad_() for x in base)
         out = fn(q, k, v)
-        out.backward(grad)
+        out.backward(grad.float() if ref else grad)
         results[name] = [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for name in ("flex", "kernel"):
