@@ -14,6 +14,11 @@ pipeline group (MIN of ``[v, -v]``: each entry's minimum and maximum over the ra
   Any rank that sees a layer whose grad-ness differs from the table makes every rank rebuild its
   stages (as ``LayerFreezing`` does through ``invalidate_pipeline``), so the step trains like one
   process.
+* **stages rebuilt together.** ``invalidate_pipeline`` is local: a callback that changes only
+  its own rank's layers (``GradualPruning`` compressing a layer's storage) drops only that rank's
+  shape table, and rediscovering it alone sends shape objects where the neighbours send
+  activations (gloo aborts: "Received data size doesn't match expected size"; seen at 8 stages).
+  A rank without a table counts as stale, so every rank rebuilds in the same step.
 * **unchanged optimizer groups.** The strategy records every parameter's optimizer slot at setup
   (migration, checkpoints); a param group added later (``BaseFinetuning.unfreeze_and_add_param_group``)
   is refused on every rank, naming the fix.
@@ -75,7 +80,8 @@ def check_before_run(strategy, inputs: torch.Tensor, targets: torch.Tensor, step
     s = strategy
     inputs_fn = getattr(s.lightning_module, "pipeline_inputs", None)
     first = first_stage_inputs(inputs, targets, inputs_fn if callable(inputs_fn) else None)
-    stale = stale_gradness(s.layers, s.local_layer_indices(), s.engines.layer_specs(), len(first))
+    specs = s.engines.layer_specs()
+    stale = specs is None or stale_gradness(s.layers, s.local_layer_indices(), specs, len(first))
     groups = _groups_changed(s.optimizers, s.optimizer_layout)
     v = torch.tensor([batch_digest(inputs), batch_digest(targets), float(inputs.numel()), float(stale), float(groups)],
                      dtype=torch.float64, device=s.root_device)

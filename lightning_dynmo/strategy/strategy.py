@@ -472,7 +472,8 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         return engine
 
     def invalidate_pipeline(self) -> None:
-        """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
+        """Forget built stages and shape metadata (call when layers change structure or grad-ness).
+        Safe on any subset of ranks: the next training step rebuilds every rank's stages."""
         self.engines.clear()
 
     def last_step_events(self) -> list[dict]:

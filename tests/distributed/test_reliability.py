@@ -158,6 +158,7 @@ PARTIAL = dict(n_layer=2, steps=5, n_samples=30, drop_last=False, microbatches=4
 # the whole first stage (layers 0-1 of 7) frozen before the first step, unfrozen by hand at step 2
 UNFREEZE = dict(n_layer=4, steps=5, partition=[0, 2, 7], rebalance="never", unfreeze={"n": 2, "freeze_at": 0, "unfreeze_at": 2})
 REPACK_RANK0 = dict(n_layer=2, steps=5, rebalance="never")
+INVALIDATE = dict(n_layer=2, steps=4, rebalance="never", invalidate={"step": 2, "rank": 1})
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
                balancer="partition_time", rebalance="every_n", rebalance_interval=2, save_state=True, late_start=4)
 
@@ -184,6 +185,7 @@ def _cases(checkpoints: dict[str, str]) -> list[dict]:
         dict(UNFREEZE, case="unfreeze"),
         dict(case="finetune", n_layer=4, steps=4, n_samples=16, partition=[0, 2, 7], rebalance="never"),
         dict(REPACK_RANK0, case="repack_rank0"),
+        dict(INVALIDATE, case="invalidate_one_rank"),
         dict(case="warn_training_step", model="step_logging", n_layer=2, steps=2),
         dict(case="hook", model="hook", n_layer=2, steps=3),
         dict(case="request_under_never", n_layer=2, steps=3, rebalance="never"),
@@ -313,6 +315,16 @@ def test_a_repack_requested_on_rank_0_only_is_agreed_and_packs(cases):
     assert _errors(res) == [None, None], _errors(res)
     assert [r["pipeline_ranks"] for r in res["per_rank"]] == [1, 1]
     reference = _single_process_losses(REPACK_RANK0, REPACK_RANK0["steps"])
+    assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
+
+
+def test_stages_dropped_on_one_rank_are_rebuilt_on_every_rank(cases):
+    """One rank forgets its stages (GradualPruning compressing only its layers): it used to
+    rediscover the shape table alone, sending objects where its neighbour sent activations, and
+    gloo aborted every rank (at_scale pruning, 8 stages x 2 replicas, on a 16-core machine)."""
+    res = cases["invalidate_one_rank"]
+    assert _errors(res) == [None, None], _errors(res)
+    reference = _single_process_losses(INVALIDATE, INVALIDATE["steps"])
     assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
 
 

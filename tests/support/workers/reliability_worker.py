@@ -238,6 +238,18 @@ class KillOnce(L.Callback):
             os._exit(7)
 
 
+class InvalidateOnOneRank(L.Callback):
+    """``strategy.invalidate_pipeline()`` on ``rank`` only, at ``step`` (as GradualPruning does
+    where a local layer's storage changed)."""
+
+    def __init__(self, step: int, rank: int):
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            trainer.strategy.invalidate_pipeline()
+
+
 class WritePidsAndCrawl(L.Callback):
     """Writes this rank's pid, then makes every step slow (a long job to kill the launcher under)."""
 
@@ -266,6 +278,8 @@ def build(cfg: dict, out_dir: str, idx: int):
         callbacks.append(SeedGlobalRNG())
     if case == "repack_rank0":
         callbacks.append(RepackOnRankZero())
+    if case == "invalidate_one_rank":
+        callbacks.append(InvalidateOnOneRank(**cfg["invalidate"]))
     if case == "finetune":
         callbacks.append(FinetuneFirstLayers())
     if case == "unfreeze":
