@@ -43,8 +43,8 @@ from lightning_dynmo.models.vocab_head import HeadChunk
 
 __all__ += ["HeadChunk"]
 
-from lightning_dynmo.models.granularity import GRANULARITIES, AttentionHalf, MLPHalf
+from lightning_dynmo.models.granularity import FINE_PIECES, GRANULARITIES, AttentionHalf, MLPHalf
 from lightning_dynmo.models.hash_attention import SparseAttentionHalf
 from lightning_dynmo.models.moe import MoEHalf
 
-__all__ += ["GRANULARITIES", "AttentionHalf", "MLPHalf", "MoEHalf", "SparseAttentionHalf"]
+__all__ += ["FINE_PIECES", "GRANULARITIES", "AttentionHalf", "MLPHalf", "MoEHalf", "SparseAttentionHalf"]

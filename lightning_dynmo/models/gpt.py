@@ -94,8 +94,9 @@ class GPTConfig:
     # the LM head + cross-entropy as this many pipeline layers over vocabulary slices, streaming
     # an online softmax (models/vocab_head.py): the full logits never exist; 1 = one Head layer
     head_chunks: int = 1
-    # what the pipeline's layers are: "block" (whole transformer blocks) or "sublayer" (each
-    # block's attention half and MLP half are separate layers; models/granularity.py)
+    # what the pipeline's layers are: "block" (whole transformer blocks), "sublayer" (each
+    # block's attention half and MLP half are separate layers) or "fine" (five pieces per block,
+    # cut inside the halves; models/granularity.py)
     pipeline_granularity: str = "block"
 
     def __post_init__(self) -> None:
@@ -314,6 +315,8 @@ class GPT(CausalLMModule):
         skip_draws(gen, layer)
         resid_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         residual = {id(m.proj) for m in layer.modules() if isinstance(m, (CausalSelfAttention, MLP))}
+        residual |= {id(m) for piece in layer.modules() if hasattr(piece, "residual_projections")
+                     for m in piece.residual_projections()}  # fine pieces hold a block's projections
 
         def normal_(t: torch.Tensor, std: float) -> None:
             if t.dtype == torch.float32 and t.device.type == "cpu":
@@ -387,9 +390,7 @@ class GPT(CausalLMModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: for sampling)."""
         k = self.config.head_chunks
-        x = idx
-        for layer in self.layers if k == 1 else self.layers[:-k]:
-            x = layer(x)
+        x = run_layers(self.layers if k == 1 else self.layers[:-k], idx)  # fine pieces pass tuples
         return x if k == 1 else head_logits(self.layers[-k:], x)
 
     # ------------------------------------------------------------------ lightning hooks

@@ -8,6 +8,11 @@ A balancer can only be as even as the pieces it moves. ``GPTConfig(pipeline_gran
   :class:`MLPHalf`). Both map the hidden state to the hidden state, so the pipeline still passes
   one tensor; the two halves run exactly the operations of ``Block.forward`` in order, so the model
   computes the same function, bit for bit.
+* ``"fine"``: five layers per (plain) block, cut inside the halves so a stage can end mid-attention
+  or mid-MLP: LN 1 + QKV | attention core | output projection + residual | LN 2 + fc1 + GELU |
+  fc2 + residual (:data:`FINE_PIECES`). A cut inside a half carries the intermediate *and* the
+  residual stream, a tuple of two tensors (runtime/activations.py); the wider boundary is the cost
+  model's to weigh (the simulator's ``granularity="fine"`` counts its bytes).
 
 The halves hold the block's own submodules (``ln_1``, ``attn`` | ``ln_2``, ``mlp``), so parameter
 objects, their order in ``parameters()`` (the optimizer's single-process positions) and their
@@ -23,20 +28,27 @@ belongs to (its *unit*). Pieces of one unit are initialised from the unit's seed
 draw order (:func:`skip_draws`), and freezing treats a unit as one (``LayerFreezing`` never leaves
 a block half frozen).
 
-A block type opts in by defining ``split_sublayers() -> (first, second)``; :class:`Block` itself
-splits into the plain halves. Models whose blocks route tokens around the whole block (early exit,
+A block type opts in by defining ``split_sublayers() -> (first, second)`` (and ``split_fine()``);
+:class:`Block` itself splits into the plain halves and the fine pieces. Models whose blocks route tokens around the whole block (early exit,
 mixture of depths) refuse the sublayer granularity at construction.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightning_dynmo.models.gpt_layers import Block
 
 __all__ = [
+    "FINE_PIECES",
     "GRANULARITIES",
+    "AttentionCore",
     "AttentionHalf",
+    "AttentionIn",
+    "AttentionOut",
+    "MLPIn",
+    "MLPOut",
     "MLPHalf",
     "apply_granularity",
     "check_block_granularity",
@@ -45,7 +57,7 @@ __all__ = [
     "state_dict_key",
 ]
 
-GRANULARITIES = ("block", "sublayer")
+GRANULARITIES = ("block", "sublayer", "fine")
 _LAYERS = "layers"  # the GPT's layer list: the prefix of its state-dict keys
 
 
@@ -73,16 +85,101 @@ class MLPHalf(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def split_block(block: nn.Module) -> tuple[nn.Module, ...]:
-    """The pipeline layers that replace ``block`` at sublayer granularity."""
-    split = getattr(block, "split_sublayers", None)
+class _Part(nn.Module):
+    """Holds some of a block's submodules under the block's names, so a piece's state-dict keys
+    are the block's (``attn.qkv.weight``), whichever piece holds them."""
+
+    def __init__(self, **children: nn.Module):
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+
+class AttentionIn(nn.Module):
+    """LN 1 + QKV projection: ``x -> (qkv, x)`` (the residual stream rides along)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.ln_1 = block.ln_1
+        self.attn = _Part(qkv=block.attn.qkv)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attn.qkv(self.ln_1(x)), x.view_as(x)  # a view: the stream leaves with its own autograd node
+
+
+class AttentionCore(nn.Module):
+    """Causal SDPA over the heads: ``(qkv, x) -> (y, x)``, ``CausalSelfAttention.forward``'s middle."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.n_head, self.dropout = block.attn.n_head, block.attn.dropout
+
+    def forward(self, qkv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, c3 = qkv.shape
+        c = c3 // 3
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in qkv.split(c, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return y.transpose(1, 2).contiguous().view(b, t, c), x.view_as(x)
+
+
+class AttentionOut(nn.Module):
+    """Output projection + residual: ``(y, x) -> x + resid_drop(proj(y))``."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.attn = _Part(proj=block.attn.proj, resid_drop=block.attn.resid_drop)
+
+    def residual_projections(self) -> tuple[nn.Module, ...]:
+        return (self.attn.proj,)
+
+    def forward(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn.resid_drop(self.attn.proj(y))
+
+
+class MLPIn(nn.Module):
+    """LN 2 + fc1 + GELU: ``x -> (a, x)``."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.ln_2 = block.ln_2
+        self.mlp = _Part(fc=block.mlp.fc, act=block.mlp.act)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mlp.act(self.mlp.fc(self.ln_2(x))), x.view_as(x)
+
+
+class MLPOut(nn.Module):
+    """fc2 + residual: ``(a, x) -> x + drop(proj(a))``."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.mlp = _Part(proj=block.mlp.proj, drop=block.mlp.drop)
+
+    def residual_projections(self) -> tuple[nn.Module, ...]:
+        return (self.mlp.proj,)
+
+    def forward(self, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp.drop(self.mlp.proj(a))
+
+
+FINE_PIECES = (AttentionIn, AttentionCore, AttentionOut, MLPIn, MLPOut)
+
+
+def split_block(block: nn.Module, granularity: str = "sublayer") -> tuple[nn.Module, ...]:
+    """The pipeline layers that replace ``block`` at ``granularity`` ("sublayer" or "fine")."""
+    method = "split_fine" if granularity == "fine" else "split_sublayers"
+    split = getattr(block, method, None)
     if callable(split):
         return tuple(split())
     if type(block) is Block:
+        if granularity == "fine":
+            return tuple(piece(block) for piece in FINE_PIECES)
         return AttentionHalf(block), MLPHalf(block)
+    hint = "'sublayer' or 'block'" if granularity == "fine" and callable(getattr(block, "split_sublayers", None)) \
+        else "'block'"
     raise ValueError(
-        f"{type(block).__name__} cannot be split into attention and MLP pipeline layers (it defines no "
-        "split_sublayers()); build the model with pipeline_granularity='block'"
+        f"{type(block).__name__} cannot be split into {granularity} pipeline layers (it defines no {method}()); "
+        f"build the model with pipeline_granularity={hint}"
     )
 
 
@@ -117,7 +214,7 @@ def apply_granularity(model: nn.Module) -> None:
     pieces: list[nn.Module] = []
     units: list[int] = []
     for unit, layer in enumerate(layers):
-        parts = split_block(layer) if isinstance(layer, Block) else (layer,)
+        parts = split_block(layer, model.config.pipeline_granularity) if isinstance(layer, Block) else (layer,)
         before: list[tuple[int, ...]] = []
         for part in parts:
             part.init_skip = tuple(before)  # a plain attribute: it travels with the piece
@@ -126,9 +223,13 @@ def apply_granularity(model: nn.Module) -> None:
             units.append(unit)
     model.layers = nn.ModuleList(pieces)
     model.layer_units = tuple(units)
-    # (unit, first name component inside the piece) -> pipeline index, for loading block keys
-    model.piece_of_key = {(units[j], name.split(".", 1)[0]): j
-                          for j, piece in enumerate(pieces) for name in piece.state_dict()}
+    # (unit, key inside the piece) -> pipeline index, for loading block keys; also by the key's first
+    # name component where that names one piece (keys a block gains later, e.g. lazily made buffers)
+    model.piece_of_key = {(units[j], name): j for j, piece in enumerate(pieces) for name in piece.state_dict()}
+    first: dict = {}
+    for (unit, name), j in model.piece_of_key.items():
+        first.setdefault((unit, name.split(".", 1)[0]), set()).add(j)
+    model.piece_of_key.update({key: js.pop() for key, js in first.items() if len(js) == 1 and key not in model.piece_of_key})
     model.register_state_dict_post_hook(_save_block_keys)
     model.register_load_state_dict_pre_hook(_load_block_keys)
 
@@ -163,7 +264,7 @@ def _to_piece_key(model: nn.Module, key: str, prefix: str) -> str:
     if found is None:
         return key
     unit, rest = found
-    j = model.piece_of_key.get((unit, rest.split(".", 1)[0]))
+    j = model.piece_of_key.get((unit, rest), model.piece_of_key.get((unit, rest.split(".", 1)[0])))
     return key if j is None else f"{head}{j}.{rest}"
 
 

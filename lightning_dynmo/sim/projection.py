@@ -7,12 +7,12 @@ per-layer costs are a measured H100 profile of the paper's GPT block changed by 
 of each case (:mod:`lightning_dynmo.sim.scenarios`, which lists every parameter's source).
 
 Each cell is simulated at the headline ``granularity`` (``sublayer``: attention and MLP halves,
-the LM head + loss in ``head_chunks`` vocabulary chunks) and, with ``compare_block``, at block
-granularity beside it; the headline cell is also run under the zero-bubble ``schedules``. Two
-yardsticks come with every cell: ``fluid_ceiling``, the speedup over the best static partition
-if every rank held exactly its share of the work (the schedule's own bubble kept, transfers and
-all-reduce free), and ``dense_efficiency``, that ideal over the best partition's step time for
-the model without dynamism. The report and plot are :mod:`.report`'s.
+the LM head + loss in ``head_chunks`` vocabulary chunks; ``fine``: five pieces per block) and,
+with ``compare_block``, at the coarser granularities beside it; the headline cell is also run
+under the zero-bubble ``schedules``. Two yardsticks come with every cell: ``fluid_ceiling``, the
+speedup over the best static partition if every rank held exactly its share of the work (the
+schedule's own bubble kept, transfers and all-reduce free), and ``dense_efficiency``, that ideal
+over the best partition's step time for the model without dynamism. The report and plot are :mod:`.report`'s.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ DEFAULTS: dict = {
     "head_chunks": 8,
     "compare_block": True,
     "microbatches_per_stage": 4,
-    "static": ["megatron", "uniform", "param"],
+    "static": ["megatron", "uniform", "param", "static_time"],
     "dynamic": ["partition_time", "partition_param", "diffusion_time", "diffusion_param"],
     "snapshots": 12,
     "per_iteration_snapshots": 24,
@@ -95,11 +95,12 @@ def links(stages: int, net: dict) -> list[Link]:
 
 def layouts(cfg: dict) -> dict[str, dict]:
     """The granularities simulated, headline first: name -> ``granularity`` / ``head_chunks``."""
-    head = {"granularity": cfg["granularity"],
-            "head_chunks": int(cfg["head_chunks"]) if cfg["granularity"] == "sublayer" else 1}
-    out = {cfg["granularity"]: head}
-    if cfg["compare_block"] and cfg["granularity"] != "block":
-        out["block"] = {"granularity": "block", "head_chunks": 1}
+    chunks = int(cfg["head_chunks"])
+    out = {cfg["granularity"]: {"granularity": cfg["granularity"],
+                                "head_chunks": chunks if cfg["granularity"] != "block" else 1}}
+    if cfg["compare_block"]:  # the coarser granularities beside the headline one
+        for g in ("sublayer", "block")[("fine", "sublayer", "block").index(cfg["granularity"]):]:
+            out.setdefault(g, {"granularity": g, "head_chunks": chunks if g != "block" else 1})
     return out
 
 
@@ -258,6 +259,8 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         **_figures(head),
         "speedup_vs_megatron": {c: round(x["speedup_vs"].get("megatron", math.nan), 4) for c, x in head.items()},
         "speedup_vs_deepspeed_param": {c: round(x["speedup_vs"].get("param", math.nan), 4) for c, x in head.items()},
+        "speedup_vs_uniform": {c: round(x["speedup_vs"].get("uniform", math.nan), 4) for c, x in head.items()},
+        "speedup_vs_static_time": {c: round(x["speedup_vs"].get("static_time", math.nan), 4) for c, x in head.items()},
         "speedup_vs_dense_static": {c: round(x["speedup_vs_dense_static"], 4) for c, x in head.items()},
         "dense_model_speedup_vs_static": round(next(iter(head.values()))["dense_speedup_vs_static"], 4) if head else None,
         "granularities": {name: _figures(headline(name, cfg["schedule"])) for name in lays},

@@ -71,9 +71,12 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
     gran, sched = summary["granularity"], cfg["schedule"]
     at = dict(layers=h["layers"], stages=h["stages"])
     head = _by_case(cells, granularity=gran, schedule=sched, **at)
-    cut = ("one pipeline layer per transformer block, the LM head + loss one layer" if gran == "block" else
-           f"each block as two pipeline layers (attention half, MLP half), the LM head + loss as "
-           f"{summary['head_chunks']} vocabulary chunks")
+    cut = {"block": "one pipeline layer per transformer block, the LM head + loss one layer",
+           "sublayer": "each block as two pipeline layers (attention half, MLP half)",
+           "fine": "each block as five pipeline layers (LN + QKV, attention core, output projection, LN + fc1 + "
+                   "GELU, fc2; halves shared out by FLOPs, wide cuts charged their bytes)"}[gran]
+    if gran != "block":
+        cut += f", the LM head + loss as {summary['head_chunks']} vocabulary chunks"
     lines = [
         "# Paper-scale projection (simulated)",
         "",
@@ -87,7 +90,9 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
         f"`{sched}`, {cfg['microbatches_per_stage']} x stages micro-batches, data parallelism "
         f"{cfg['data_parallel']['replicas']}-way ({cfg['data_parallel']['moe_replicas']}-way for MoE/MoD, expert "
         f"parallel over it), {cfg['network']['gpus_per_node']} GPUs per node (NVLink inside, InfiniBand between), "
-        "migrations charged, static partitions decided once.",
+        "migrations charged, static partitions decided once (`static_time`: the exact time-balanced split of "
+        "the first step's profiled costs, so the best static baseline is not equal piece counts where the "
+        "pieces differ in cost).",
         "",
         f"Granularity **{gran}**: {cut} ({summary['pipeline_layers']} pipeline layers at {h['layers']} blocks). "
         "A half's cost is the measured block minus the measured MLP at the same token count (so the halves add "

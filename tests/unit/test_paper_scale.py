@@ -154,3 +154,32 @@ def test_slow_changes_are_balanced_after_one_profiled_step():
     heavy_last = LayerCosts([1.0] * 7 + [4.0], [0.0] * 8, [1] * 8, [0.0] * 8, [0.0] * 8)
     lagged = compare([heavy_first, heavy_last], 2, dynamic=("partition_time",), static=("uniform",))
     assert lagged.partitions["partition_time"][1] == lagged.partitions["partition_time"][0]  # known one step late
+
+
+def test_static_time_is_the_first_snapshots_time_balanced_split():
+    """``static_time``: partition_time on the first snapshot, kept for the whole trajectory; a
+    balancer cannot be both static and dynamic."""
+    from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
+    from lightning_dynmo.sim.scenarios import STATIC, compare, freezing
+    from lightning_dynmo.sim.simulate import matching_cost_model
+
+    assert "static_time" in STATIC
+    traj = freezing(8, snapshots=4, granularity="fine", head_chunks=2)
+    c = compare(traj, 4, "1f1b", 16, static=["uniform", "static_time"], dynamic=["partition_time"])
+    first = get_balancer("partition_time")(BalanceProblem(traj[0].costs, 4, matching_cost_model("1f1b", 16))).partition
+    assert set(c.partitions["static_time"]) == {str(first)}
+    assert c.partitions["partition_time"][0] == str(first) and len(set(c.partitions["partition_time"])) > 1
+    # equal piece counts are far from balanced on fine pieces; the time-balanced static split is not
+    assert c.step_time["static_time"] < c.step_time["uniform"] and c.best_static == "static_time"
+    with pytest.raises(ValueError, match="static or dynamic"):
+        compare(traj, 4, "1f1b", 16, static=["partition_time"], dynamic=["partition_time"])
+
+
+def test_fine_granularity_layouts():
+    from lightning_dynmo.sim.projection import layouts
+
+    lays = layouts(merged({"granularity": "fine", "head_chunks": 4}))
+    assert list(lays) == ["fine", "sublayer", "block"] and lays["fine"]["head_chunks"] == 4
+    assert lays["block"]["head_chunks"] == 1
+    assert list(layouts(merged({"granularity": "block"}))) == ["block"]
+    assert list(layouts(merged({"granularity": "fine", "compare_block": False}))) == ["fine"]

@@ -97,3 +97,58 @@ def test_finer_granularity_never_worsens_the_best_bottleneck(case):
             prefix, per_block, suffix = sub_snap.layout
             meg = megatron_gpt_layout(sub.num_layers, S, prefix, suffix, per_block)
             assert all((b - 1) % 2 == 0 for b in meg.boundaries[1:-1])  # stage cuts fall between blocks
+
+
+FINE = {"granularity": "fine", "head_chunks": 3}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fine_pieces_add_up_to_the_halves(case):
+    """Five pieces per block, each half shared out: the attention pieces sum to the attention half,
+    the MLP pieces to the MLP half, parameters and stored bytes too."""
+    L = 6
+    for sub, fine in zip(CASES[case](L, granularity="sublayer", head_chunks=3, **_kw(case)),
+                         CASES[case](L, **FINE, **_kw(case))):
+        s, f = sub.costs, fine.costs
+        assert f.num_layers == 5 * L + 1 + 1 + 3 and fine.layout == (1, 5, 4)
+        for kind in ("forward", "backward"):
+            a, b = getattr(s, kind), getattr(f, kind)
+            for i in range(L):
+                assert math.fsum(b[1 + 5 * i: 4 + 5 * i]) == pytest.approx(a[1 + 2 * i], rel=1e-12, abs=1e-15)
+                assert math.fsum(b[4 + 5 * i: 6 + 5 * i]) == pytest.approx(a[2 + 2 * i], rel=1e-12, abs=1e-15)
+                assert min(b[1 + 5 * i: 6 + 5 * i]) >= 0.0
+        for i in range(L):
+            assert sum(f.params[1 + 5 * i: 4 + 5 * i]) == s.params[1 + 2 * i]
+            assert sum(f.params[4 + 5 * i: 6 + 5 * i]) == s.params[2 + 2 * i]
+            assert f.params[2 + 5 * i] == 0  # the attention core holds no parameters
+        assert sum(fine.reduced_params or f.params) == sum(sub.reduced_params or s.params)
+        assert sum(fine.stored_activation) == pytest.approx(sum(sub.stored_activation))
+        assert f.forward[-4:] == s.forward[-4:] and f.activation[-4:] == s.activation[-4:]  # norm, head chunks
+
+
+def test_fine_cuts_carry_their_real_width():
+    """A cut inside a half carries the residual stream and the intermediate (QKV 3h, attention
+    output h, GELU output 4h): the simulator and the cost model charge those bytes."""
+    p = load_profile()
+    snap = dense(2, granularity="fine", head_chunks=1)[0]
+    h = p.boundary_bytes
+    assert snap.costs.activation[1:6] == pytest.approx((4 * h, 2 * h, h, 5 * h, h))
+    assert snap.costs.activation[0] == h and snap.costs.activation[-1] == h
+    model = CostModel(8, bandwidth=1e9)
+    # a stage starting after MLP-in (4h GELU output + stream) receives 5x what one after MLP-out does
+    assert model.recv_time(snap.costs, 5) == pytest.approx(5 * model.recv_time(snap.costs, 6))
+    # the pieces are what the FLOPs say: QKV 3x the output projection, fc1 (with LN, GELU) > fc2
+    f = snap.costs.forward
+    assert f[1] == pytest.approx(3 * f[3]) and f[4] > f[5] > 0 and f[2] > 0
+
+
+@pytest.mark.parametrize("case", ["freezing", "sparse_attention", "moe"])
+def test_fine_never_worsens_the_best_bottleneck_with_free_transfers(case):
+    """Every sub-layer partition is a fine one (halves are unions of pieces)."""
+    L = 8
+    sub = CASES[case](L, granularity="sublayer", head_chunks=2, **_kw(case))[-1].costs
+    fine = CASES[case](L, granularity="fine", head_chunks=2, **_kw(case))[-1].costs
+    for S in (3, 7):
+        model = CostModel(4 * S)
+        best = [get_balancer("partition_time")(BalanceProblem(c, S, model)).max_load for c in (sub, fine)]
+        assert best[1] <= best[0]

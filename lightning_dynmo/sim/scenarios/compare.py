@@ -13,7 +13,12 @@ from ...plan.schedules import get_schedule
 from ..simulate import DataParallel, Link, matching_cost_model, simulate
 from .snapshot import Snapshot
 
-STATIC = ("megatron", "uniform", "param")
+STATIC = ("megatron", "uniform", "param", "static_time")
+#: the time-balanced static split: the exact min-max partition of the first snapshot's profiled
+#: costs, decided once (a profiler-driven static partitioner; Megatron-LM's uneven first/last
+#: stages tuned by hand). Without it, equal piece counts (``uniform``) are a strawman wherever the
+#: pieces differ in cost (fine granularity: a QKV projection beside an attention core)
+STATIC_TIME = "static_time"
 DYNAMIC = ("partition_time", "partition_param", "diffusion_time", "diffusion_param")
 
 
@@ -94,7 +99,8 @@ def compare(
     migration_link: Link | None = None,
 ) -> Comparison:
     """Static partitions (decided once, on the first snapshot, as Megatron-LM / DeepSpeed do;
-    ``megatron`` is :func:`megatron_gpt_layout`, the others are registered balancers)
+    ``megatron`` is :func:`megatron_gpt_layout`, ``static_time`` the ``partition_time`` split of the
+    first snapshot (:data:`STATIC_TIME`), the others are registered balancers)
     vs each ``dynamic`` balancer re-run every ``rebalance_every`` snapshots. A snapshot of one
     iteration (per-iteration routing) is balanced on the *previous* snapshot's costs (a step's
     routing is known only once it ran; the first decision uses the first snapshot); a snapshot
@@ -107,6 +113,9 @@ def compare(
     ``stages`` are pipeline ranks; multi-stage schedules get the table's default virtual stages.
     Micro-batches default to 4 x stages (the paper's appendix A)."""
     snaps = _as_snapshots(trajectory)
+    if set(static) & set(dynamic):
+        raise ValueError(f"a balancer is either static or dynamic: {sorted(set(static) & set(dynamic))} is both "
+                         f"(the time-balanced static split is {STATIC_TIME!r})")
     spec = get_schedule(schedule)
     S, m = stages * spec.virtual_stages(None), microbatches or 4 * stages
     model = matching_cost_model(schedule, m, link)
@@ -118,6 +127,8 @@ def compare(
     def balance(name: str, costs: LayerCosts, current: Partition | None) -> Partition:
         if name == "megatron":
             return megatron_gpt_layout(costs.num_layers, S, prefix, suffix, per_block)
+        if name == STATIC_TIME:
+            name = "partition_time"
         return get_balancer(name)(BalanceProblem(costs, S, model, current)).partition
 
     def run(costs_snap: Snapshot, part: Partition):
