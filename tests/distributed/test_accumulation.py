@@ -22,6 +22,7 @@ from lightning_dynmo.runtime.activations import run_layers
 pytestmark = pytest.mark.slow
 K = 2  # batches per optimizer step
 STEPS = 3  # optimizer steps (K x STEPS batches)
+TIED_TOL = 5e-5  # test_reliability.py's
 
 
 def lightning_losses(cfg: dict, dp: int) -> list[float]:
@@ -83,6 +84,14 @@ def accumulated_reference(cfg: dict, dp: int):
     return {k_: v.clone() for k_, v in model.state_dict().items()}, opt.state_dict(), norms
 
 
+def assert_close_tied(a: torch.Tensor, b: torch.Tensor, what: str, kind: str) -> None:
+    """As test_reliability.py compares tied GPTs: the pipeline sums a tied gradient per owner,
+    then over the owners (one process: per use), so agreement is to fp32 rounding relative to the
+    tensor's largest entry, which Adam amplifies in near-zero entries."""
+    err = (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), 1e-12)
+    assert err <= TIED_TOL, (what, err)
+
+
 def check_accumulation(res: dict, cfg: dict) -> None:
     dp = res["dp"]
     ref = lightning_losses(cfg, dp)
@@ -95,15 +104,18 @@ def check_accumulation(res: dict, cfg: dict) -> None:
         assert min(res["grad_norms"]) > cfg["clip"], res["grad_norms"]  # clipping scaled every update
     state = torch.load(res["state"])
     assert set(state) == set(state_ref)
+    close = assert_close if not cfg.get("tied") else assert_close_tied
     for key, v in state_ref.items():
         if torch.is_floating_point(v):
-            assert_close(state[key], v, f"weight {key}", "weight")
+            close(state[key], v, f"weight {key}", "weight")
+    if cfg.get("tied"):  # the copies took the same updates
+        assert torch.equal(state["layers.0.wte.weight"], state["layers.8.lm_head.weight"])
     optim = torch.load(res["optim"], weights_only=False)
     assert set(optim["state"]) == set(optim_ref["state"])
     for i, st in optim_ref["state"].items():
         for name in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if name in st:
-                assert_close(optim["state"][i][name], st[name], f"optimizer state {i}.{name}", name)
+                close(optim["state"][i][name], st[name], f"optimizer state {i}.{name}", name)
         if "step" in st:  # one optimizer step per window
             assert float(optim["state"][i]["step"]) == float(st["step"]) == cfg["steps"]
     # one data-parallel average per optimizer step, after the window's last batch
