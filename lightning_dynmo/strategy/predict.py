@@ -66,7 +66,7 @@ def skipped_predict_step_warning(module) -> str | None:
             "stage's rank; defining it also silences this warning)")
 
 
-def _apply_hook(module, output, batch, step_args: tuple) -> tuple[str | None, Any]:
+def _apply_hook(module, output, batch, step_args: tuple) -> tuple[Exception | None, Any]:
     """``(error, prediction)`` of the module's ``pipeline_predict`` hook (or the output itself)."""
     hook = getattr(module, "pipeline_predict", None)
     if not callable(hook):
@@ -74,7 +74,7 @@ def _apply_hook(module, output, batch, step_args: tuple) -> tuple[str | None, An
     try:
         return None, hook(output, batch, *step_args)
     except Exception as err:  # noqa: BLE001 - raised on every rank of the pipeline below
-        return f"{type(module).__name__}.pipeline_predict raised {type(err).__name__}: {err}", None
+        return err, None
 
 
 def predict_batch(strategy, batch, *step_args: Any):
@@ -98,14 +98,16 @@ def predict_batch(strategy, batch, *step_args: Any):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=s.pipeline_group)
     raise_step_problem(problem, bool(flag.item() > 0), s.pipeline_group)
     payload: list = [None]
+    cause = None
     if engine.has_last:
-        error, prediction = _apply_hook(module, output, batch, step_args)
-        payload = [(error, move_data_to_device(prediction, torch.device("cpu")) if error is None else None)]
+        cause, prediction = _apply_hook(module, output, batch, step_args)
+        error = f"{type(module).__name__}.pipeline_predict raised {type(cause).__name__}: {cause}" if cause else None
+        payload = [(error, move_data_to_device(prediction, torch.device("cpu")) if cause is None else None)]
     if s.layout.pp_size > 1:
         last = s.layout.rank_of_stage(s.layout.num_stages - 1)
         dist.broadcast_object_list(payload, src=group_ranks(s.pipeline_group)[last], group=s.pipeline_group,
                                    device=s.root_device if s.root_device.type == "cuda" else None)
     error, prediction = payload[0]
     if error is not None:
-        raise RuntimeError(error)
+        raise RuntimeError(error) from cause
     return prediction
