@@ -441,7 +441,7 @@ class MoDGPT(GPT):
     def on_train_start(self) -> None:
         # Lightning divides the loss by accumulate_grad_batches and multiplies it by the fp16 grad
         # scaler's scale before backward; scale the predictor's gradient the same way (the
-        # pipeline strategy scales gradients instead; see models/_aux_loss.py)
+        # pipeline strategy does the same in its schedule; see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
 
     def on_train_end(self) -> None:

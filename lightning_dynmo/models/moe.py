@@ -515,8 +515,8 @@ class MoEGPT(GPT):
     def on_train_start(self) -> None:
         # Lightning divides the training loss by accumulate_grad_batches and multiplies it by the
         # fp16 grad scaler's scale before backward; the auxiliary losses enter in backward, so
-        # scale them the same way (the pipeline strategy scales gradients instead and rejects
-        # accumulate_grad_batches > 1; it applies the same grad scaler; see models/_aux_loss.py)
+        # scale them the same way (the pipeline strategy divides its micro-batch losses by the
+        # same N and applies the same grad scaler; see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
 
     def on_train_end(self) -> None:

@@ -332,7 +332,7 @@ class PipelineEngine:
                 )
             )
         schedule_cls = get_schedule_class(spec.torch_class)
-        loss_fn = checked_loss(loss_fn)
+        loss_fn = checked_loss(loss_fn) if loss_fn is not None else None  # None: predict (no loss)
         # The mean over micro-batches is taken here, once per parameter, after the step: torch's
         # schedules divide by m per stage when that stage's last backward ends, which divides a
         # parameter shared by two stages of this rank (a tied embedding and LM head) twice, and
@@ -368,6 +368,16 @@ class PipelineEngine:
         self.last_step_seconds = time.perf_counter() - t0
         return losses if self.has_last else None
 
+    def predict(self, inputs: torch.Tensor) -> object | None:
+        """Forward only, no loss (an engine built with ``loss_fn=None``): the last layer's output
+        for the whole batch (micro-batches merged along dim 0) on the last stage's rank, else None."""
+        args = first_stage_inputs(inputs, None, self.inputs_fn) if self.has_first else ()
+        self.problems.clear()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            output = self.schedule.eval(*args)
+        self.last_step_seconds = time.perf_counter() - t0
+        return output if self.has_last else None
 
     @property
     def problem(self) -> str | None:
@@ -390,7 +400,7 @@ class EngineCache:
             loss_fn: LossFn, targets: torch.Tensor | None = None, inputs_fn: InputsFn | None = None) -> PipelineEngine:
         mb = inputs.shape[0] // microbatches
         mb_shape = (mb, *inputs.shape[1:])
-        key = (train, mb_shape, inputs.dtype, microbatches)
+        key = (train, loss_fn is None, mb_shape, inputs.dtype, microbatches)
         engine = self._engines.get(key)
         if engine is None:
             spec_key = (mb_shape, inputs.dtype)

@@ -92,7 +92,8 @@ class PipelineOptions:
 
 def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline_parallel: int, virtual: int,
                  activation_checkpointing: bool | str = False, expert_parallel: int = 1) -> None:
-    """What the pipeline needs of the LightningModule and the Trainer, checked at setup."""
+    """What the pipeline needs of the LightningModule and the Trainer, checked at setup
+    (any ``accumulate_grad_batches`` works: strategy/accumulation.py)."""
     check_expert_parallel_model(module, expert_parallel)
     if activation_checkpointing is not False:
         try:
@@ -106,11 +107,6 @@ def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline
         raise PipelineProtocolError(
             "DynMoStrategy runs backward inside the pipeline schedule and needs automatic optimisation; "
             "set `self.automatic_optimization = True` in your LightningModule"
-        )
-    if accumulate_grad_batches != 1:
-        raise ValueError(
-            "DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches` instead "
-            "(the pipeline already accumulates gradients over micro-batches)"
         )
     layers = pipeline_layers_of(module)
     in_layers = {id(p) for p in layers.parameters()}

@@ -69,8 +69,10 @@ from . import checkpoint
 from .collectives import WorldCollectives, explain_timeout
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
+from .accumulation import AccumulationWindow
 from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, check_not_split, skipped_training_step_warning
 from .partial_batch import BatchSizes
+from .predict import predict_batch
 from .rebalancer import Rebalancer
 from .step_guard import check_before_run, waiting_hint
 from .recorder import dynmo_summary_text, log_step
@@ -210,7 +212,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
         self._batch_sizes = BatchSizes(self.options)
-        self._apply_step = True
+        self._window = AccumulationWindow()  # accumulate_grad_batches (strategy/accumulation.py)
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
         self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
@@ -455,18 +457,18 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ pipeline execution
-    def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
+    def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor | None, train: bool, predict: bool = False):
         # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
         m, partial = self._batch_sizes.microbatches(inputs.shape[0], self.layout.pp_size)
         if train and not partial:
             self.last_microbatches = m
         placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
                               self.pipeline_group, self.root_device)
-        loss_fn = self.lightning_module.pipeline_loss
+        loss_fn = None if predict else self.lightning_module.pipeline_loss
         inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
         engine = self.engines.get(placement, inputs, m, train,
-                                  pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn, targets,
-                                  inputs_fn if callable(inputs_fn) else None)
+                                  pipeline_loss_fn(self.precision_plugin, self._window.scaled(loss_fn)) if train else loss_fn,
+                                  targets, inputs_fn if callable(inputs_fn) else None)
         if self.options.compile:  # placed at setup or arrived by migration (after the eager shape discovery)
             compile_local_layers(self._layers, self.local_layer_indices())
         return engine
@@ -499,9 +501,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._batch_sizes.check_loader(self.lightning_module.trainer.train_dataloader, self.layout.pp_size)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        step = self.lightning_module.trainer.global_step
-        with explain_timeout(waiting_hint(self.global_rank, step)):  # a decision's collectives
-            self.rebalancer.before_step(step)
+        trainer = self.lightning_module.trainer
+        if not self._window.begin_batch(batch_idx, trainer.accumulate_grad_batches):
+            return  # inside an accumulation window: decisions wait for the next optimizer step
+        with explain_timeout(waiting_hint(self.global_rank, trainer.global_step)):  # a decision's collectives
+            self.rebalancer.before_step(trainer.global_step)
 
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
@@ -517,10 +521,10 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         else:  # a released rank computes nothing; it only joins the step's collective
             with self.precision_plugin.train_step_context():
                 engine = self._engine_for(inputs, targets, train=True)
-                for p in module.parameters():
-                    p.grad = None
+                self._window.set_aside(module.parameters())  # the schedule computes this batch's gradients alone
                 self.profiler.begin_step()
                 losses = unscale_losses(self.precision_plugin, engine.run(inputs, targets, train=True))
+                losses = self._window.batch_losses(losses)  # each batch's loss, not divided by k
             self._held_grads.hold(module.parameters())
             busy, wall, problem = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds, engine.problem
             loads = collect_load_factors(self._layers, self.local_layer_indices())
@@ -530,8 +534,9 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             global_rank=self.global_rank, device=self.root_device, problem=problem is not None,
         )
         raise_step_problem(problem, stats.problem)
-        self._apply_step = check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite)
-        self.rebalancer.after_step(stats)
+        window = self._window.note(stats, check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite))
+        if window is not None:  # the accumulation window's last batch (every batch without accumulation)
+            self.rebalancer.after_step(window)
         log_step(self.lightning_module, stats, inputs, now, self._last_step_end, self.topology.dp, self.layout.pp_size)
         self._last_step_end = now
         hook = getattr(module, "on_pipeline_train_loss", None)
@@ -541,18 +546,21 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         return stats.loss
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Gradients were computed by the pipeline schedule; restore them, average over replicas
-        and run the usual backward hooks."""
+        """Gradients were computed by the pipeline schedule; restore them (added to the
+        accumulation window's), average over replicas once per optimizer step and run the usual
+        backward hooks."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._apply_step:
-            self._held_grads.restore()
-            if not self.released:
-                self.tied.sync_gradients(self._layers)
+        self._held_grads.restore()
+        if not self.released:
+            self.tied.sync_gradients(self._layers)
+        self._window.add_batch()
+        if self._window.last and self._window.apply:
             average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp, self.expert_shards())
-        else:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
-            self._held_grads.clear()
+        elif self._window.last:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
+            for p in module.parameters():
+                p.grad = None
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -583,7 +591,13 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         return loss
 
     def predict_step(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("DynMoStrategy does not implement predict yet; use a single-device strategy")
+        """Forward through the pipeline; the last layer's output, or the module's optional
+        ``pipeline_predict`` of it, on every rank of the pipeline (strategy/predict.py)."""
+        return predict_batch(self, *args, *kwargs.values())
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        with self._window.closing():  # its closure runs the accumulation window's last batch
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ rebalancing (public API)
     def request_rebalance(self, reason: str = "requested", reprofile: bool = True) -> None:
