@@ -547,9 +547,11 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._apply_step:
             self._held_grads.restore()
-            if not self.released:
-                self.tied.sync_gradients(self._layers)
-            average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp, self.expert_shards())
+            if not self.released:  # tied gradients cross the data-parallel group once (runtime/tied.py)
+                self.tied.sync_gradients(self._layers, replicated=self.topology.dp > 1)
+            average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,
+                                  self.topology.dp, self.expert_shards())
+            self.tied.share_gradients()
         else:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
             self._held_grads.clear()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
