@@ -18,9 +18,15 @@ pipeline does, changes nothing):
 
 * ``expert_choice``: each row's top-``k`` router logits, ``k = round(capacity * T)`` (the paper's
   training rule). Constant cost, but not causal: a token's pick depends on later tokens.
-* ``predictor``: a small MLP on the stop-gradient block input is trained with BCE against the
-  stop-gradient top-``k`` decisions; its own decisions (logit > threshold) pick the tokens.
-  Causal, and the count varies per row, block and step.
+* ``predictor``: a small MLP on the stop-gradient block input (normalised per token) is trained
+  with BCE against the stop-gradient top-``k`` decisions, at a learning rate of its own
+  (``predictor_lr``); its own decisions (logit > threshold) pick the tokens. Causal, and the
+  count varies per row, block and step. Why the normalised input and the own rate: Adam moves
+  each weight by about the rate per step, so at the model's rate on the raw residual stream
+  (about 0.02 per coordinate) the predictor's logits differed across tokens by ~0.001 for
+  hundreds of steps, less than the threshold moves per step: a block took all or none of its
+  tokens each step. Now the logits spread by about one unit within the anneal and each step's
+  picks follow the capacity token by token.
 * ``threshold``: router logit > ``threshold``. Causal; the count varies.
 
 The predictor's threshold (``predictor_threshold``): the paper's rule is logit > 0 (p > 0.5).
@@ -178,13 +184,20 @@ class MoDBlock(Block):
         idx = logits.topk(self.top_k(logits.size(1)), dim=1).indices
         return torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, True)
 
+    def predict(self, x: Tensor) -> Tensor:
+        """The predictor's logits ``[B, T]``: its MLP on the stop-gradient block input, normalised
+        per token (no affine), so that its logits move at its own learning rate whatever the
+        residual stream's scale (about 0.02 per coordinate at GPT's init)."""
+        x = x.detach()
+        return self.predictor(F.layer_norm(x, (x.size(-1),))).squeeze(-1)
+
     def _route(self, x: Tensor, logits: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(picked [B,T] bool, predictor BCE or None, predictor agreement [B,T] or None)``."""
         if self.routing == "expert_choice":
             return self._top_k_mask(logits), None, None
         if self.routing == "threshold":
             return logits > self.threshold, None, None
-        guess = self.predictor(x.detach()).squeeze(-1)
+        guess = self.predict(x)
         target = self._top_k_mask(logits.detach())
         aux = None
         if torch.is_grad_enabled():
@@ -317,6 +330,22 @@ class MoDGPT(GPT):
                 nn.init.normal_(m.weight, 0.0, 0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+
+    def predictor_parameters(self) -> list[nn.Parameter]:
+        """The predictors' parameters (predictor routing; empty otherwise). A hand-written
+        ``configure_optimizers`` should give them a rate of their own, as this model's does
+        (``MoDConfig.predictor_lr``)."""
+        return [p for m in self.layers if isinstance(m, MoDBlock) and m.predictor is not None
+                for p in m.predictor.parameters()]
+
+    def _optimizer_groups(self, params: list) -> list[dict]:
+        lr = self.mod_config.predictor_lr
+        own = {id(p) for p in self.predictor_parameters()}
+        if lr is None or not own:
+            return super()._optimizer_groups(params)
+        rest = super()._optimizer_groups([p for p in params if id(p) not in own])
+        mine = super()._optimizer_groups([p for p in params if id(p) in own])
+        return rest + [dict(g, lr=lr) for g in mine if g["params"]]
 
     def mod_blocks(self) -> list[tuple[int, MoDBlock]]:
         """``(global layer index, block)`` of the MoD blocks this rank holds."""

@@ -37,6 +37,12 @@ class MoDConfig:
         predictor_threshold_rate: step of the calibrated threshold per batch, in logits per
             unit of relative error ``(fraction - capacity) / capacity`` (0.1: -0.1 when a
             block picks nothing, +0.7 when it picks everything at capacity 0.125).
+        predictor_lr: peak learning rate of the predictors' own optimizer groups in
+            ``MoDGPT.configure_optimizers`` (the schedule scales it like the model's); ``None``:
+            the model's ``lr``. Why its own: Adam moves a weight by about the rate per step
+            whatever the loss's scale, and at a model's rate (6e-4) the predictor's logits stay
+            within 0.01 of each other for hundreds of steps, so every token lands on one side of
+            the threshold (all or none picked).
     """
 
     capacity: float = 0.125
@@ -48,6 +54,7 @@ class MoDConfig:
     predictor_loss_coeff: float = 0.01
     predictor_threshold: str | float = "calibrated"
     predictor_threshold_rate: float = 0.1
+    predictor_lr: float | None = 0.05
 
     def __post_init__(self) -> None:
         check_capacity(self.capacity)
@@ -70,6 +77,12 @@ class MoDConfig:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
             raise ValueError(f"MoD predictor_threshold_rate must be a finite number > 0 (default 0.1), got {rate!r}")
         self.predictor_threshold_rate = float(rate)
+        lr = self.predictor_lr
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                               or not (math.isfinite(lr) and lr > 0)):
+            raise ValueError(f"MoD predictor_lr must be a finite number > 0 (default 0.05) or None (the model's lr), "
+                             f"got {lr!r}")
+        self.predictor_lr = None if lr is None else float(lr)
 
     def is_mod_block(self, i: int) -> bool:
         return (i + 1) % self.every == 0
