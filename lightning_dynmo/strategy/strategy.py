@@ -553,11 +553,14 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._held_grads.restore()
-        if not self.released:
-            self.tied.sync_gradients(self._layers)
+        exchange = self._window.last and self._window.apply
+        if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
+            self.tied.sync_gradients(self._layers, replicated=exchange and self.topology.dp > 1)
         self._window.add_batch()
-        if self._window.last and self._window.apply:
-            average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp, self.expert_shards())
+        if exchange:
+            average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,
+                                  self.topology.dp, self.expert_shards())
+            self.tied.share_gradients()
         elif self._window.last:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
             for p in module.parameters():
                 p.grad = None
