@@ -142,7 +142,7 @@ class RebalanceController:
         self._skip_noted = self._skip_noted or bool(skipped)
         return StepActions(counters=counters, profile=reason, skipped=tuple(skipped))
 
-    def _unchanged(self) -> str | None:
+    def _unchanged_refusal(self) -> str | None:
         """A decision from counters on the same profile and (within ``LOAD_TOLERANCE``) the same
         loads as the last one, which changed nothing, would change nothing: one comparison."""
         if self._unmoved is None or self._unmoved[0] != self.profile_step:
@@ -159,7 +159,7 @@ class RebalanceController:
         (an infinite budget: nothing is)."""
         if self.policy.mode != "auto" or math.isinf(self.budget.fraction):
             return None
-        return (self._unchanged() if action == "counters" else None) or self.budget.refusal(step, action)
+        return (self._unchanged_refusal() if action == "counters" else None) or self.budget.refusal(step, action)
 
     def after_step(self, step: int, profiled: bool, rank_busy: list[float], rank_wall: list[float],
                    layer_load: list[float | None]) -> None:
@@ -222,7 +222,7 @@ class RebalanceController:
 
     def load_cost_samples(self) -> list[LayerCosts]:
         """The last profiled costs under each recent step's own load factors: how much a move's
-        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.gain_is_clear`).
+        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.refusal_unless_gain_clear`).
         Empty when no layer reports its load (nothing varies that a profile does not show)."""
         if self.profiled_costs is None or not any(x is not None for loads in self.recent_loads for x in loads):
             return []

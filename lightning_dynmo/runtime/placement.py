@@ -1,10 +1,31 @@
-"""Which layers this rank holds: the others are swapped for :class:`RemoteLayer` placeholders."""
+"""Where this rank sits in the pipeline (:class:`Placement`, what an engine is built for) and which
+layers it holds: the others are swapped for :class:`RemoteLayer` placeholders."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..plan.layout import PipelineLayout
+from ..plan.partition import Partition
+from ..plan.schedules import ScheduleSpec
 from ..protocol import RemoteLayer, ReportsLoad
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
+    stage-to-rank layout, this rank's position, the pipeline group and the device."""
+
+    layers: nn.ModuleList
+    partition: Partition
+    spec: ScheduleSpec
+    pp_rank: int
+    pp_size: int
+    group: dist.ProcessGroup | None
+    device: torch.device
 
 
 def drop_remote_layers(layers: nn.ModuleList, layout: PipelineLayout) -> None:

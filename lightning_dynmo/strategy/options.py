@@ -14,7 +14,7 @@ from ..plan.repack import check_repack_target
 from ..plan.schedules import ScheduleSpec, get_schedule
 from ..plan.validation import positive_int
 from ..protocol import PipelineProtocolError, RemoteLayer, pipeline_layers_of
-from ..runtime.checkpointing import check_activation_checkpointing
+from ..runtime.recompute import check_activation_checkpointing
 from ..runtime.expert_parallel import check_expert_parallel_model
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -39,7 +39,7 @@ class PipelineOptions:
     timeout: timedelta
     start_method: str
     process_group_backend: str | None
-    activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/checkpointing.py)
+    activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/recompute.py)
     expert_parallel: int = 1  # replicas each stage's experts are split over (runtime/expert_parallel.py)
     compile: bool = False  # torch.compile each local pipeline layer in place (runtime/compile.py)
 

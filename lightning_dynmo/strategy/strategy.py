@@ -61,7 +61,7 @@ from ..runtime.placement import check_local_layers_present, collect_load_factors
 from ..runtime.profiler import PipelineProfiler
 from ..runtime.step_stats import exchange_step_stats, share_eval_loss
 from ..runtime.tied import TiedParameters, find_tied_parameters
-from ..runtime.checkpointing import ActivationCheckpointing, layer_state_bytes
+from ..runtime.recompute import ActivationCheckpointing, layer_state_bytes
 from ..runtime.compile import compile_local_layers
 from ..runtime.materialize import materialize_pipeline, meta_init_context
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
@@ -127,7 +127,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         activation_checkpointing: ``True`` recomputes every layer's forward in backward
             (``torch.utils.checkpoint`` per layer), ``"auto"`` only the layers needed for each stage
             to fit ``memory_capacity``, ``False`` none (see
-            :mod:`lightning_dynmo.runtime.checkpointing`).
+            :mod:`lightning_dynmo.runtime.recompute`).
         expert_parallel: split each MoE layer's experts over this many data-parallel replicas
             of its stage (must divide the replica count and every layer's ``num_experts``);
             tokens travel to their expert's owner by ``all_to_all`` (see

@@ -27,7 +27,7 @@ from lightning_dynmo.plan import (
 )
 from lightning_dynmo.plan.layout import PipelineLayout
 from lightning_dynmo.plan.measurements import loads_near_profile, scale_by_load, smooth_load
-from lightning_dynmo.plan.policy import gain_is_clear
+from lightning_dynmo.plan.policy import refusal_unless_gain_clear
 from lightning_dynmo.plan.schedules import choose_microbatches
 from lightning_dynmo.plan.validation import positive_int
 
@@ -284,10 +284,10 @@ def test_a_move_from_load_counters_must_gain_clearly_over_the_recent_steps():
     heavy_first = LayerCosts(tuple(reversed(heavy_last.forward)), tuple(reversed(heavy_last.backward)),
                              (1,) * 4, (1.0,) * 4, (1.0,) * 4)  # (0, 1, 4) is better
     a, b = Partition((0, 2, 4)), Partition((0, 3, 4))
-    assert gain_is_clear(model, [heavy_last] * 3, a, b) is None  # no variation, positive gain
-    assert gain_is_clear(model, [heavy_last], a, b) is None  # too few samples to judge: not refused
+    assert refusal_unless_gain_clear(model, [heavy_last] * 3, a, b) is None  # no variation, positive gain
+    assert refusal_unless_gain_clear(model, [heavy_last], a, b) is None  # too few samples to judge: not refused
     flipping = [heavy_last, heavy_first] * 4
-    why = gain_is_clear(model, flipping, a, b)
+    why = refusal_unless_gain_clear(model, flipping, a, b)
     assert why is not None and why.startswith("refused: gain") and "8 steps" in why
     common = dict(step=3, reason="r", costs=heavy_last, model=model, balancer="partition_time", current=a,
                   migration_cost=0.0)
