@@ -8,11 +8,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+from typing_extensions import override
 
 
-class WorldCollectives:
-    """Mixin for a Lightning ``ParallelStrategy`` with a ``root_device``."""
+class WorldCollectives(ParallelStrategy):
+    """A Lightning ``ParallelStrategy`` base with these three collectives (``root_device`` is the subclass's)."""
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "nccl":
@@ -20,6 +23,7 @@ class WorldCollectives:
             else:
                 dist.barrier()
 
+    @override
     def broadcast(self, obj, src: int = 0):
         if not (dist.is_available() and dist.is_initialized()):
             return obj
@@ -27,6 +31,7 @@ class WorldCollectives:
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor, group=None, reduce_op="mean"):
         from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
