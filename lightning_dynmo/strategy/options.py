@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Literal
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..plan.balancers import get_balancer
 from ..plan.budget import OverheadBudget
@@ -234,6 +235,14 @@ def check_not_split(layers, rank: int) -> None:
             "its optimizer cannot be rebuilt from the local layers alone. Build a fresh module and resume with "
             "trainer.fit(model, ckpt_path=...) (checkpoints load under any partition)."
         )
+
+
+def check_fit(module, layers, rank: int) -> None:
+    """At the setup of a fit: refuse a module an earlier fit split, warn about a skipped training_step."""
+    check_not_split(layers, rank)
+    message = skipped_training_step_warning(module)
+    if message:
+        rank_zero_warn(message)
 
 
 def skipped_training_step_warning(module) -> str | None:

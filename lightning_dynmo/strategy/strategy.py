@@ -24,6 +24,7 @@ class adopts.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -34,106 +35,71 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from ..plan.cost_model import LayerCosts
 from ..plan.layout import PipelineLayout
-from ..plan.partition import Partition
-from ..plan.schedules import choose_microbatches
-from ..plan.topology import Topology
 from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
-from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
+from ..runtime.expert_parallel import ExpertParallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
 from ..runtime.groups import PipelineGroups, groups_of_layout
-from ..runtime.materialize import materialize_pipeline, meta_init_context
+from ..runtime.materialize import meta_init_context
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
-from ..runtime.placement import Placement, check_local_layers_present, collect_load_factors, drop_remote_layers
+from ..runtime.placement import Placement, collect_load_factors, place_local_layers
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from ..runtime.profiler import PipelineProfiler
 from ..runtime.recompute import ActivationCheckpointing, layer_state_bytes
 from ..runtime.step_stats import exchange_step_stats, share_eval_loss
 from ..runtime.tied import TiedParameters, find_tied_parameters
 from . import checkpoint
-from .collectives import WorldCollectives, explain_timeout
+from .api import PipelineAPI
+from .collectives import WorldStrategy, explain_timeout
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
-from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, check_not_split, skipped_training_step_warning
+from .options import DEFAULT_TIMEOUT, PipelineOptions, check_fit, check_module
 from .partial_batch import BatchSizes
 from .rebalancer import Rebalancer
 from .recorder import dynmo_summary_text, log_step, notify_released
-from .state import RankPipeline, Relayout, output_dir
+from .state import Relayout
 from .step_guard import check_before_run, waiting_hint
 
 
-class DynMoStrategy(WorldCollectives):
+class DynMoStrategy(PipelineAPI, WorldStrategy):
     """Pipeline-parallel training that keeps its stages balanced while the model changes.
 
-    Every argument but Lightning's own (``accelerator`` ... ``process_group_backend``) is
-    documented at :class:`~lightning_dynmo.strategy.options.PipelineOptions`, which validates them
-    all here, before any process starts, and from which the rebalancer, its policy and budget are
-    built. A model built under ``trainer.init_module(empty_init=True)`` (the meta device) is
-    materialised layer by layer: each rank allocates and initialises only the layers it owns
-    (see :mod:`lightning_dynmo.runtime.materialize`).
+    The arguments other than Lightning's own are documented at :class:`~lightning_dynmo.strategy.options.PipelineOptions`,
+    which validates them before any process starts. A model built under ``trainer.init_module(empty_init=True)``
+    (the meta device) is materialised layer by layer: each rank allocates and initialises only the
+    layers it owns (see :mod:`lightning_dynmo.runtime.materialize`).
     """
 
     strategy_name = "dynmo"
 
     def __init__(
         self,
-        pipeline_parallel: int | Literal["auto"] = "auto",
-        schedule: str = "1f1b",
-        microbatches: int | None = None,
-        virtual_stages: int | None = None,
-        balancer: str = "partition_time",
-        partition: tuple[int, ...] | list[int] | None = None,
-        rebalance: str = "auto",
-        rebalance_interval: int = 50,
-        imbalance_threshold: float = 0.1,
-        rebalance_horizon: int = 100,
-        rebalance_cooldown: int = 10,
-        rebalance_hysteresis: float = 0.5,
-        profile_steps: int = 1,
-        overhead_budget: float = 0.01,
-        memory_capacity: float | None = None,
-        repack: str | int = "off",
-        repack_tolerance: float = 0.05,
-        plot: bool = True,
-        plot_interval: int = 50,
-        on_nonfinite: Literal["error", "skip", "ignore"] = "error",
-        activation_checkpointing: bool | Literal["auto"] = False,
-        expert_parallel: int = 1,
-        compile: bool = False,
-        accelerator=None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment=None,
-        checkpoint_io=None,
-        precision_plugin=None,
-        process_group_backend: str | None = None,
+        pipeline_parallel: int | Literal["auto"] = "auto", schedule: str = "1f1b", microbatches: int | None = None,
+        virtual_stages: int | None = None, balancer: str = "partition_time", partition: Sequence[int] | None = None,
+        rebalance: str = "auto", rebalance_interval: int = 50, imbalance_threshold: float = 0.1,
+        rebalance_horizon: int = 100, rebalance_cooldown: int = 10, rebalance_hysteresis: float = 0.5,
+        profile_steps: int = 1, overhead_budget: float = 0.01,
+        memory_capacity: float | None = None, repack: str | int = "off", repack_tolerance: float = 0.05,
+        plot: bool = True, plot_interval: int = 50, on_nonfinite: Literal["error", "skip", "ignore"] = "error",
+        activation_checkpointing: bool | Literal["auto"] = False, expert_parallel: int = 1, compile: bool = False,
+        accelerator=None, parallel_devices: list[torch.device] | None = None, cluster_environment=None,
+        checkpoint_io=None, precision_plugin=None, process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        options = {k: v for k, v in locals().items() if k in PipelineOptions.__dataclass_fields__}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.options = PipelineOptions.validate(
-            pipeline_parallel=pipeline_parallel, schedule=schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, balancer=balancer, partition=partition, rebalance=rebalance,
-            rebalance_interval=rebalance_interval, imbalance_threshold=imbalance_threshold,
-            rebalance_horizon=rebalance_horizon, rebalance_cooldown=rebalance_cooldown,
-            rebalance_hysteresis=rebalance_hysteresis, profile_steps=profile_steps, overhead_budget=overhead_budget,
-            memory_capacity=memory_capacity, repack=repack, repack_tolerance=repack_tolerance, plot=plot,
-            plot_interval=plot_interval, on_nonfinite=on_nonfinite, activation_checkpointing=activation_checkpointing,
-            expert_parallel=expert_parallel, compile=compile, timeout=timeout, start_method=start_method,
-            process_group_backend=process_group_backend,
-        )
+        self.options = PipelineOptions.validate(**options)  # every option but Lightning's own, checked once
         self.rebalancer = Rebalancer(self.options)
-        self._num_nodes = 1
         # this rank's pipeline (setup_environment / setup); only this class assigns these fields
         self.layout: PipelineLayout | None = None  # replaced (never changed in place) when layers move
         self.groups = PipelineGroups()
@@ -156,24 +122,6 @@ class DynMoStrategy(WorldCollectives):
     # ------------------------------------------------------------------ Lightning plumbing
     @property
     @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
     def precision_plugin(self):
         return super().precision_plugin
 
@@ -183,11 +131,10 @@ class DynMoStrategy(WorldCollectives):
         scaler's inf checks agree across the pipeline's ranks (runtime/precision.py)."""
         self._precision_plugin = plugin
         if plugin is not None:
-            install_global_norm_clipping(plugin, lambda opt: self.optimizer_layout.positions(
-                self.lightning_module, self.optimizers, opt), lambda: self.pipeline_group, lambda: not self.released,
-                self.expert_shards)
-            install_found_inf_agreement(plugin, lambda: self.pipeline_group, lambda: not self.released,
-                                        lambda: self.root_device)
+            group, active = (lambda: self.pipeline_group), (lambda: not self.released)
+            positions = lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt)  # noqa: E731
+            install_global_norm_clipping(plugin, positions, group, active, self.expert_shards)
+            install_found_inf_agreement(plugin, group, active, lambda: self.root_device)
 
     @override
     @contextmanager
@@ -200,14 +147,6 @@ class DynMoStrategy(WorldCollectives):
             return
         with meta_init_context(), self.precision_plugin.tensor_init_context():
             yield
-
-    @property
-    def is_distributed(self) -> bool:
-        """Always (``self.log(..., sync_dist=True)`` reduces over the ranks). Samplers: with more
-        than one data-parallel replica Lightning injects a DistributedSampler (our replica count and
-        rank; it shuffles training data, seeded, the same on every rank of a pipeline); with one
-        replica none is injected (see :meth:`setup`), so training sees the loader's own order."""
-        return True
 
     @override
     def process_dataloader(self, dataloader):
@@ -228,15 +167,6 @@ class DynMoStrategy(WorldCollectives):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # layers are placed first, then each rank loads its own part
 
-    def _world_topology(self) -> Topology:
-        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
-        check_expert_parallel(self.options.expert_parallel, topo.dp)
-        return topo
-
-    def expert_shards(self) -> ExpertShards | None:
-        """This rank's expert-shard parameters and groups (None without expert parallelism)."""
-        return self.expert_parallel.shards(self.lightning_module) if self.expert_parallel else None
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -246,12 +176,6 @@ class DynMoStrategy(WorldCollectives):
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = PipelineSpawnLauncher(self, start_method=self.options.start_method)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def setup_environment(self) -> None:
@@ -283,49 +207,6 @@ class DynMoStrategy(WorldCollectives):
         if self.rebalancer.policy.mode != "never":
             rank_zero_info(dynmo_summary_text(self.dynmo_summary))
 
-    @property
-    def dynmo_summary(self) -> dict:
-        """Measured overhead (profiling, decisions, migrations) and step time after vs before
-        each applied decision (same on every rank)."""
-        return self.rebalancer.summary()
-
-    # ------------------------------------------------------------------ pipeline geometry and state
-    schedule = property(lambda self: self.options.schedule.name)
-    topology = property(lambda self: self.layout.topology if self.layout else None)
-    partition = property(lambda self: self.layout.partition if self.layout else None)
-    pipeline_group = property(lambda self: self.groups.pipeline, doc="This rank's pipeline group (None: the world).")
-    data_parallel_group = property(lambda self: self.groups.data_parallel)
-    replica_pipeline_groups = property(lambda self: list(self.groups.replicas), doc="Every replica's pipeline group.")
-    released = property(lambda self: self.layout.released, doc="True on a rank re-packing released (no layers).")
-    layers_attr = property(lambda self: self._layers_attr, doc="Attribute name of the layer list on the module.")
-
-    @property
-    def pipeline_parallel(self) -> int:
-        pp = self.options.pipeline_parallel
-        return self.num_nodes * self.num_processes if pp == "auto" else pp
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        """The module's layer list; entries this rank does not own are :class:`RemoteLayer`."""
-        assert self._layers is not None, "layers are placed in setup()"
-        return self._layers
-
-    def local_layer_indices(self) -> list[int]:
-        """Global indices of the layers this rank owns, in pipeline order."""
-        return self.layout.local_layer_indices()
-
-    def choose_microbatches(self, batch_size: int, pp: int | None = None) -> int:
-        """Micro-batches for ``batch_size`` on ``pp`` pipeline ranks (default: now)."""
-        return choose_microbatches(self.options.schedule, batch_size, pp or self.layout.pp_size,
-                                   self.options.virtual_stages, self.options.microbatches)
-
-    def _pipe(self) -> RankPipeline:
-        """This rank's pipeline as one value: what the rebalancer and checkpoints may read."""
-        return RankPipeline(self.lightning_module, self._layers, self._layers_attr, self.optimizers,
-                            self.optimizer_layout, self.tied, self.profiler, self.engines, self.expert_parallel,
-                            self.full_state_shapes, self.layout, self.groups, self.root_device, self.global_rank,
-                            self.last_batch_size, self.last_microbatches)
-
     def _adopt(self, change: Relayout | None) -> None:
         """A migration's new layout (and, after re-packing, groups) becomes this rank's; the module
         and callbacks hear which ranks a re-pack released once the strategy shows it."""
@@ -354,10 +235,7 @@ class DynMoStrategy(WorldCollectives):
         self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_not_split(layers, self.global_rank)
-            message = skipped_training_step_warning(module)
-            if message:
-                rank_zero_warn(message)
+            check_fit(module, layers, self.global_rank)
             # Built once on the full model: every parameter's group and hyper-parameters are known
             # globally, so layers can later move between ranks and checkpoints stay portable.
             self.setup_optimizers(trainer)
@@ -366,21 +244,15 @@ class DynMoStrategy(WorldCollectives):
         if self.layout.partition is None:
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
                 layers, self.layout, self.root_device, self.global_rank, self.last_microbatches))
-        drop_remote_layers(layers, self.layout)
-        check_local_layers_present(layers, self.local_layer_indices(), self.global_rank)
-        self.tied.update(self.layout, self.options.timeout)
+        optimizers = self.optimizers if fitting else ()
+        place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
+                           self.optimizer_layout, self.expert_parallel)
         if self.topology.dp == 1:
             # One replica: every rank already loads the same batches; Lightning's injected
             # DistributedSampler would reshuffle a shuffle=False loader (it forces shuffle=True).
             trainer._accelerator_connector.use_distributed_sampler = False
-        if fitting:
-            OptimizerLayout.keep_only_local(module, self.optimizers)
-        # a model built on the meta device: allocate and initialise this rank's layers only
-        materialize_pipeline(module, layers, self.local_layer_indices(), self.optimizers if fitting else ())
-        if self.expert_parallel:  # keep this rank's expert shard (the optimizers hold the shards instead)
-            self.expert_parallel.shard_module(module, self.optimizers if fitting else (), self.optimizer_layout)
         self.model_to_device()
-        self.tied.align(layers, self.optimizers if fitting else ())  # tied copies: one object per rank, equal values
+        self.tied.align(layers, optimizers)  # tied copies: one object per rank, equal values
         self.profiler = PipelineProfiler(self.root_device)
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(
             self.options.activation_checkpointing, self.options.memory_capacity,
@@ -389,11 +261,9 @@ class DynMoStrategy(WorldCollectives):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        rank_zero_info(
-            f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
-            f"schedule={self.schedule}, stages={self.layout.num_stages}, partition {self.partition} "
-            f"(balancer={self.options.balancer})"
-        )
+        rank_zero_info(f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
+                       f"schedule={self.schedule}, stages={self.layout.num_stages}, partition {self.partition} "
+                       f"(balancer={self.options.balancer})")
 
     @override
     def model_to_device(self) -> None:
@@ -406,8 +276,7 @@ class DynMoStrategy(WorldCollectives):
         m, partial = self._batch_sizes.microbatches(inputs.shape[0], self.layout.pp_size)
         if train and not partial:
             self.last_microbatches = m
-        placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank,
-                              self.layout.pp_size, self.pipeline_group, self.root_device)
+        placement = Placement.of(self.layout, self._layers, self.pipeline_group, self.root_device)
         loss_fn = self.lightning_module.pipeline_loss
         inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
         engine = self.engines.get(placement, inputs, m, train,
@@ -416,21 +285,6 @@ class DynMoStrategy(WorldCollectives):
         if self.options.compile:  # placed at setup or arrived by migration (after the eager shape discovery)
             compile_local_layers(self._layers, self.local_layer_indices())
         return engine
-
-    def invalidate_pipeline(self) -> None:
-        """Forget built stages and shape metadata (call when layers change structure or grad-ness)."""
-        self.engines.clear()
-
-    def last_step_events(self) -> list[dict]:
-        """This rank's chunk timeline of the last step (for plots and the simulator)."""
-        return self.profiler.event_dicts(self.global_rank)
-
-    rank_busy_seconds = property(lambda self: list(self.rebalancer.rank_busy),
-                                 doc="Compute seconds of each pipeline rank in the last step (slowest replica).")
-    rank_wall_seconds = property(lambda self: list(self.rebalancer.rank_wall),
-                                 doc="Pipeline-schedule wall seconds of each pipeline rank in the last step.")
-    layer_load = property(lambda self: list(self.rebalancer.layer_load),
-                          doc="Each layer's load factor in the last step (layers implementing ReportsLoad).")
 
     @override
     def on_train_start(self) -> None:
@@ -528,56 +382,6 @@ class DynMoStrategy(WorldCollectives):
     @override
     def predict_step(self, *args: Any, **kwargs: Any):
         raise NotImplementedError("DynMoStrategy does not implement predict yet; use a single-device strategy")
-
-    # ------------------------------------------------------------------ rebalancing (public API)
-    def request_rebalance(self, reason: str = "requested", reprofile: bool = True) -> None:
-        """Ask for a rebalance (Algorithm 1): the next step is profiled per layer, then balanced.
-        With ``reprofile=False`` (routing changed, not what layers compute) the next step decides
-        from the last profile scaled by the layers' load factors, without profiling, when layers
-        report their load (see :class:`~lightning_dynmo.protocol.ReportsLoad`). Callbacks call
-        this on every rank (callbacks run everywhere); the decision to act is agreed in the
-        step's collective."""
-        self.rebalancer.request_rebalance(reason, reprofile)
-
-    def request_repack(self, target: int | str = "auto") -> None:
-        """Ask to pack the pipeline onto ``target`` ranks (or ``"auto"``): the next step is
-        profiled and then packed, under any ``rebalance`` mode. A request made on some ranks only
-        acts on all of them (agreed at the decision, see strategy/requests.py)."""
-        self.rebalancer.request_repack(target)
-
-    @property
-    def rebalance_history(self) -> list[dict]:
-        """Every decision so far as its JSON record (the lines of ``rebalance_history.jsonl``)."""
-        return [d.to_record() for d in self.rebalancer.recorder.decisions]
-
-    def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
-        """Per-layer costs identical on every rank, plus every rank's last chunk timeline. Collective."""
-        return self.rebalancer.gather_layer_costs(self._pipe())
-
-    def output_dir(self) -> str | None:
-        """Where logs go (``Trainer.log_dir`` is a broadcast: call on every rank)."""
-        return output_dir(self.lightning_module.trainer)
-
-    def rebalance_to(self, new: Partition | tuple[int, ...] | list[int]) -> MigrationStats:
-        """Move layers (with all their state) so that ``new`` becomes the partition. Collective:
-        every pipeline rank of every replica must call it with the same partition."""
-        change = self.rebalancer.rebalance_to(new if isinstance(new, Partition) else Partition(tuple(new)), self._pipe())
-        self._adopt(change)
-        return change.migration if change.migration is not None else MigrationStats()
-
-    def repack_to(self, ranks: int, partition: Partition | tuple[int, ...] | list[int]) -> list[int]:
-        """Move every layer (with its state) onto the first ``ranks`` pipeline ranks of each
-        replica, rebuild the pipeline groups on them and release the others. Collective over the
-        world: every rank calls it with the same arguments. Returns the released global ranks."""
-        partition = partition if isinstance(partition, Partition) else Partition(tuple(partition))
-        change, _, _ = self.rebalancer.migrate(partition, self._pipe(), ranks=ranks)
-        self._adopt(change)
-        return self.released_ranks
-
-    @property
-    def released_ranks(self) -> list[int]:
-        """Global ranks re-packing has released so far (empty before any packing)."""
-        return list(self.layout.released_ranks) if self.layout is not None else []
 
     # ------------------------------------------------------------------ checkpoints
     @override
