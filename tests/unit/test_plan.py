@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import subprocess
@@ -172,8 +173,11 @@ def test_topology_layout_and_released_ranks():
     assert (layout.pp_rank, layout.dp_rank, layout.num_stages) == (1, 1, 8)
     assert layout.local_layer_indices() == [1, 5]
     assert layout.released_ranks == []
-    layout.packed_pp = 1
-    assert layout.released and layout.num_stages == 2 and layout.released_ranks == [1, 2, 3, 5, 6, 7]
+    packed = layout.packed(1, Partition.from_sizes([4, 4]))  # a new value: layouts are never changed in place
+    assert packed.released and packed.num_stages == 2 and packed.released_ranks == [1, 2, 3, 5, 6, 7]
+    assert layout.packed_pp is None and layout.with_partition(packed.partition).partition == packed.partition
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.packed_pp = 1
 
 
 def test_zbv_layout_is_a_v():
