@@ -18,11 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from ..plan.partition import Partition
-from ..plan.schedules import ScheduleSpec
 from ..protocol import PipelineProtocolError
 from .activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
-from .checkpointing import ActivationCheckpointing, CheckpointedLayer
+from .placement import Placement
+from .recompute import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -168,20 +167,6 @@ def first_stage_inputs(inputs: torch.Tensor, targets: torch.Tensor | None, input
         raise PipelineProtocolError(f"pipeline_inputs(inputs, targets) returned {describe(out)}; it must return a "
                                     "tensor or a tuple of tensors (what enters the first pipeline layer)")
     return acts
-
-
-@dataclass(frozen=True, eq=False)
-class Placement:
-    """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
-    stage-to-rank layout, this rank's position, the pipeline group and the device."""
-
-    layers: nn.ModuleList
-    partition: Partition
-    spec: ScheduleSpec
-    pp_rank: int
-    pp_size: int
-    group: dist.ProcessGroup | None
-    device: torch.device
 
 
 def _layer_needs_grad(layer: nn.Module) -> bool:
