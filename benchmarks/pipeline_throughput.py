@@ -11,7 +11,7 @@ the same invocation also measures block granularity, interleaved, and reports it
 ``--head-chunks K``: the LM head + loss as K vocabulary chunks (``GPTConfig(head_chunks=K)``); with
 ``--granularity sublayer`` or K > 1 the baseline beside it is whole blocks with one head.
 
-    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer}] [--head-chunks K] [--compile]
+    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
 
 ``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
 compiled in place, inductor on CPU) and reports ``compile_speedup`` (compiled pipeline tokens/s
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
-    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
+    p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
                    help="pipeline layers: whole blocks, or attention and MLP halves (then whole blocks with one head too)")
     p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
     args = p.parse_args()

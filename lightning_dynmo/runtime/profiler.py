@@ -19,6 +19,7 @@ that fire there time each layer as in a plain backward.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -73,6 +74,7 @@ class PipelineProfiler:
         self.bwd: dict[int, float] = defaultdict(float)
         self.wgt: dict[int, float] = defaultdict(float)  # per stage, zero-bubble weight pass
         self.fwd_calls: dict[int, int] = defaultdict(int)
+        self.window_busy = 0.0  # chunk seconds since layer profiling started (see attribution())
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -96,6 +98,7 @@ class PipelineProfiler:
         t1 = self.now()
         self.events.append(ChunkEvent(stage_id, kind, int(chunk_id), t0, t1))
         if self.layer_profiling:
+            self.window_busy += t1 - t0
             if kind == "B":
                 self._attribute_backward(stage_id, t0, t1)
             elif kind == "W" and self._grad_ready:  # the whole backward ran here (see the module docstring)
@@ -128,6 +131,7 @@ class PipelineProfiler:
         self.bwd.clear()
         self.wgt.clear()
         self.fwd_calls.clear()
+        self.window_busy = 0.0
         for i in indices:
             layer = layers[i]
             self._handles.append(layer.register_forward_pre_hook(self._make_pre(i)))
@@ -202,6 +206,10 @@ class PipelineProfiler:
             out[i] = (f, b)
         return out
 
+    def attribution(self) -> tuple[float, float]:
+        """``(busy, attributed)`` seconds since layer profiling started: the chunks' time and the
+        part of it the layers' costs account for (what the balancer does not see is the rest)."""
+        return self.window_busy, math.fsum([*self.fwd.values(), *self.bwd.values(), *self.wgt.values()])
 
     def _weight_share(self, stage_id: int, i: int) -> float:
         """Layer ``i``'s share of its stage's weight-gradient time: by input-gradient time, or
