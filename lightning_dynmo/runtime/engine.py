@@ -332,7 +332,7 @@ class PipelineEngine:
                 )
             )
         schedule_cls = get_schedule_class(spec.torch_class)
-        loss_fn = checked_loss(loss_fn)
+        loss_fn = profiler.timed_loss(checked_loss(loss_fn), S - 1)
         # The mean over micro-batches is taken here, once per parameter, after the step: torch's
         # schedules divide by m per stage when that stage's last backward ends, which divides a
         # parameter shared by two stages of this rank (a tied embedding and LM head) twice, and
