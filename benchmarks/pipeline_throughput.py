@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,8 +52,10 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     model, loader = model_and_data(args)
     timer = StepTimer()
+    logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # rebalance_history / cost_trace: not the cwd
     common = dict(accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0)
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0,
+                  default_root_dir=logs.name)
     if args.mode == "single":
         trainer = L.Trainer(devices=1, **common)
     else:
@@ -66,6 +69,7 @@ def worker(args) -> None:
               "losses": [m.get("train_loss") for m in timer.metrics]}
     if args.mode == "pipeline":
         result["partition"] = str(trainer.strategy.partition)
+    logs.cleanup()
     write_result(args.out, result)
 
 
