@@ -4,12 +4,13 @@ Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over
 tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
 
 ``--granularity sublayer``: the pipeline's layers are the blocks' attention and MLP halves
-(``GPTConfig(pipeline_granularity="sublayer")``, split by the same static parameter balancer);
+(``GPTConfig(pipeline_granularity="sublayer")``; ``fine``: five pieces per block), split by the
+same static parameter balancer;
 the same invocation also measures block granularity, interleaved, and reports its figures under
 ``"block"`` and ``fraction_of_ideal_minus_block`` (target: > -0.03, finer cuts must not cost).
 
 ``--head-chunks K``: the LM head + loss as K vocabulary chunks (``GPTConfig(head_chunks=K)``); with
-``--granularity sublayer`` or K > 1 the baseline beside it is whole blocks with one head.
+a finer granularity or K > 1 the baseline beside it is whole blocks with one head.
 
     python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
 
@@ -89,7 +90,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
-                   help="pipeline layers: whole blocks, or attention and MLP halves (then whole blocks with one head too)")
+                   help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
+                        "(finer than block: whole blocks with one head are measured too)")
     p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)

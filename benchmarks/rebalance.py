@@ -15,10 +15,15 @@ over repeats) and ``resolution`` (the better static balancer runs twice per repe
 |1 - a/b| of the two is the noise floor), and ``rebalance_cost_iterations`` (profiling overhead +
 decision + migration of one rebalance, in training iterations).
 
-``--granularity sublayer`` cuts every block into its attention and MLP halves
-(``GPTConfig(pipeline_granularity="sublayer")``) for every variant, static ones included.
+``unattributed_busy_fraction``: the share of a rank's busy (chunk) seconds in profiled steps that
+no layer's profiled cost covers, max over ranks, the worst profiled variant (target <= 0.03: what
+the time-based balancers cannot see, e.g. the loss before it was given to the head).
 
-    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer,fine}]
+``--granularity sublayer`` cuts every block into its attention and MLP halves
+(``GPTConfig(pipeline_granularity="sublayer")``), ``fine`` into five pieces, for every variant,
+static ones included.
+
+    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K]
 """
 from __future__ import annotations
 
@@ -113,8 +118,8 @@ def _agreed_faster(results: dict) -> str:
 
 
 def _worst_unattributed(runs: list[dict], names=DYNAMIC) -> float | None:
-    per = [median(v) for n in names
-           if (v := [r[n]["unattributed_busy_fraction"] for r in runs if r[n]["unattributed_busy_fraction"] is not None])]
+    key = "unattributed_busy_fraction"
+    per = [median(v) for n in names if (v := [r[n][key] for r in runs if r[n][key] is not None])]
     return round(max(per), 4) if per else None
 
 
@@ -137,7 +142,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
-                   help="pipeline layers: whole blocks, or attention and MLP halves (static baselines alike)")
+                   help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
+                        "(static baselines alike)")
     args = p.parse_args()
     args.steps = args.steps or (12 if args.quick else 20)
     if args.worker:
