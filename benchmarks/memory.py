@@ -121,7 +121,7 @@ def activation_bytes(width: int, block: int, microbatch: int) -> tuple[int, int]
     from torch import nn
 
     from lightning_dynmo.models import GPT
-    from lightning_dynmo.runtime.checkpointing import CheckpointedLayer, saved_activation_bytes
+    from lightning_dynmo.runtime.recompute import CheckpointedLayer, saved_activation_bytes
 
     model = GPT(model_config(width, block), seed=0)
     layers = list(model.pipeline_layers())

@@ -26,6 +26,10 @@ same on every rank:
 * ``on_pipeline_train_loss(loss, batch, batch_idx)`` after each training step (the step's loss);
 * ``on_pipeline_eval_loss(stage, loss, tokens)`` for each validation (``"val"``) or test batch.
 
+Under ``trainer.predict`` the module's ``predict_step`` is not called either: a prediction is the
+last layer's output, or what an optional ``pipeline_predict(output, batch, batch_idx)`` makes of
+it on the last stage's rank (``strategy/predict.py``).
+
 Two optional protocols connect the rest:
 
 * :class:`ReportsLoad`: a pipeline layer whose work changes every step (MoE routing, MoD token

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 @hydra.main(config_path="../conf", config_name="paper_scale", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    from lightning_dynmo.sim.projection import project
+    from recipes.scenarios.projection import project
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     summary = project(OmegaConf.to_container(cfg, resolve=True), out_dir)

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from ..dynamic._dist import all_reduce_over_pipeline, local_layers, pipeline_layers, reduce_device
+from ._pipeline_access import all_reduce_over_pipeline, local_layers, pipeline_layers, reduce_device
 from ..protocol import PipelineControl
 
 

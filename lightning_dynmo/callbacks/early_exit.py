@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..dynamic._dist import all_reduce_over_pipeline, local_layers, pipeline_layers, reduce_device, \
+from ._pipeline_access import all_reduce_over_pipeline, local_layers, pipeline_layers, reduce_device, \
     request_rebalance
 from ..models.early_exit import ExitBlock
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from ..dynamic._dist import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
+from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
     reduce_device, request_rebalance
 from ..dynamic.freezing import freeze_layer, layer_grad_norm, plasticity, snapshot_layer
 

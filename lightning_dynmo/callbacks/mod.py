@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ..dynamic._dist import all_reduce_over_pipeline, local_layers, pipeline_layers, pipeline_reduce_group, \
+from ._pipeline_access import all_reduce_over_pipeline, local_layers, pipeline_layers, pipeline_reduce_group, \
     reduce_device
 from ..models.mod import MoDBlock, check_capacity
 from ..protocol import PipelineControl

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..dynamic._dist import local_layers, pipeline_layers
+from ._pipeline_access import local_layers, pipeline_layers
 from ..models.moe import has_moe_mlp
 from ..protocol import RemoteLayer
 from ._layer_monitor import LayerLoadMonitor

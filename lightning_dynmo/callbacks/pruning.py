@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from ..dynamic._dist import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
+from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
     pipeline_reduce_group, reduce_device, request_rebalance
 from ..dynamic.pruning import ParamSwap, PrunableLinear, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available

@@ -1,10 +1,13 @@
-"""Model-side dynamism mechanisms (the callbacks in :mod:`lightning_dynmo.callbacks` decide when).
+"""Dynamism mechanisms that transform an existing model's layers (the callbacks in
+:mod:`lightning_dynmo.callbacks` decide when; mechanisms that are architectures -- MoE, MoD,
+early exit -- live in :mod:`lightning_dynmo.models`, see the README's "Where dynamism lives").
 
-* :mod:`.pruning`: ``global_magnitude_threshold`` (exact k-th |w| over pipeline ranks without
-  gathering weights), the Zhu & Gupta cubic schedule, ``PrunableLinear`` (dense storage with a
-  mask buffer, or CSR storage whose master weight is the kept values; optional sparse kernel),
-  ``ParamSwap`` (a storage change for the optimizer re-map).
-* :mod:`.early_exit`: ``EarlyExitGPT`` whose blocks compute only on still-active tokens.
+* :mod:`.pruning` (with :mod:`.pruning_threshold`): ``global_magnitude_threshold`` (exact k-th
+  |w| over pipeline ranks without gathering weights), the Zhu & Gupta cubic schedule,
+  ``PrunableLinear`` (dense storage with a mask buffer, or CSR storage whose master weight is the
+  kept values; optional sparse kernel), ``ParamSwap`` (a storage change for the optimizer re-map).
+* ``EarlyExitGPT`` and its layers are re-exported here from :mod:`lightning_dynmo.models.early_exit`
+  for existing imports.
 * :mod:`.freezing`: freezing a layer for real (no grad, optimizer state freed); Egeria's reference
   copy (``snapshot_layer``) and ``plasticity``.
 """

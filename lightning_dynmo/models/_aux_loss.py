@@ -113,7 +113,8 @@ def aux_loss_grad_scaler() -> torch.amp.GradScaler | None:
 def configure_aux_loss(trainer) -> None:
     """Match the auxiliary gradients to how ``trainer`` scales the main loss: ``1 / N`` for
     ``accumulate_grad_batches=N`` and its precision plugin's enabled grad scaler, if any (the
-    pipeline strategy rejects ``N > 1`` and scales by the same plugin's scaler)."""
+    pipeline strategy divides its losses by the same ``N``, strategy/accumulation.py, and scales
+    by the same plugin's scaler)."""
     set_aux_loss_scale(1.0 / trainer.accumulate_grad_batches)
     set_aux_loss_grad_scaler(grad_scaler(trainer.precision_plugin))
 

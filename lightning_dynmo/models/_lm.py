@@ -100,16 +100,18 @@ class CausalLMModule(L.LightningModule):
         """AdamW (weight decay on matmul weights and embeddings only) with warmup + cosine decay."""
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]  # biases and norm gains
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps,
-        )
+        optimizer = torch.optim.AdamW(self._optimizer_groups(params), lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
         min_lr = hp.lr if hp.min_lr is None else hp.min_lr
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, WarmupCosine(hp.warmup_steps, self._schedule_steps(), hp.lr, min_lr))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    def _optimizer_groups(self, params: list) -> list[dict]:
+        """AdamW's parameter groups: weight decay on matmul weights and embeddings, none on biases
+        and norm gains. A model may split further (MoDGPT gives its predictors their own rate);
+        the schedule scales every group's rate by the same factor."""
+        return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
     def _schedule_steps(self) -> int:
         """hparam ``max_steps``, else ``trainer.max_steps``; <= 0 means constant after warmup."""

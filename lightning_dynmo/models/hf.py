@@ -69,11 +69,8 @@ does not change with the routing and its layers do not report a load factor (``R
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -82,10 +79,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.models._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
+from lightning_dynmo.models._aux_loss import configure_aux_loss, reset_aux_loss
 from lightning_dynmo.models._lm import CausalLMModule
+from lightning_dynmo.models.hf_arch import (  # noqa: F401  (_Arch: re-exported)
+    SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, _Arch, _check_architecture)
 from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
-from lightning_dynmo.models.moe_router import load_balancing_loss
+from lightning_dynmo.models.hf_layers import (  # noqa: F401  (_first, _mask_function: re-exported)
+    HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, _first, _mask_function, router_balance_loss)
 from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
 
 try:  # optional dependency: pip install -e ".[hf]"
@@ -97,34 +97,6 @@ except ImportError:  # pragma: no cover - exercised where transformers is missin
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "HFCausalLM", "HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead",
            "UnsupportedArchitectureError", "CheckpointMismatchError", "router_balance_loss"]
-
-
-@dataclass(frozen=True)
-class _Arch:
-    embeddings: tuple[tuple[str, str], ...]  # (attribute on HFEmbedding, module path in the HF model)
-    layers: str  # the decoder ModuleList
-    norm: str
-    head: str = "lm_head"
-    rotary: str | None = None  # the model-level rotary embedding, copied into each decoder layer
-    embed_dropout: str | None = None  # config attribute with the embedding dropout
-    sliding_window: bool = False
-    router: str | None = None  # a decoder layer's top-k MoE router, returning (logits, weights, experts)
-
-
-SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
-    "gpt2": _Arch(embeddings=(("wte", "transformer.wte"), ("wpe", "transformer.wpe")), layers="transformer.h",
-                  norm="transformer.ln_f", embed_dropout="embd_pdrop"),
-    "llama": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
-                   rotary="model.rotary_emb"),
-    "mistral": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
-                     rotary="model.rotary_emb", sliding_window=True),
-    "mixtral": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
-                     rotary="model.rotary_emb", sliding_window=True, router="mlp.gate"),
-}
-
-
-class UnsupportedArchitectureError(ValueError):
-    """The checkpoint's ``model_type`` is not one the adapter can split into pipeline layers."""
 
 
 class CheckpointMismatchError(ValueError):
@@ -144,117 +116,6 @@ def _get(module: nn.Module, path: str) -> nn.Module:
         module = getattr(module, part)
     return module
 
-
-# ------------------------------------------------------------------ pipeline layers
-class HFEmbedding(nn.Module):
-    """Layer 0: token ids ``[B, T]`` -> hidden states ``[B, T, C]`` (GPT-2: + learned positions)."""
-
-    def __init__(self, modules: Mapping[str, nn.Module], dropout: float = 0.0, max_positions: int | None = None):
-        super().__init__()
-        self.names = tuple(modules)
-        for name, m in modules.items():
-            setattr(self, name, m)
-        self.drop = nn.Dropout(dropout)
-        self.max_positions = max_positions
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        t = ids.size(1)
-        if self.max_positions is not None and t > self.max_positions:
-            raise ValueError(f"sequence length {t} exceeds the model's {self.max_positions} positions")
-        h = getattr(self, self.names[0])(ids)
-        if len(self.names) > 1:  # learned absolute positions (GPT-2's wpe)
-            h = h + getattr(self, self.names[1])(torch.arange(t, device=ids.device))
-        return self.drop(h)
-
-
-def router_balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Mixtral's Switch loss of one layer, per sequence, then the mean over rows: for each row of
-    ``logits [B, T, E]``, ``load_balancing_loss_func`` of that layer and row alone (see the module
-    docstring). Our MoE's sequence-wise loss is the same statistic normalised to 1 instead of
-    ``top_k`` for uniform routing."""
-    probs = logits.float().softmax(dim=-1)
-    experts = probs.topk(top_k, dim=-1).indices
-    return top_k * load_balancing_loss(probs, experts, logits.size(-1))
-
-
-class HFDecoderLayer(nn.Module):
-    """One decoder layer of the model as a single-tensor layer (see the module docstring).
-
-    ``router``: path of the layer's MoE router (Mixtral); with ``aux_loss_coeff > 0`` a training
-    forward attaches ``aux_loss_coeff * router_balance_loss`` of its logits to the output
-    (``aux_loss_coeff`` is a plain attribute, so a callback may schedule it)."""
-
-    def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool,
-                 router: str | None = None, aux_loss_coeff: float = 0.0):
-        super().__init__()
-        self.layer = layer
-        self.rotary = rotary
-        self.config = config
-        self.sliding_window = bool(sliding_window and getattr(config, "sliding_window", None))
-        self.router = router
-        self.aux_loss_coeff = float(aux_loss_coeff)
-
-    def _mask(self, h: torch.Tensor, position_ids: torch.Tensor):
-        """What the model's own forward passes its layers for a full, unpadded sequence."""
-        fn, embeds_name, wants_cache_position = _mask_function(self.sliding_window)
-        kwargs = {"config": self.config, embeds_name: h, "attention_mask": None, "past_key_values": None,
-                  "position_ids": position_ids}
-        if wants_cache_position:
-            kwargs["cache_position"] = position_ids[0]
-        return fn(**kwargs)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(h.size(1), device=h.device).unsqueeze(0)
-        kwargs: dict[str, Any] = {"attention_mask": self._mask(h, position_ids), "position_ids": position_ids,
-                                  "use_cache": False}
-        if self.rotary is not None:
-            kwargs["position_embeddings"] = self.rotary(h, position_ids)
-        if not (self.router and self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled()):
-            return _first(self.layer(h, **kwargs))
-        # the router's logits, captured for this call only (a hook that outlives the call would
-        # have to survive the deep copies and pickling of layer migration)
-        logits: list[torch.Tensor] = []
-        handle = self.layer.get_submodule(self.router).register_forward_hook(lambda m, i, o: logits.append(o[0]))
-        try:
-            out = _first(self.layer(h, **kwargs))
-        finally:
-            handle.remove()
-        aux = router_balance_loss(logits[0].view(h.size(0), h.size(1), -1), self.config.num_experts_per_tok)
-        return attach_aux_loss(out, aux, self.aux_loss_coeff)
-
-
-def _first(out):
-    """Decoder layers return a tensor or (depending on the ``transformers`` version) a tuple."""
-    return out[0] if isinstance(out, tuple) else out
-
-
-@functools.lru_cache(maxsize=None)
-def _mask_function(sliding_window: bool):
-    """``transformers.masking_utils``' mask builder and how it names its arguments (they changed
-    between releases)."""
-    from transformers import masking_utils
-
-    fn = masking_utils.create_sliding_window_causal_mask if sliding_window else masking_utils.create_causal_mask
-    params = inspect.signature(fn).parameters
-    return fn, "inputs_embeds" if "inputs_embeds" in params else "input_embeds", "cache_position" in params
-
-
-class HFFinalNorm(nn.Module):
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h)
-
-
-class HFHead(nn.Module):
-    def __init__(self, lm_head: nn.Module):
-        super().__init__()
-        self.lm_head = lm_head
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)
 
 
 # ------------------------------------------------------------------ the LightningModule
@@ -536,15 +397,6 @@ class HFCausalLM(CausalLMModule):
             tensors = layout.to_disk(tensors)
         save_file({k: v.clone() for k, v in tensors.items()}, str(directory / "model.safetensors"),
                   metadata={"format": "pt"})
-
-
-def _check_architecture(model_type: str | None, where: str) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(
-            f"HFCausalLM does not support model_type={model_type!r} (from {where}); supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Their decoder layers are split into pipeline layers "
-            "by lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES"
-        )
 
 
 def _warn_untied(cfg) -> None:

@@ -18,9 +18,15 @@ pipeline does, changes nothing):
 
 * ``expert_choice``: each row's top-``k`` router logits, ``k = round(capacity * T)`` (the paper's
   training rule). Constant cost, but not causal: a token's pick depends on later tokens.
-* ``predictor``: a small MLP on the stop-gradient block input is trained with BCE against the
-  stop-gradient top-``k`` decisions; its own decisions (logit > threshold) pick the tokens.
-  Causal, and the count varies per row, block and step.
+* ``predictor``: a small MLP on the stop-gradient block input (normalised per token) is trained
+  with BCE against the stop-gradient top-``k`` decisions, at a learning rate of its own
+  (``predictor_lr``); its own decisions (logit > threshold) pick the tokens. Causal, and the
+  count varies per row, block and step. Why the normalised input and the own rate: Adam moves
+  each weight by about the rate per step, so at the model's rate on the raw residual stream
+  (about 0.02 per coordinate) the predictor's logits differed across tokens by ~0.001 for
+  hundreds of steps, less than the threshold moves per step: a block took all or none of its
+  tokens each step. Now the logits spread by about one unit within the anneal and each step's
+  picks follow the capacity token by token.
 * ``threshold``: router logit > ``threshold``. Causal; the count varies.
 
 The predictor's threshold (``predictor_threshold``): the paper's rule is logit > 0 (p > 0.5).
@@ -50,123 +56,23 @@ changed between steps by :class:`~lightning_dynmo.callbacks.mod.MixtureOfDepths`
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime.checkpointing import is_recomputing
+from ..runtime.recompute import is_recomputing
 from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, GPTConfig
 from .granularity import check_block_granularity
+from .mod_config import (  # noqa: F401  (all re-exported: this was their module)
+    GATES, ROUTING_MODES, MoDConfig, check_capacity, check_predictor_threshold)
 from .moe import MoEConfig, RoutingCounts, has_moe_mlp, install_moe, moe_block_ids
 
 __all__ = ["MoDConfig", "MoDBlock", "MoDGPT", "ROUTING_MODES", "GATES"]
-
-ROUTING_MODES = ("expert_choice", "predictor", "threshold")
-GATES = ("sigmoid", "raw")
-
-
-@dataclass
-class MoDConfig:
-    """Mixture-of-Depths settings (see the module docstring).
-
-    Args:
-        capacity: fraction of each row's tokens a block takes under ``expert_choice``, and the
-            top-k target the predictor learns; in ``(0, 1]``.
-        every: blocks ``every-1, 2*every-1, ...`` (0-based) are MoD blocks (2: every other block,
-            starting with the second, as in the paper; 1: every block).
-        routing: ``"expert_choice"`` | ``"predictor"`` | ``"threshold"``.
-        threshold: router-logit threshold of ``routing="threshold"``.
-        gate: ``"sigmoid"`` (``2 sigmoid(r)``) | ``"raw"`` (``r``, the paper's).
-        predictor_hidden: hidden width of the predictor MLP.
-        predictor_loss_coeff: weight of the predictor's BCE in the gradients.
-        predictor_threshold: ``"calibrated"`` (a per-block logit threshold that keeps the picked
-            fraction at the capacity, see the module docstring) or a float, a fixed logit
-            threshold (``0.0``: the paper's ``p > 0.5``, which picks nothing at low capacity
-            until the predictor has learned). Predictor routing only.
-        predictor_threshold_rate: step of the calibrated threshold per batch, in logits per
-            unit of relative error ``(fraction - capacity) / capacity`` (0.1: -0.1 when a
-            block picks nothing, +0.7 when it picks everything at capacity 0.125).
-    """
-
-    capacity: float = 0.125
-    every: int = 2
-    routing: str = "expert_choice"
-    threshold: float = 0.0
-    gate: str = "sigmoid"
-    predictor_hidden: int = 64
-    predictor_loss_coeff: float = 0.01
-    predictor_threshold: str | float = "calibrated"
-    predictor_threshold_rate: float = 0.1
-
-    def __post_init__(self) -> None:
-        check_capacity(self.capacity)
-        if isinstance(self.every, bool) or int(self.every) != self.every or self.every < 1:
-            raise ValueError(f"MoD every must be an integer >= 1 (1: every block is MoD), got {self.every!r}")
-        self.every = int(self.every)
-        if self.routing not in ROUTING_MODES:
-            raise ValueError(f"unknown MoD routing {self.routing!r}; use one of {', '.join(ROUTING_MODES)}")
-        if self.gate not in GATES:
-            raise ValueError(f"unknown MoD gate {self.gate!r}; use one of {', '.join(GATES)}")
-        if not math.isfinite(self.threshold):
-            raise ValueError(f"MoD threshold must be a finite router logit, got {self.threshold!r}")
-        if int(self.predictor_hidden) < 1:
-            raise ValueError(f"MoD predictor_hidden must be >= 1, got {self.predictor_hidden!r}")
-        self.predictor_hidden = int(self.predictor_hidden)
-        if not (math.isfinite(self.predictor_loss_coeff) and self.predictor_loss_coeff >= 0):
-            raise ValueError(f"MoD predictor_loss_coeff must be finite and >= 0, got {self.predictor_loss_coeff!r}")
-        self.predictor_threshold = check_predictor_threshold(self.predictor_threshold)
-        rate = self.predictor_threshold_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"MoD predictor_threshold_rate must be a finite number > 0 (default 0.1), got {rate!r}")
-        self.predictor_threshold_rate = float(rate)
-
-    def is_mod_block(self, i: int) -> bool:
-        return (i + 1) % self.every == 0
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_any(cls, config: "MoDConfig | Mapping | None") -> "MoDConfig":
-        if config is None:
-            return cls()
-        if isinstance(config, MoDConfig):
-            return dataclasses.replace(config)
-        if isinstance(config, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(config) - fields
-            if unknown:
-                raise ValueError(f"unknown MoDConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
-            return cls(**{k: config[k] for k in config})
-        raise TypeError(f"mod must be a MoDConfig, a dict or None, got {type(config).__name__}")
-
-
-def check_predictor_threshold(value: str | float) -> str | float:
-    if isinstance(value, str):
-        if value != "calibrated":
-            raise ValueError(f"unknown MoD predictor_threshold {value!r}; use 'calibrated' or a float logit threshold "
-                             "(0.0: the paper's p > 0.5)")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"MoD predictor_threshold must be 'calibrated' or a float logit threshold, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"MoD predictor_threshold must be a finite logit (0.0: the paper's p > 0.5) or "
-                         f"'calibrated', got {value!r}")
-    return float(value)
-
-
-def check_capacity(capacity: float) -> float:
-    if not (isinstance(capacity, (int, float)) and 0.0 < capacity <= 1.0):
-        raise ValueError(f"MoD capacity is the fraction of tokens a block takes and must be in (0, 1], got {capacity!r}")
-    return float(capacity)
 
 
 class MoDBlock(Block):
@@ -278,13 +184,20 @@ class MoDBlock(Block):
         idx = logits.topk(self.top_k(logits.size(1)), dim=1).indices
         return torch.zeros_like(logits, dtype=torch.bool).scatter_(1, idx, True)
 
+    def predict(self, x: Tensor) -> Tensor:
+        """The predictor's logits ``[B, T]``: its MLP on the stop-gradient block input, normalised
+        per token (no affine), so that its logits move at its own learning rate whatever the
+        residual stream's scale (about 0.02 per coordinate at GPT's init)."""
+        x = x.detach()
+        return self.predictor(F.layer_norm(x, (x.size(-1),))).squeeze(-1)
+
     def _route(self, x: Tensor, logits: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(picked [B,T] bool, predictor BCE or None, predictor agreement [B,T] or None)``."""
         if self.routing == "expert_choice":
             return self._top_k_mask(logits), None, None
         if self.routing == "threshold":
             return logits > self.threshold, None, None
-        guess = self.predictor(x.detach()).squeeze(-1)
+        guess = self.predict(x)
         target = self._top_k_mask(logits.detach())
         aux = None
         if torch.is_grad_enabled():
@@ -418,6 +331,22 @@ class MoDGPT(GPT):
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
 
+    def predictor_parameters(self) -> list[nn.Parameter]:
+        """The predictors' parameters (predictor routing; empty otherwise). A hand-written
+        ``configure_optimizers`` should give them a rate of their own, as this model's does
+        (``MoDConfig.predictor_lr``)."""
+        return [p for m in self.layers if isinstance(m, MoDBlock) and m.predictor is not None
+                for p in m.predictor.parameters()]
+
+    def _optimizer_groups(self, params: list) -> list[dict]:
+        lr = self.mod_config.predictor_lr
+        own = {id(p) for p in self.predictor_parameters()}
+        if lr is None or not own:
+            return super()._optimizer_groups(params)
+        rest = super()._optimizer_groups([p for p in params if id(p) not in own])
+        mine = super()._optimizer_groups([p for p in params if id(p) in own])
+        return rest + [dict(g, lr=lr) for g in mine if g["params"]]
+
     def mod_blocks(self) -> list[tuple[int, MoDBlock]]:
         """``(global layer index, block)`` of the MoD blocks this rank holds."""
         return [(i, l) for i, l in enumerate(self.layers) if isinstance(l, MoDBlock)]
@@ -441,7 +370,7 @@ class MoDGPT(GPT):
     def on_train_start(self) -> None:
         # Lightning divides the loss by accumulate_grad_batches and multiplies it by the fp16 grad
         # scaler's scale before backward; scale the predictor's gradient the same way (the
-        # pipeline strategy scales gradients instead; see models/_aux_loss.py)
+        # pipeline strategy does the same in its schedule; see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
 
     def on_train_end(self) -> None:

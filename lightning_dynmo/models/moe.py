@@ -34,10 +34,8 @@ follows), as device tensors, and converts them only when read: ``load_factor()``
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -45,7 +43,9 @@ from torch import Tensor, nn
 from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
 from .gpt import GPT, Block, GPTConfig
 from .granularity import AttentionHalf, MLPHalf
+from .moe_config import _DROP_POLICIES, _SCORE_FUNCS, MoEConfig  # noqa: F401  (re-exported: their old home)
 from .moe_experts import GroupedExperts, SwiGLU
+from .moe_load import MoELoad, RoutingCounts, RoutingStats, _records_routing, routed_tokens  # noqa: F401
 from .moe_router import Routing, TopKRouter, load_balancing_loss, router_z_loss
 
 __all__ = [
@@ -65,142 +65,6 @@ __all__ = [
     "load_balancing_loss",
     "router_z_loss",
 ]
-
-_SCORE_FUNCS = ("softmax", "sigmoid")
-_DROP_POLICIES = ("probs", "position")
-
-
-@dataclass
-class MoEConfig:
-    """Mixture-of-Experts settings (the dense settings stay in :class:`GPTConfig`).
-
-    Args:
-        num_experts: routed experts per MoE layer.
-        top_k: experts each token is sent to.
-        score_func: ``"softmax"`` (Mixtral) or ``"sigmoid"`` (DeepSeek-V3) router scores.
-        renormalize: rescale each token's top-k weights to sum to 1. With ``top_k=1`` and
-            softmax this makes every weight 1 and the router learns only from the aux loss.
-        shared_expert: ``True`` adds an always-on expert as wide as a routed one; an int gives
-            its hidden size; ``False`` none.
-        moe_every: block ``i`` is MoE when ``(i + 1) % moe_every == 0``; others stay dense.
-        aux_loss_coeff: weight of the sequence-wise Switch/GShard load-balancing loss (0: off).
-        z_loss_coeff: weight of the ST-MoE router z-loss (0: off).
-        capacity_factor: ``None`` is dropless; a number caps each expert at
-            ``ceil(capacity_factor * T * top_k / num_experts)`` tokens per sequence.
-        drop_policy: which over-capacity tokens are dropped: ``"probs"`` keeps the highest
-            routing weights, ``"position"`` the earliest tokens.
-        expert_ratio: expert hidden size as a multiple of ``n_embd``; ``None`` uses the block's
-            dense ``mlp_ratio``.
-        grouped_mm: ``None`` runs the experts as one ``torch._grouped_mm`` where this torch
-            build, dtype and sizes allow it and as a loop otherwise; ``True`` requires the grouped
-            GEMM; ``False`` always loops.
-    """
-
-    num_experts: int = 8
-    top_k: int = 2
-    score_func: str = "softmax"
-    renormalize: bool = True
-    shared_expert: bool | int = False
-    moe_every: int = 1
-    aux_loss_coeff: float = 1e-2
-    z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None
-    drop_policy: str = "probs"
-    expert_ratio: float | None = None
-    grouped_mm: bool | None = None
-
-    def __post_init__(self) -> None:
-        if int(self.num_experts) < 1:
-            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
-        if not 1 <= int(self.top_k) <= int(self.num_experts):
-            raise ValueError(
-                f"top_k={self.top_k} must be between 1 and num_experts={self.num_experts}: "
-                "lower top_k or raise num_experts"
-            )
-        if self.score_func not in _SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {_SCORE_FUNCS}, got {self.score_func!r}")
-        if int(self.moe_every) < 1:
-            raise ValueError(
-                f"moe_every must be >= 1 (1: every block is MoE, 2: every other block), got {self.moe_every}"
-            )
-        for name in ("aux_loss_coeff", "z_loss_coeff"):
-            if float(getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
-        if self.capacity_factor is not None and not float(self.capacity_factor) > 0:
-            raise ValueError(
-                f"capacity_factor must be > 0, got {self.capacity_factor}; use None for dropless routing"
-            )
-        if self.drop_policy not in _DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {_DROP_POLICIES}, got {self.drop_policy!r}")
-        if not isinstance(self.shared_expert, bool) and int(self.shared_expert) < 1:
-            raise ValueError(
-                f"shared_expert must be True, False or a positive hidden size, got {self.shared_expert}"
-            )
-        if self.expert_ratio is not None and not float(self.expert_ratio) > 0:
-            raise ValueError(f"expert_ratio must be > 0 (or None for the block's mlp_ratio), got {self.expert_ratio}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_any(cls, config: MoEConfig | Mapping | None) -> MoEConfig:
-        """Accept a MoEConfig, a (OmegaConf) mapping, or None (defaults)."""
-        if config is None:
-            return cls()
-        if isinstance(config, MoEConfig):
-            return dataclasses.replace(config)
-        if isinstance(config, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(config) - fields
-            if unknown:
-                raise ValueError(f"unknown MoEConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
-            return cls(**{k: config[k] for k in config})
-        raise TypeError(f"moe must be a MoEConfig, dict or None, got {type(config).__name__}")
-
-
-def _records_routing(module: nn.Module) -> bool:
-    """Training forwards count towards the load signal; no-grad passes (validation, the
-    strategy's shape discovery) do not."""
-    return module.training and torch.is_grad_enabled()
-
-
-@dataclass
-class RoutingCounts:
-    """What an MoE layer's recorded forwards did since a reset. Tensors stay on the device, so
-    training needs no host sync for them; readers convert."""
-
-    forwards: int = 0
-    tokens: int = 0  # tokens routed: sum of B * T (with a ``valid`` mask: of the valid tokens)
-    # (query, key) pairs under the causal mask: sum of B * T (T + 1) / 2; with a ``valid`` mask
-    # sum over rows of n (n + 1) / 2, n the row's valid tokens (the attention of packed rows)
-    causal_pairs: int = 0
-    expert_tokens: Tensor | None = None  # [E] slots each expert processed (after capacity)
-    balance_loss_sum: Tensor | None = None  # unscaled load-balancing loss, summed over forwards
-    busiest_slots: Tensor | None = None  # slots the busiest expert shard received, summed over forwards
-
-    def add(self, tokens: int, causal_pairs: int, expert_tokens: Tensor, busiest_slots: Tensor,
-            balance_loss: Tensor) -> None:
-        """One forward over ``tokens`` routed tokens with ``causal_pairs`` causal (query, key)
-        pairs (see :func:`routed_tokens`)."""
-        self.forwards += 1
-        self.tokens += tokens
-        self.causal_pairs += causal_pairs
-        if self.expert_tokens is None:
-            self.expert_tokens, self.balance_loss_sum = expert_tokens.clone(), balance_loss.detach().clone()
-            self.busiest_slots = busiest_slots.clone()
-        else:
-            self.expert_tokens += expert_tokens
-            self.balance_loss_sum += balance_loss.detach()
-            self.busiest_slots += busiest_slots
-
-
-def routed_tokens(b: int, t: int, valid: Tensor | None) -> tuple[int, int]:
-    """``(tokens, causal pairs)`` of a forward over ``[B, T]`` tokens, only the ``valid`` ones if
-    given: a row with ``n`` valid tokens (a packed MoD row) attends over ``n (n + 1) / 2`` pairs."""
-    if valid is None:
-        return b * t, b * t * (t + 1) // 2
-    per_row = valid.sum(dim=1).tolist()  # host sync, only while recording
-    return sum(per_row), sum(n * (n + 1) // 2 for n in per_row)
 
 
 class MoELayer(nn.Module):
@@ -350,46 +214,6 @@ class MoELayer(nn.Module):
         return out if aux_loss is None else attach_aux_loss(out, aux_loss, 1.0)
 
 
-@dataclass(frozen=True)
-class RoutingStats:
-    """A window of an :class:`MoEBlock`'s routing, for logging: ``relative_work`` (as
-    ``load_factor``), tokens each expert processed ``[E]`` (CPU int64; this replica's routed
-    tokens, also under expert parallelism), the share of routed slots dropped for capacity, and
-    the mean unscaled load-balancing loss (1.0 = uniform)."""
-
-    relative_work: float
-    expert_counts: Tensor
-    dropped_fraction: float
-    balance_loss: float
-
-
-class MoELoad:
-    """What a pipeline layer holding an :class:`MoELayer` as ``mlp`` reports: its load
-    (``ReportsLoad``, the strategy's window) and its routing statistics (the monitoring window).
-    Mixed in before the layer's class (:class:`MoEBlock`, and its MoE half at sublayer granularity)."""
-
-    def load_factor(self) -> float | None:
-        window = self.mlp.load_window
-        if window.forwards == 0:
-            return None
-        return self.mlp.window_work(window)
-
-    def reset_load(self) -> None:
-        self.mlp.load_window = RoutingCounts()
-
-    def routing_stats(self) -> RoutingStats | None:
-        """The monitoring window since :meth:`reset_routing_stats` (``None``: no forward)."""
-        return self.mlp.routing_stats()
-
-    def reset_routing_stats(self) -> None:
-        self.mlp.reset_routing_stats()
-
-    def expert_counts(self) -> Tensor:
-        """Tokens each expert processed (after capacity) in the monitoring window, ``[E]`` int64."""
-        stats = self.routing_stats()
-        return torch.zeros(self.mlp.num_experts, dtype=torch.int64) if stats is None else stats.expert_counts
-
-
 class MoEBlock(MoELoad, Block):
     """Pre-LN block whose MLP is an :class:`MoELayer`; a :class:`~lightning_dynmo.protocol.ReportsLoad`.
 
@@ -515,8 +339,8 @@ class MoEGPT(GPT):
     def on_train_start(self) -> None:
         # Lightning divides the training loss by accumulate_grad_batches and multiplies it by the
         # fp16 grad scaler's scale before backward; the auxiliary losses enter in backward, so
-        # scale them the same way (the pipeline strategy scales gradients instead and rejects
-        # accumulate_grad_batches > 1; it applies the same grad scaler; see models/_aux_loss.py)
+        # scale them the same way (the pipeline strategy divides its micro-batch losses by the
+        # same N and applies the same grad scaler; see models/_aux_loss.py)
         configure_aux_loss(self.trainer)
 
     def on_train_end(self) -> None:

@@ -15,8 +15,9 @@ Per step, on numbers every rank agrees on (so every rank answers the same):
 3. :meth:`RebalanceController.after_step` with the step's shared statistics.
 
 It holds what the policy (:class:`~lightning_dynmo.plan.policy.RebalancePolicy`: requests,
-cooldown, hysteresis) does not: counter requests, the profile window, load smoothing and the
-recent loads a move's gain is tested under, and the budget.
+cooldown, hysteresis) does not: counter requests, re-pack requests and the configured target,
+the profile window, load smoothing and the recent loads a move's gain is tested under, the
+measured cost of migrating (what ``auto`` weighs a move against), and the budget.
 """
 from __future__ import annotations
 
@@ -47,9 +48,12 @@ class StepActions:
 
 
 class RebalanceController:
-    def __init__(self, policy: RebalancePolicy, budget: OverheadBudget | None = None) -> None:
+    def __init__(self, policy: RebalancePolicy, budget: OverheadBudget | None = None, repack: int | str = "off") -> None:
         self.policy = policy
         self.budget = budget if budget is not None else OverheadBudget(window=max(100, policy.horizon))
+        self.repack = repack  # the configured re-pack target ("off", "auto" or a rank count)
+        self.migration_cost: float | None = None  # measured seconds of the last rebalance's migration
+        self.migration_seconds = 0.0  # all migrations of the run
         self.counter_requests: list[str] = []  # request(..., reprofile=False)
         self.repack_requested: int | str | None = None
         self.profiling_reason: str | None = None
@@ -69,11 +73,20 @@ class RebalanceController:
         self._unmoved: tuple[int, list[float | None]] | None = None  # (profile step, loads) of a no-op counter decision
 
     # ------------------------------------------------------------------ requests
-    def request(self, reason: str, reprofile: bool = True) -> None:
+    @property
+    def rebalancing(self) -> bool:
+        """Whether the policy ever rebalances (``never`` keeps the partition; re-packing still runs)."""
+        return self.policy.mode != "never"
+
+    def request(self, reason: str, reprofile: bool = True) -> bool:
+        """Note a rebalance request; ``False``: ignored (``rebalance="never"``)."""
+        if not self.rebalancing:
+            return False
         if reprofile:
             self.policy.request(str(reason))
         else:
             self.counter_requests.append(str(reason))
+        return True
 
     def request_repack(self, target: int | str) -> None:
         self.repack_requested = target
@@ -81,6 +94,10 @@ class RebalanceController:
     def take_repack(self) -> int | str | None:
         target, self.repack_requested = self.repack_requested, None
         return target
+
+    def repack_target(self, requested: int | str | None) -> int | str:
+        """What to pack onto after a profile: the (agreed) request, else the configured target."""
+        return requested if requested is not None else self.repack
 
     @property
     def profiling(self) -> bool:
@@ -142,7 +159,7 @@ class RebalanceController:
         self._skip_noted = self._skip_noted or bool(skipped)
         return StepActions(counters=counters, profile=reason, skipped=tuple(skipped))
 
-    def _unchanged(self) -> str | None:
+    def _unchanged_refusal(self) -> str | None:
         """A decision from counters on the same profile and (within ``LOAD_TOLERANCE``) the same
         loads as the last one, which changed nothing, would change nothing: one comparison."""
         if self._unmoved is None or self._unmoved[0] != self.profile_step:
@@ -159,7 +176,7 @@ class RebalanceController:
         (an infinite budget: nothing is)."""
         if self.policy.mode != "auto" or math.isinf(self.budget.fraction):
             return None
-        return (self._unchanged() if action == "counters" else None) or self.budget.refusal(step, action)
+        return (self._unchanged_refusal() if action == "counters" else None) or self.budget.refusal(step, action)
 
     def after_step(self, step: int, profiled: bool, rank_busy: list[float], rank_wall: list[float],
                    layer_load: list[float | None]) -> None:
@@ -192,6 +209,20 @@ class RebalanceController:
         self.budget.decided(step, applied, cost)
         self._skip_noted = False
 
+    def expected_migration_cost(self) -> float:
+        """What ``auto`` weighs a move against: the last rebalance's measured migration (plus its
+        decision); before any, one step's wall time."""
+        if self.migration_cost is not None:
+            return self.migration_cost
+        return max(self.rank_wall) if self.rank_wall else 0.0
+
+    def migrated(self, seconds: float, cost: float | None = None) -> None:
+        """A migration took ``seconds`` (agreed); ``cost``: what the next move is to be weighed
+        against (a rebalance's; a re-pack's leaves it)."""
+        self.migration_seconds += seconds
+        if cost is not None:
+            self.migration_cost = cost
+
     def repacked(self, step: int) -> None:
         self.policy.applied(step)  # a re-pack changes the rank count: nothing to undo
         self.budget.structural()
@@ -222,7 +253,7 @@ class RebalanceController:
 
     def load_cost_samples(self) -> list[LayerCosts]:
         """The last profiled costs under each recent step's own load factors: how much a move's
-        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.gain_is_clear`).
+        predicted gain varies from step to step (see :func:`~lightning_dynmo.plan.policy.refusal_unless_gain_clear`).
         Empty when no layer reports its load (nothing varies that a profile does not show)."""
         if self.profiled_costs is None or not any(x is not None for loads in self.recent_loads for x in loads):
             return []

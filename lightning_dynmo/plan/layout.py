@@ -1,18 +1,20 @@
 """Where this rank sits in the pipeline: topology, schedule layout, partition, active ranks.
 
 A value every part of the strategy reads (placement, rebalancing, checkpoints) instead of each
-re-deriving ranks and stages. Re-packing shrinks ``active_pp``; ranks beyond it are released.
+re-deriving ranks and stages. It is never changed in place: a migration returns a new one
+(:meth:`with_partition`, :meth:`packed`) that the strategy adopts. Re-packing shrinks
+``pp_size``; ranks beyond it are released.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .partition import Partition
 from .schedules import ScheduleSpec
 from .topology import Topology
 
 
-@dataclass
+@dataclass(frozen=True)
 class PipelineLayout:
     topology: Topology
     spec: ScheduleSpec
@@ -20,6 +22,13 @@ class PipelineLayout:
     global_rank: int
     partition: Partition | None = None
     packed_pp: int | None = None  # pipeline ranks after re-packing (None: not packed)
+
+    def with_partition(self, partition: Partition) -> "PipelineLayout":
+        return replace(self, partition=partition)
+
+    def packed(self, ranks: int, partition: Partition) -> "PipelineLayout":
+        """This layout re-packed onto ``ranks`` pipeline ranks per replica, split as ``partition``."""
+        return replace(self, packed_pp=ranks, partition=partition)
 
     @property
     def pp_size(self) -> int:

@@ -163,7 +163,7 @@ class RebalancePolicy:
             return True, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} > cost {migration_cost * 1e3:.1f} ms"
         return False, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} <= cost {migration_cost * 1e3:.1f} ms"
 
-    def undoes(self, step: int, new: Partition) -> str | None:
+    def undo_refusal(self, step: int, new: Partition) -> str | None:
         """Why moving to ``new`` at ``step`` is refused (``auto`` only): an applied decision left
         that partition less than ``horizon`` steps ago. That decision was paid for by a saving
         predicted over the horizon; coming back before the horizon is over says the loads it was
@@ -216,7 +216,7 @@ def decide(
     ``migration_cost`` is the measured (or, before the first migration, estimated) seconds a
     migration costs; only the ``auto`` policy weighs it. ``samples``: the costs under each of
     the last steps' own load factors (decisions from load counters); ``auto`` then moves only if
-    the move's gain is clearly positive over them (:func:`gain_is_clear`), so a per-step signal
+    the move's gain is clearly positive over them (:func:`refusal_unless_gain_clear`), so a per-step signal
     that is noise (a router's or a predictor's draw) moves nothing however its average looks."""
     t0 = time.perf_counter()
     base = Decision(step=step, reason=reason, before=str(current), applied=False, why="", balancer=balancer)
@@ -242,10 +242,10 @@ def decide(
     )
     if new == current:
         return decision.with_(why="already balanced"), None
-    undo = policy.undoes(step, new)
+    undo = policy.undo_refusal(step, new)
     if undo:
         return decision.with_(why=undo), None
-    unclear = gain_is_clear(model, samples, current, new) if policy.mode == "auto" else None
+    unclear = refusal_unless_gain_clear(model, samples, current, new) if policy.mode == "auto" else None
     if unclear:
         return decision.with_(why=unclear), None
     accept, why = policy.accept(pred_now, pred_new, migration_cost)
@@ -254,7 +254,7 @@ def decide(
     return decision.with_(applied=True, why=why, moved_layers=current.moved_layers(new)), new
 
 
-def gain_is_clear(model: CostModel, samples: Sequence[LayerCosts], current: Partition, new: Partition,
+def refusal_unless_gain_clear(model: CostModel, samples: Sequence[LayerCosts], current: Partition, new: Partition,
                   z: float = 2.0) -> str | None:
     """Why moving ``current -> new`` is refused (``None``: it is not). The predicted per-step gain
     is computed under each sample's costs (one per recent step); the move must gain on average by

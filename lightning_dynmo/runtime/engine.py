@@ -18,11 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from ..plan.partition import Partition
-from ..plan.schedules import ScheduleSpec
 from ..protocol import PipelineProtocolError
 from .activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
-from .checkpointing import ActivationCheckpointing, CheckpointedLayer
+from .placement import Placement
+from .recompute import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -168,20 +167,6 @@ def first_stage_inputs(inputs: torch.Tensor, targets: torch.Tensor | None, input
         raise PipelineProtocolError(f"pipeline_inputs(inputs, targets) returned {describe(out)}; it must return a "
                                     "tensor or a tuple of tensors (what enters the first pipeline layer)")
     return acts
-
-
-@dataclass(frozen=True, eq=False)
-class Placement:
-    """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
-    stage-to-rank layout, this rank's position, the pipeline group and the device."""
-
-    layers: nn.ModuleList
-    partition: Partition
-    spec: ScheduleSpec
-    pp_rank: int
-    pp_size: int
-    group: dist.ProcessGroup | None
-    device: torch.device
 
 
 def _layer_needs_grad(layer: nn.Module) -> bool:
@@ -332,7 +317,7 @@ class PipelineEngine:
                 )
             )
         schedule_cls = get_schedule_class(spec.torch_class)
-        loss_fn = profiler.timed_loss(checked_loss(loss_fn), S - 1)
+        loss_fn = profiler.timed_loss(checked_loss(loss_fn), S - 1) if loss_fn is not None else None  # None: predict
         # The mean over micro-batches is taken here, once per parameter, after the step: torch's
         # schedules divide by m per stage when that stage's last backward ends, which divides a
         # parameter shared by two stages of this rank (a tied embedding and LM head) twice, and
@@ -368,6 +353,16 @@ class PipelineEngine:
         self.last_step_seconds = time.perf_counter() - t0
         return losses if self.has_last else None
 
+    def predict(self, inputs: torch.Tensor) -> object | None:
+        """Forward only, no loss (an engine built with ``loss_fn=None``): the last layer's output
+        for the whole batch (micro-batches merged along dim 0) on the last stage's rank, else None."""
+        args = first_stage_inputs(inputs, None, self.inputs_fn) if self.has_first else ()
+        self.problems.clear()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            output = self.schedule.eval(*args)
+        self.last_step_seconds = time.perf_counter() - t0
+        return output if self.has_last else None
 
     @property
     def problem(self) -> str | None:
@@ -390,7 +385,7 @@ class EngineCache:
             loss_fn: LossFn, targets: torch.Tensor | None = None, inputs_fn: InputsFn | None = None) -> PipelineEngine:
         mb = inputs.shape[0] // microbatches
         mb_shape = (mb, *inputs.shape[1:])
-        key = (train, mb_shape, inputs.dtype, microbatches)
+        key = (train, loss_fn is None, mb_shape, inputs.dtype, microbatches)
         engine = self._engines.get(key)
         if engine is None:
             spec_key = (mb_shape, inputs.dtype)

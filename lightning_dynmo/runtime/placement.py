@@ -1,10 +1,54 @@
-"""Which layers this rank holds: the others are swapped for :class:`RemoteLayer` placeholders."""
+"""Where this rank sits in the pipeline (:class:`Placement`, what an engine is built for) and which
+layers it holds: the others are swapped for :class:`RemoteLayer` placeholders."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..plan.layout import PipelineLayout
+from ..plan.partition import Partition
+from ..plan.schedules import ScheduleSpec
 from ..protocol import RemoteLayer, ReportsLoad
+from .expert_parallel import ExpertParallel
+from .materialize import materialize_pipeline
+from .optimizer_layout import OptimizerLayout
+from .tied import TiedParameters
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where this rank sits in the pipeline: the layer list, the partition, the schedule's
+    stage-to-rank layout, this rank's position, the pipeline group and the device."""
+
+    layers: nn.ModuleList
+    partition: Partition
+    spec: ScheduleSpec
+    pp_rank: int
+    pp_size: int
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+    @classmethod
+    def of(cls, layout: PipelineLayout, layers: nn.ModuleList, group, device: torch.device) -> "Placement":
+        return cls(layers, layout.partition, layout.spec, layout.pp_rank, layout.pp_size, group, device)
+
+
+def place_local_layers(module: nn.Module, layers: nn.ModuleList, layout: PipelineLayout, rank: int,
+                       tied: TiedParameters, timeout, optimizers=(), optimizer_layout: OptimizerLayout | None = None,
+                       expert_parallel: ExpertParallel | None = None) -> None:
+    """Keep what ``layout`` gives this rank: its layers (placeholders for the others, checked
+    present), its tied-parameter groups, its parameters in ``optimizers``, allocated and
+    initialised if the module was built on the meta device, and its expert shards."""
+    drop_remote_layers(layers, layout)
+    check_local_layers_present(layers, layout.local_layer_indices(), rank)
+    tied.update(layout, timeout)
+    OptimizerLayout.keep_only_local(module, optimizers)
+    materialize_pipeline(module, layers, layout.local_layer_indices(), optimizers)
+    if expert_parallel:  # keep this rank's expert shard (the optimizers hold the shards instead)
+        expert_parallel.shard_module(module, optimizers, optimizer_layout)
 
 
 def drop_remote_layers(layers: nn.ModuleList, layout: PipelineLayout) -> None:

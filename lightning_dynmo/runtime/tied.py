@@ -15,6 +15,13 @@ update to the same values. Everywhere else the copies are one parameter, named b
 
 Groups are created collectively (every rank calls ``update`` with the same layout) and cached by
 their ranks, so a migration that brings the users together or apart costs no new group twice.
+
+With data-parallel replicas the gradient crosses the data-parallel group once, not once per
+owner: the owners reduce it onto the first owner (``sync_gradients(replicated=True)``), only
+that owner puts it into the replicas' all-reduce (:meth:`TiedParameters.averaged_once` drops it
+from the others' exchange), and it sends the averaged gradient back to the other owners
+(:meth:`TiedParameters.share_gradients`). The pipeline group carries what its all-reduce carried
+(a reduce and a broadcast); the data-parallel all-reduce carries each tied gradient once.
 """
 from __future__ import annotations
 
@@ -84,6 +91,7 @@ class TiedParameters:
         self._by_fqn: dict[str, TiedParameter] = {fqn: t for t in tied for fqn in t.fqns}
         self._groups: dict[tuple[int, ...], object] = {}
         self._sync: list[tuple[TiedParameter, object, int]] = []  # this rank's tied params: group, first owner
+        self._pending: list[tuple[nn.Parameter, object, int]] = []  # reduced onto the first owner, not shared yet
 
     def __bool__(self) -> bool:
         return bool(self.tied)
@@ -131,12 +139,16 @@ class TiedParameters:
                     first = topo.pipeline_ranks(d)[owners[t.layers[0]]]  # holds the first user
                     self._sync.append((t, self._groups[ranks], first))
 
-    def sync_gradients(self, layers: nn.ModuleList) -> None:
+    def sync_gradients(self, layers: nn.ModuleList, replicated: bool = False) -> None:
         """Sum each tied parameter's gradient over the ranks holding a copy (before the optimizer
         step). The owners first agree whether it trains at all (a copy frozen on one rank, e.g.
         by freezing the layer that uses it there, freezes it everywhere, as the one shared
-        parameter of a single process would be); an owner without a gradient contributes zeros."""
-        for t, group, _ in self._sync:
+        parameter of a single process would be); an owner without a gradient contributes zeros.
+        ``replicated``: data-parallel replicas follow; the sum lands on the first owner only
+        (see the module docstring) and :meth:`share_gradients` completes it after their exchange."""
+        self._pending = []
+        me = dist.get_rank() if self._sync else -1
+        for t, group, first in self._sync:
             p = self.local_param(layers, t)
             if p is None:
                 continue
@@ -147,7 +159,27 @@ class TiedParameters:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+            if not replicated:
+                dist.all_reduce(p.grad, group=group)
+                continue
+            dist.reduce(p.grad, dst=first, group=group)
+            self._pending.append((p, group, first))
+            if me != first:
+                p.grad.zero_()  # not this owner's to exchange; share_gradients overwrites it
+
+    def averaged_once(self, params) -> list[nn.Parameter]:
+        """``params`` without the tied parameters whose data-parallel exchange another owner
+        does (after ``sync_gradients(replicated=True)``; every replica drops the same ones)."""
+        me = dist.get_rank() if self._pending else -1
+        skip = {id(p) for p, _, first in self._pending if first != me}
+        return [p for p in params if id(p) not in skip]
+
+    def share_gradients(self) -> None:
+        """Send each tied gradient, averaged over the replicas by the first owner, to the other
+        owners (after the data-parallel exchange; collective over each tied group)."""
+        pending, self._pending = self._pending, []
+        for p, group, first in pending:
+            dist.broadcast(p.grad, src=first, group=group)
 
     def align(self, layers: nn.ModuleList, optimizers=()) -> None:
         """Make the copies one parameter again after the layers were (re)allocated, e.g. by a

@@ -23,13 +23,16 @@ Expert parallelism: a rank holds one shard of each expert parameter (dim 0 split
 peers). Saving gathers the shards (and their optimizer state) into whole tensors over the peers
 first; loading slices each whole tensor to the rank's shard. The file is the same as without
 expert parallelism, so a run resumes under any ``expert_parallel`` or ``pipeline_parallel``.
+
+The functions get this rank's pipeline as a value (:class:`~lightning_dynmo.strategy.state.RankPipeline`),
+not the strategy: they read it and load into the module and optimizers, nothing else.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import zipfile
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,9 +42,7 @@ from ..protocol import state_dict_key
 from ..runtime.merged_parameters import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
 from ..runtime.optimizer_layout import OptimizerLayout
 from .collectives import explain_timeout
-
-if TYPE_CHECKING:
-    from .strategy import DynMoStrategy
+from .state import RankPipeline
 
 _MAX_LISTED = 30
 SAVE_ON_EVERY_RANK = (
@@ -159,109 +160,109 @@ def check_model_state(expected: Mapping[str, tuple[int, ...]], state: Mapping[st
         )
 
 
-def gather_to_zero(strategy: "DynMoStrategy", obj: Any) -> list[Any] | None:
+def gather_to_zero(pipe: RankPipeline, obj: Any) -> list[Any] | None:
     """Gather ``obj`` from replica 0's pipeline ranks onto global rank 0 (None elsewhere)."""
-    if strategy.layout.dp_rank != 0 or strategy.layout.released:
+    if pipe.layout.dp_rank != 0 or pipe.layout.released:
         return None
-    if strategy.layout.pp_size == 1:
+    if pipe.layout.pp_size == 1:
         return [obj]
-    out = [None] * strategy.layout.pp_size if strategy.global_rank == 0 else None
+    out = [None] * pipe.layout.pp_size if pipe.global_rank == 0 else None
     with explain_timeout(SAVE_ON_EVERY_RANK):
-        dist.gather_object(obj, out, dst=0, group=strategy.replica_pipeline_groups[0])
+        dist.gather_object(obj, out, dst=0, group=pipe.groups.replicas[0])
     return out
 
 
-def _whole_experts(strategy: "DynMoStrategy", tensors: dict[str, Any]) -> dict[str, Any]:
+def _whole_experts(pipe: RankPipeline, tensors: dict[str, Any]) -> dict[str, Any]:
     """``tensors`` with every expert shard among them replaced by the whole tensor (collective
     over the expert peers; without expert parallelism ``tensors`` as they are)."""
-    ep = strategy.expert_parallel
+    ep = pipe.expert_parallel
     if ep is None:
         return tensors
-    sharded = _sharded_keys(strategy)
-    return {**tensors, **ep.gather({k: v for k, v in tensors.items() if k in sharded}, strategy.root_device)}
+    sharded = _sharded_keys(pipe)
+    return {**tensors, **ep.gather({k: v for k, v in tensors.items() if k in sharded}, pipe.device)}
 
 
-def _sharded_keys(strategy: "DynMoStrategy") -> set[str]:
+def _sharded_keys(pipe: RankPipeline) -> set[str]:
     """The state-dict keys of the expert parameters (see :func:`~lightning_dynmo.protocol.state_dict_key`)."""
-    module = strategy.lightning_module
-    return {state_dict_key(module, name) for name in strategy.expert_parallel.sharded_parameters(module)}
+    module = pipe.module
+    return {state_dict_key(module, name) for name in pipe.expert_parallel.sharded_parameters(module)}
 
 
-def _own_shards(strategy: "DynMoStrategy", state: dict[str, Any]) -> dict[str, Any]:
+def _own_shards(pipe: RankPipeline, state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (whole tensors by parameter name) with expert parameters cut to this rank's shard."""
-    ep = strategy.expert_parallel
+    ep = pipe.expert_parallel
     if ep is None:
         return state
-    sharded = _sharded_keys(strategy)
+    sharded = _sharded_keys(pipe)
     return {k: (ep.shard.take(v) if k in sharded else v) for k, v in state.items()}
 
 
-def _own_optimizer_shards(strategy: "DynMoStrategy", o: int, sd: dict) -> dict:
+def _own_optimizer_shards(pipe: RankPipeline, o: int, sd: dict) -> dict:
     """Optimizer ``o``'s single-process state dict with the per-parameter tensors of expert
     parameters cut to this rank's shard (the file's dict is left as it is)."""
-    ep = strategy.expert_parallel
+    ep = pipe.expert_parallel
     if ep is None:
         return sd
-    layout, shapes = strategy.optimizer_layout, strategy.full_state_shapes
+    layout, shapes = pipe.optimizer_layout, pipe.full_state_shapes
     state = dict(sd["state"])
-    for name in ep.sharded_parameters(strategy.lightning_module):
+    for name in ep.sharded_parameters(pipe.module):
         slot = layout.slot(name)
         if slot is None or slot.optimizer != o or slot.index not in state:
             continue
-        whole = tuple(shapes[state_dict_key(strategy.lightning_module, name)])
+        whole = tuple(shapes[state_dict_key(pipe.module, name)])
         state[slot.index] = {k: (ep.shard.take(v).clone() if torch.is_tensor(v) and tuple(v.shape) == whole else v)
                              for k, v in state[slot.index].items()}
     return {**sd, "state": state}
 
 
-def full_model_state_dict(strategy: "DynMoStrategy") -> dict[str, Any]:
+def full_model_state_dict(pipe: RankPipeline) -> dict[str, Any]:
     """The whole model's state dict on rank 0; empty elsewhere. Collective."""
-    local = {k: v.detach().cpu() for k, v in strategy.lightning_module.state_dict().items()}
-    local = _whole_experts(strategy, local)
-    parts = gather_to_zero(strategy, local)
+    local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
+    local = _whole_experts(pipe, local)
+    parts = gather_to_zero(pipe, local)
     full: dict[str, Any] = {}
     for part in parts or []:
         full.update(part)
-    return merge_state(full, merges_of(strategy.lightning_module)) if full else full
+    return merge_state(full, merges_of(pipe.module)) if full else full
 
 
-def full_optimizer_state(strategy: "DynMoStrategy", optimizer) -> dict[str, Any]:
+def full_optimizer_state(pipe: RankPipeline, optimizer) -> dict[str, Any]:
     """``optimizer``'s state in single-process format on rank 0; empty elsewhere. Collective."""
     opt = getattr(optimizer, "_optimizer", optimizer)
-    o = OptimizerLayout.index_of(strategy.optimizers, opt)
-    layout = strategy.optimizer_layout
-    states = layout.local_states(strategy.lightning_module, strategy.optimizers, o)
-    ep = strategy.expert_parallel
+    o = OptimizerLayout.index_of(pipe.optimizers, opt)
+    layout = pipe.optimizer_layout
+    states = layout.local_states(pipe.module, pipe.optimizers, o)
+    ep = pipe.expert_parallel
     if ep is not None:  # the per-parameter tensors (Adam's moments) of expert shards, made whole
-        sharded = set(ep.sharded_parameters(strategy.lightning_module))
+        sharded = set(ep.sharded_parameters(pipe.module))
         shards = {(name, key): v for name, st in states.items() if name in sharded
                   for key, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
-        for (name, key), v in ep.gather(shards, strategy.root_device).items():
+        for (name, key), v in ep.gather(shards, pipe.device).items():
             states[name][key] = v
-    parts = gather_to_zero(strategy, states)
+    parts = gather_to_zero(pipe, states)
     if not parts:
         return {}
     merged: dict[str, dict] = {}
     for part in parts:
         merged.update(part)
     sd = layout.global_state_dict(opt, o, merged)
-    return merge_optimizer_state(sd, _keys_by_index(strategy, o), merges_of(strategy.lightning_module))
+    return merge_optimizer_state(sd, _keys_by_index(pipe, o), merges_of(pipe.module))
 
 
-def _keys_by_index(strategy: "DynMoStrategy", o: int) -> dict[int, str]:
+def _keys_by_index(pipe: RankPipeline, o: int) -> dict[int, str]:
     """``{single-process index: state-dict key}`` of optimizer ``o``'s parameters (the names that
     checkpoint merges use, whatever the model's pipeline granularity)."""
-    module = strategy.lightning_module
-    return {i: state_dict_key(module, n) for i, n in strategy.optimizer_layout.names_by_index(o).items()}
+    module = pipe.module
+    return {i: state_dict_key(module, n) for i, n in pipe.optimizer_layout.names_by_index(o).items()}
 
 
-def load_local_model_state(strategy: "DynMoStrategy", checkpoint: dict, strict: bool = True) -> None:
+def load_local_model_state(pipe: RankPipeline, checkpoint: dict, strict: bool = True) -> None:
     """Check the checkpoint against the whole model, then load the entries of the layers this rank holds."""
-    module = strategy.lightning_module
-    check_model_state(strategy.full_state_shapes, checkpoint["state_dict"], strict, type(module).__name__)
+    module = pipe.module
+    check_model_state(pipe.full_state_shapes, checkpoint["state_dict"], strict, type(module).__name__)
     merges = merges_of(module)  # parameters kept in pieces (e.g. a chunked LM head) load from their merged entry
     own = set(split_state(module.state_dict(), merges))
-    state = _own_shards(strategy, {k: v for k, v in split_state(checkpoint["state_dict"], merges).items() if k in own})
+    state = _own_shards(pipe, {k: v for k, v in split_state(checkpoint["state_dict"], merges).items() if k in own})
     module.load_state_dict(state, strict=False)
 
 
@@ -282,22 +283,22 @@ def optimizer_type_problems(o: int, optimizer, sd: Any) -> list[str]:
             "the module) and start the optimizer afresh"]
 
 
-def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> None:
+def load_local_optimizer_state(pipe: RankPipeline, checkpoint: dict) -> None:
     """Load the optimizer state of this rank's parameters from a single-process state dict."""
     states = checkpoint["optimizer_states"]
-    optimizers = strategy.optimizers
+    optimizers = pipe.optimizers
     if len(states) != len(optimizers):
         raise CheckpointError(f"checkpoint has {len(states)} optimizers, the module configures {len(optimizers)}")
     problems = [p for o, (opt, sd) in enumerate(zip(optimizers, states)) for p in optimizer_type_problems(o, opt, sd)]
     if not problems:  # the same optimizer type: do the shapes fit (merged parameters split into their pieces)?
-        module, layout = strategy.lightning_module, strategy.optimizer_layout
+        module, layout = pipe.module, pipe.optimizer_layout
         merges = merges_of(module)  # state-dict keys, like full_state_shapes
-        full = dict(strategy.full_state_shapes)
+        full = dict(pipe.full_state_shapes)
         for merged, pieces in merges.items():  # each piece: its rows of the merged parameter
             full.update({key: (rows, *full.get(merged, (0,))[1:]) for key, rows in pieces})
         # the layout names parameters as named_parameters() does (e.g. a sublayer GPT's pipeline indices)
         shapes = {name: full[key] for name in layout.slots if (key := state_dict_key(module, name)) in full}
-        states = [split_optimizer_state(sd, _keys_by_index(strategy, o), layout.group_indices[o], merges)
+        states = [split_optimizer_state(sd, _keys_by_index(pipe, o), layout.group_indices[o], merges)
                   if isinstance(sd, dict) and "param_groups" in sd else sd for o, sd in enumerate(states)]
         problems = [p for o, sd in enumerate(states) for p in layout.problems(o, sd, shapes)]
     if problems:
@@ -307,5 +308,5 @@ def load_local_optimizer_state(strategy: "DynMoStrategy", checkpoint: dict) -> N
             + " (was it saved from a different model or configure_optimizers()?)"
         )
     for o, (opt, sd) in enumerate(zip(optimizers, states)):
-        strategy.optimizer_layout.load_local(strategy.lightning_module, opt, o, _own_optimizer_shards(strategy, o, sd))
-    _optimizers_to_device(optimizers, strategy.root_device)
+        pipe.optimizer_layout.load_local(pipe.module, opt, o, _own_optimizer_shards(pipe, o, sd))
+    _optimizers_to_device(optimizers, pipe.device)

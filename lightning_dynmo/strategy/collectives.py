@@ -1,6 +1,7 @@
-"""Lightning's strategy collectives (barrier, broadcast, reduce) over the default world group:
-what ``DynMoStrategy`` shares with any torch.distributed strategy, apart from its pipeline logic;
-and :func:`explain_timeout`, which makes a collective's timeout say which call every rank must make."""
+"""What ``DynMoStrategy`` shares with any torch.distributed strategy, apart from its pipeline
+logic: devices and ranks, and Lightning's collectives (barrier, broadcast, reduce) over the default
+world group; and :func:`explain_timeout`, which makes a collective's timeout say which call every
+rank must make."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -8,11 +9,51 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
 
 
-class WorldCollectives:
-    """Mixin for a Lightning ``ParallelStrategy`` with a ``root_device``."""
+class WorldStrategy(ParallelStrategy):
+    """A Lightning ``ParallelStrategy`` with one process per device: its devices, ranks and
+    collectives over the world."""
 
+    _num_nodes = 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always (``self.log(..., sync_dist=True)`` reduces over the ranks). Samplers: with more
+        than one data-parallel replica Lightning injects a DistributedSampler (our replica count and
+        rank; it shuffles training data, seeded, the same on every rank of a pipeline); with one
+        replica none is injected (see ``DynMoStrategy.setup``), so training sees the loader's own order."""
+        return True
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "nccl":
@@ -20,6 +61,7 @@ class WorldCollectives:
             else:
                 dist.barrier()
 
+    @override
     def broadcast(self, obj, src: int = 0):
         if not (dist.is_available() and dist.is_initialized()):
             return obj
@@ -27,6 +69,7 @@ class WorldCollectives:
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    @override
     def reduce(self, tensor, group=None, reduce_op="mean"):
         from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 

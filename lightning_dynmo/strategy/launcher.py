@@ -86,3 +86,28 @@ def restart_safe_store(timeout):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     return dist.PrefixStore(f"dynmo/attempt_{attempt}", client)
+
+
+def connect(cluster_environment, root_device, local_rank: int, timeout, backend: str | None = None) -> None:
+    """Join the process group (every rank): ``backend`` or the device's default, every
+    collective under ``timeout``; under torchrun a store that holds this attempt's keys only."""
+    import atexit
+
+    import torch.distributed as dist
+    from lightning.fabric.utilities.distributed import (
+        _destroy_dist_connection,
+        _get_default_process_group_backend_for_device,
+        _init_dist_connection,
+    )
+
+    backend = backend or _get_default_process_group_backend_for_device(root_device)
+    kwargs = {"timeout": timeout}
+    if root_device.type != "cpu":
+        kwargs["device_id"] = root_device
+    store = None if dist.is_initialized() else restart_safe_store(timeout)
+    if store is not None:  # torchrun (--max-restarts): this attempt's keys only, no stale peer addresses
+        kwargs["store"] = store
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+    die_with_launcher(local_rank)  # a rank must not outlive the process that launched it
+    if backend != "nccl":  # Lightning registers this for NCCL only; gloo threads need it too
+        atexit.register(_destroy_dist_connection)

@@ -1,4 +1,6 @@
-"""``DynMoStrategy``'s options, validated once, before any process starts."""
+"""``DynMoStrategy``'s options, validated once, before any process starts; every consumer (the
+rebalancer, its policy, budget and recorder, the engine, the launcher) is built from
+:class:`PipelineOptions`."""
 from __future__ import annotations
 
 import dis
@@ -7,14 +9,17 @@ from datetime import timedelta
 from typing import Literal
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..plan.balancers import get_balancer
+from ..plan.budget import OverheadBudget
 from ..plan.partition import Partition
+from ..plan.policy import RebalancePolicy
 from ..plan.repack import check_repack_target
 from ..plan.schedules import ScheduleSpec, get_schedule
 from ..plan.validation import positive_int
 from ..protocol import PipelineProtocolError, RemoteLayer, pipeline_layers_of
-from ..runtime.checkpointing import check_activation_checkpointing
+from ..runtime.recompute import check_activation_checkpointing
 from ..runtime.expert_parallel import check_expert_parallel_model
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -24,6 +29,63 @@ NONFINITE_MODES = ("error", "skip", "ignore")
 
 @dataclass(frozen=True)
 class PipelineOptions:
+    """Every ``DynMoStrategy`` option, validated (:meth:`validate`).
+
+    Args:
+        pipeline_parallel: ranks per pipeline (``"auto"``: all processes form one pipeline).
+            Data-parallel replicas = devices x num_nodes / pipeline_parallel.
+        schedule: a ``torch.distributed.pipelining`` schedule by name (see
+            :func:`lightning_dynmo.available_schedules`).
+        microbatches: micro-batches per step; ``None`` picks the largest divisor of the batch
+            size that is at most 4 x stages (and at least the stage count where the schedule
+            needs it).
+        virtual_stages: stages per rank for interleaved schedules (default 2).
+        balancer: name of the balancer for the initial partition (from parameter counts, before
+            any step) and for rebalancing (on profiled per-layer times). Default
+            ``"partition_time"``: the exact min-max contiguous partition of stage time.
+        partition: explicit initial boundaries, overriding ``balancer`` for step 0.
+        rebalance: ``"auto"`` (default: after a dynamism callback's ``request_rebalance`` and
+            when the busy-time imbalance exceeds ``imbalance_threshold``, applied only when the
+            predicted saving over ``rebalance_horizon`` steps exceeds the measured migration
+            cost), ``"on_event"`` (after ``request_rebalance``), ``"every_n"`` (every
+            ``rebalance_interval`` steps) or ``"never"`` (a static partition; requests are
+            ignored with a warning).
+        rebalance_cooldown: steps without automatic profiling after any decision.
+        rebalance_hysteresis: after a decision that changed nothing, ``auto`` fires again only
+            once the imbalance has grown by this fraction, or fell below
+            ``imbalance_threshold x (1 - rebalance_hysteresis)`` first.
+        profile_steps: consecutive steps one per-layer profile spans; decisions use each layer's
+            mean over them (1: decide on one step, cheapest; 2-3 when step times are noisy, e.g.
+            a shared machine, where one step's measurement can flip a decision back and forth).
+        overhead_budget: under ``rebalance="auto"``, the share of the training time that the
+            profiling and decisions the policy starts by itself may cost over the last 100 steps
+            (more when the last applied decision measurably paid for itself); those that keep
+            changing nothing also back off exponentially (see :mod:`lightning_dynmo.plan.budget`).
+            ``float("inf")``: no limit. Events (freezing, pruning, re-packing) are always served.
+        memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
+            activations in flight); balancers never exceed it. ``None``: unlimited.
+        repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
+            move the layers onto the fewest ranks whose balanced partition fits memory and whose
+            predicted step time stays within ``repack_tolerance`` of the current one; the other
+            ranks are released (they keep no layers and do no training compute).
+        plot: save a pipeline timeline and stage-load PNG next to the logs for applied
+            rebalances, at most one per ``plot_interval`` steps.
+        on_nonfinite: a step whose training loss is NaN/Inf: ``"error"`` (stop, naming the step),
+            ``"skip"`` (apply no update for that step, warn) or ``"ignore"``.
+        timeout: timeout of every collective; a dead or stuck rank makes the others fail.
+        start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
+        activation_checkpointing: ``True`` recomputes every layer's forward in backward
+            (``torch.utils.checkpoint`` per layer), ``"auto"`` only the layers needed for each stage
+            to fit ``memory_capacity``, ``False`` none (see :mod:`lightning_dynmo.runtime.recompute`).
+        expert_parallel: split each MoE layer's experts over this many data-parallel replicas
+            of its stage (must divide the replica count and every layer's ``num_experts``);
+            tokens travel to their expert's owner by ``all_to_all`` (see
+            :mod:`lightning_dynmo.runtime.expert_parallel`). 1: every replica holds every expert.
+        compile: ``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys
+            unchanged); a layer that arrives by migration is compiled on its new rank, the others
+            are not recompiled (see :mod:`lightning_dynmo.runtime.compile`).
+    """
+
     pipeline_parallel: int | Literal["auto"]
     schedule: ScheduleSpec
     virtual_stages: int
@@ -39,15 +101,26 @@ class PipelineOptions:
     timeout: timedelta
     start_method: str
     process_group_backend: str | None
-    activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/checkpointing.py)
+    activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/recompute.py)
     expert_parallel: int = 1  # replicas each stage's experts are split over (runtime/expert_parallel.py)
     compile: bool = False  # torch.compile each local pipeline layer in place (runtime/compile.py)
+    rebalance: str = "auto"  # the RebalancePolicy's mode and settings (plan/policy.py)
+    rebalance_interval: int = 50
+    imbalance_threshold: float = 0.1
+    rebalance_horizon: int = 100
+    rebalance_cooldown: int = 10
+    rebalance_hysteresis: float = 0.5
+    profile_steps: int = 1
+    overhead_budget: float = 0.01  # share of training time (plan/budget.py)
 
     @classmethod
-    def validate(cls, *, pipeline_parallel, schedule, microbatches, virtual_stages, balancer, partition,
-                 memory_capacity, repack, repack_tolerance, plot, timeout, start_method,
-                 process_group_backend, plot_interval=50, on_nonfinite="error",
-                 activation_checkpointing=False, expert_parallel=1, compile=False) -> "PipelineOptions":
+    def validate(cls, *, pipeline_parallel="auto", schedule="1f1b", microbatches=None, virtual_stages=None,
+                 balancer="partition_time", partition=None, memory_capacity=None, repack="off", repack_tolerance=0.05,
+                 plot=True, timeout=DEFAULT_TIMEOUT, start_method="popen", process_group_backend=None,
+                 plot_interval=50, on_nonfinite="error", activation_checkpointing=False, expert_parallel=1,
+                 compile=False, rebalance="auto", rebalance_interval=50, imbalance_threshold=0.1,
+                 rebalance_horizon=100, rebalance_cooldown=10, rebalance_hysteresis=0.5, profile_steps=1,
+                 overhead_budget=0.01) -> "PipelineOptions":
         pp = positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
         positive_int("expert_parallel", expert_parallel)
         spec = get_schedule(schedule)
@@ -80,19 +153,35 @@ class PipelineOptions:
             timeout = timedelta(seconds=timeout)
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-        return cls(
+        out = cls(
             pipeline_parallel=pp, schedule=spec, virtual_stages=virtual, microbatches=mb, balancer=balancer,
             partition=Partition(tuple(partition)) if partition is not None else None,
             memory_capacity=memory_capacity, repack=repack, repack_tolerance=float(repack_tolerance),
             plot=bool(plot), plot_interval=plot_interval, on_nonfinite=on_nonfinite, timeout=timeout or DEFAULT_TIMEOUT, start_method=start_method,
             process_group_backend=process_group_backend, activation_checkpointing=activation_checkpointing,
-            expert_parallel=expert_parallel, compile=compile,
+            expert_parallel=expert_parallel, compile=compile, rebalance=rebalance,
+            rebalance_interval=rebalance_interval, imbalance_threshold=imbalance_threshold,
+            rebalance_horizon=rebalance_horizon, rebalance_cooldown=rebalance_cooldown,
+            rebalance_hysteresis=rebalance_hysteresis, profile_steps=profile_steps, overhead_budget=overhead_budget,
         )
+        out.policy(), out.budget()  # the policy's and the budget's own checks, once, here
+        return out
+
+    def policy(self) -> RebalancePolicy:
+        """A fresh rebalance policy (its state starts empty) with these settings."""
+        return RebalancePolicy(mode=self.rebalance, interval=self.rebalance_interval, threshold=self.imbalance_threshold,
+                               horizon=self.rebalance_horizon, cooldown=self.rebalance_cooldown,
+                               hysteresis=self.rebalance_hysteresis, profile_steps=self.profile_steps)
+
+    def budget(self) -> OverheadBudget:
+        """A fresh overhead budget over the last ``max(100, rebalance_horizon)`` steps."""
+        return OverheadBudget(fraction=self.overhead_budget, window=max(100, self.rebalance_horizon))
 
 
 def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline_parallel: int, virtual: int,
                  activation_checkpointing: bool | str = False, expert_parallel: int = 1) -> None:
-    """What the pipeline needs of the LightningModule and the Trainer, checked at setup."""
+    """What the pipeline needs of the LightningModule and the Trainer, checked at setup
+    (any ``accumulate_grad_batches`` works: strategy/accumulation.py)."""
     check_expert_parallel_model(module, expert_parallel)
     if activation_checkpointing is not False:
         try:
@@ -106,11 +195,6 @@ def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline
         raise PipelineProtocolError(
             "DynMoStrategy runs backward inside the pipeline schedule and needs automatic optimisation; "
             "set `self.automatic_optimization = True` in your LightningModule"
-        )
-    if accumulate_grad_batches != 1:
-        raise ValueError(
-            "DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches` instead "
-            "(the pipeline already accumulates gradients over micro-batches)"
         )
     layers = pipeline_layers_of(module)
     in_layers = {id(p) for p in layers.parameters()}
@@ -147,6 +231,14 @@ def check_not_split(layers, rank: int) -> None:
             "its optimizer cannot be rebuilt from the local layers alone. Build a fresh module and resume with "
             "trainer.fit(model, ckpt_path=...) (checkpoints load under any partition)."
         )
+
+
+def check_fit(module, layers, rank: int) -> None:
+    """At the setup of a fit: refuse a module an earlier fit split, warn about a skipped training_step."""
+    check_not_split(layers, rank)
+    message = skipped_training_step_warning(module)
+    if message:
+        rank_zero_warn(message)
 
 
 def skipped_training_step_warning(module) -> str | None:

@@ -77,6 +77,17 @@ def write_cost_trace(out_dir: str | None, is_global_zero: bool, row: dict) -> No
         fh.write(json.dumps(row) + "\n")
 
 
+def notify_released(module, pp_size: int, released: list[int]) -> None:
+    """Tell the launcher/scheduler: ``on_workers_released(ranks)`` on the LightningModule and
+    on every callback that defines it, plus a log line and a metric."""
+    for obj in [module, *module.trainer.callbacks]:
+        hook = getattr(obj, "on_workers_released", None)
+        if callable(hook):
+            hook(released)
+    module.log("pipeline/ranks", float(pp_size), on_step=True, on_epoch=False, batch_size=1)
+    rank_zero_info(f"dynmo: packed onto {pp_size} pipeline ranks per replica; released ranks {released}")
+
+
 def dynmo_summary_text(summary: dict) -> str:
     """The end-of-fit sanity check in words: did DynMo pay on this model?"""
     frac = summary.get("overhead_fraction")

@@ -16,189 +16,96 @@ How a training step runs (automatic optimisation, unchanged for the user):
 
 Between steps the :class:`~lightning_dynmo.strategy.rebalancer.Rebalancer` may change the
 partition: layers move with their full state and the next step builds new stages from cached
-shape metadata. This class holds the Lightning hooks and the rank's pipeline state only.
+shape metadata. This class holds the Lightning hooks and the rank's pipeline state only; the
+rebalancer and the checkpoint functions get that state as a value (:meth:`DynMoStrategy._pipe`)
+and hand back a new layout (:class:`~lightning_dynmo.strategy.state.Relayout`) that only this
+class adopts.
 """
 from __future__ import annotations
 
-import atexit
-import logging
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from typing_extensions import override
 
-from ..plan.budget import OverheadBudget
-from ..plan.cost_model import LayerCosts
-from ..plan.partition import Partition
-from ..plan.policy import RebalancePolicy
 from ..plan.layout import PipelineLayout
-from ..plan.schedules import choose_microbatches
-from ..plan.topology import Topology
-from ..protocol import RemoteLayer, layers_attribute_name, pipeline_layers_of, split_batch
-from ..runtime.engine import EngineCache, Placement, raise_step_problem
-from ..runtime.expert_parallel import ExpertParallel, ExpertShards, check_expert_parallel
+from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
+from ..runtime.compile import compile_local_layers
+from ..runtime.engine import EngineCache, raise_step_problem
+from ..runtime.expert_parallel import ExpertParallel
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
-from ..runtime.groups import groups_of_layout
+from ..runtime.groups import PipelineGroups, groups_of_layout
+from ..runtime.materialize import meta_init_context
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
-from ..runtime.placement import check_local_layers_present, collect_load_factors, drop_remote_layers
-from ..runtime.profiler import PipelineProfiler
-from ..runtime.step_stats import exchange_step_stats, share_eval_loss
-from ..runtime.tied import TiedParameters, find_tied_parameters
-from ..runtime.checkpointing import ActivationCheckpointing, layer_state_bytes
-from ..runtime.compile import compile_local_layers
-from ..runtime.materialize import materialize_pipeline, meta_init_context
+from ..runtime.placement import Placement, collect_load_factors, place_local_layers
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
+from ..runtime.profiler import PipelineProfiler
+from ..runtime.recompute import ActivationCheckpointing, layer_state_bytes
+from ..runtime.step_stats import exchange_step_stats
+from ..runtime.tied import TiedParameters, find_tied_parameters
 from . import checkpoint
-from .collectives import WorldCollectives, explain_timeout
+from .accumulation import AccumulationWindow
+from .api import PipelineAPI
+from .collectives import WorldStrategy, explain_timeout
+from .evaluation import eval_batch
+from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
-from .launcher import PipelineSpawnLauncher, die_with_launcher, restart_safe_store, seeded_loader_for_one_replica
-from .options import DEFAULT_TIMEOUT, PipelineOptions, check_module, check_not_split, skipped_training_step_warning
+from .options import DEFAULT_TIMEOUT, PipelineOptions, check_fit, check_module
 from .partial_batch import BatchSizes
+from .predict import predict_batch
 from .rebalancer import Rebalancer
+from .recorder import dynmo_summary_text, log_step, notify_released
+from .state import Relayout
 from .step_guard import check_before_run, waiting_hint
-from .recorder import dynmo_summary_text, log_step
-
-log = logging.getLogger(__name__)
 
 
-class DynMoStrategy(WorldCollectives, ParallelStrategy):
+class DynMoStrategy(PipelineAPI, WorldStrategy):
     """Pipeline-parallel training that keeps its stages balanced while the model changes.
 
-    Args:
-        pipeline_parallel: ranks per pipeline (``"auto"``: all processes form one pipeline).
-            Data-parallel replicas = devices x num_nodes / pipeline_parallel.
-        schedule: a ``torch.distributed.pipelining`` schedule by name (see
-            :func:`lightning_dynmo.available_schedules`).
-        microbatches: micro-batches per step; ``None`` picks the largest divisor of the batch
-            size that is at most 4 x stages (and at least the stage count where the schedule
-            needs it).
-        virtual_stages: stages per rank for interleaved schedules (default 2).
-        balancer: name of the balancer for the initial partition (from parameter counts, before
-            any step) and for rebalancing (on profiled per-layer times). Default
-            ``"partition_time"``: the exact min-max contiguous partition of stage time.
-        partition: explicit initial boundaries, overriding ``balancer`` for step 0.
-        rebalance: ``"auto"`` (default: after a dynamism callback's ``request_rebalance`` and
-            when the busy-time imbalance exceeds ``imbalance_threshold``, applied only when the
-            predicted saving over ``rebalance_horizon`` steps exceeds the measured migration
-            cost), ``"on_event"`` (after ``request_rebalance``), ``"every_n"`` (every
-            ``rebalance_interval`` steps) or ``"never"`` (a static partition; requests are
-            ignored with a warning).
-        rebalance_cooldown: steps without automatic profiling after any decision.
-        rebalance_hysteresis: after a decision that changed nothing, ``auto`` fires again only
-            once the imbalance has grown by this fraction, or fell below
-            ``imbalance_threshold x (1 - rebalance_hysteresis)`` first.
-        profile_steps: consecutive steps one per-layer profile spans; decisions use each layer's
-            mean over them (1: decide on one step, cheapest; 2-3 when step times are noisy, e.g.
-            a shared machine, where one step's measurement can flip a decision back and forth).
-        overhead_budget: under ``rebalance="auto"``, the share of the training time that the
-            profiling and decisions the policy starts by itself may cost over the last 100 steps
-            (more when the last applied decision measurably paid for itself); those that keep
-            changing nothing also back off exponentially (see :mod:`lightning_dynmo.plan.budget`).
-            ``float("inf")``: no limit. Events (freezing, pruning, re-packing) are always served.
-        memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
-            activations in flight); balancers never exceed it. ``None``: unlimited.
-        repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
-            move the layers onto the fewest ranks whose balanced partition fits memory and whose
-            predicted step time stays within ``repack_tolerance`` of the current one; the other
-            ranks are released (they keep no layers and do no training compute).
-        plot: save a pipeline timeline and stage-load PNG next to the logs for applied
-            rebalances, at most one per ``plot_interval`` steps.
-        on_nonfinite: a step whose training loss is NaN/Inf: ``"error"`` (stop, naming the step),
-            ``"skip"`` (apply no update for that step, warn) or ``"ignore"``.
-        timeout: timeout of every collective; a dead or stuck rank makes the others fail.
-        start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
-        activation_checkpointing: ``True`` recomputes every layer's forward in backward
-            (``torch.utils.checkpoint`` per layer), ``"auto"`` only the layers needed for each stage
-            to fit ``memory_capacity``, ``False`` none (see
-            :mod:`lightning_dynmo.runtime.checkpointing`).
-        expert_parallel: split each MoE layer's experts over this many data-parallel replicas
-            of its stage (must divide the replica count and every layer's ``num_experts``);
-            tokens travel to their expert's owner by ``all_to_all`` (see
-            :mod:`lightning_dynmo.runtime.expert_parallel`). 1: every replica holds every expert.
-        compile: ``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys
-            unchanged); a layer that arrives by migration is compiled on its new rank, the others
-            are not recompiled (see :mod:`lightning_dynmo.runtime.compile`).
-
-    A model built under ``trainer.init_module(empty_init=True)`` (the meta device) is materialised
-    layer by layer: each rank allocates and initialises only the layers it owns (see
-    :mod:`lightning_dynmo.runtime.materialize`).
+    The arguments other than Lightning's own are documented at :class:`~lightning_dynmo.strategy.options.PipelineOptions`,
+    which validates them before any process starts. A model built under ``trainer.init_module(empty_init=True)``
+    (the meta device) is materialised layer by layer: each rank allocates and initialises only the
+    layers it owns (see :mod:`lightning_dynmo.runtime.materialize`).
     """
 
     strategy_name = "dynmo"
 
     def __init__(
         self,
-        pipeline_parallel: int | Literal["auto"] = "auto",
-        schedule: str = "1f1b",
-        microbatches: int | None = None,
-        virtual_stages: int | None = None,
-        balancer: str = "partition_time",
-        partition: tuple[int, ...] | list[int] | None = None,
-        rebalance: str = "auto",
-        rebalance_interval: int = 50,
-        imbalance_threshold: float = 0.1,
-        rebalance_horizon: int = 100,
-        rebalance_cooldown: int = 10,
-        rebalance_hysteresis: float = 0.5,
-        profile_steps: int = 1,
-        overhead_budget: float = 0.01,
-        memory_capacity: float | None = None,
-        repack: str | int = "off",
-        repack_tolerance: float = 0.05,
-        plot: bool = True,
-        plot_interval: int = 50,
-        on_nonfinite: Literal["error", "skip", "ignore"] = "error",
-        activation_checkpointing: bool | Literal["auto"] = False,
-        expert_parallel: int = 1,
-        compile: bool = False,
-        accelerator=None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment=None,
-        checkpoint_io=None,
-        precision_plugin=None,
-        process_group_backend: str | None = None,
+        pipeline_parallel: int | Literal["auto"] = "auto", schedule: str = "1f1b", microbatches: int | None = None,
+        virtual_stages: int | None = None, balancer: str = "partition_time", partition: Sequence[int] | None = None,
+        rebalance: str = "auto", rebalance_interval: int = 50, imbalance_threshold: float = 0.1,
+        rebalance_horizon: int = 100, rebalance_cooldown: int = 10, rebalance_hysteresis: float = 0.5,
+        profile_steps: int = 1, overhead_budget: float = 0.01,
+        memory_capacity: float | None = None, repack: str | int = "off", repack_tolerance: float = 0.05,
+        plot: bool = True, plot_interval: int = 50, on_nonfinite: Literal["error", "skip", "ignore"] = "error",
+        activation_checkpointing: bool | Literal["auto"] = False, expert_parallel: int = 1, compile: bool = False,
+        accelerator=None, parallel_devices: list[torch.device] | None = None, cluster_environment=None,
+        checkpoint_io=None, precision_plugin=None, process_group_backend: str | None = None,
         timeout: timedelta | float | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
+        options = {k: v for k, v in locals().items() if k in PipelineOptions.__dataclass_fields__}
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.options = PipelineOptions.validate(
-            pipeline_parallel=pipeline_parallel, schedule=schedule, microbatches=microbatches,
-            virtual_stages=virtual_stages, balancer=balancer, partition=partition, memory_capacity=memory_capacity,
-            repack=repack, repack_tolerance=repack_tolerance, plot=plot, timeout=timeout, start_method=start_method,
-            process_group_backend=process_group_backend, plot_interval=plot_interval, on_nonfinite=on_nonfinite,
-            activation_checkpointing=activation_checkpointing, expert_parallel=expert_parallel, compile=compile,
-        )
-        policy = RebalancePolicy(mode=rebalance, interval=rebalance_interval, threshold=imbalance_threshold,
-                                 horizon=rebalance_horizon, cooldown=rebalance_cooldown, hysteresis=rebalance_hysteresis,
-                                 profile_steps=profile_steps)
-        self.rebalancer = Rebalancer(self, policy, balancer, repack, self.options.repack_tolerance, self.options.plot,
-                                     self.options.plot_interval,
-                                     OverheadBudget(fraction=overhead_budget, window=max(100, rebalance_horizon)))
-        self._num_nodes = 1
-        # pipeline state (set in setup_environment / setup)
-        self.layout: PipelineLayout | None = None  # set in setup_environment
-        self.pipeline_group: dist.ProcessGroup | None = None
-        self.data_parallel_group: dist.ProcessGroup | None = None
-        self.replica_pipeline_groups: list = []
+        self.options = PipelineOptions.validate(**options)  # every option but Lightning's own, checked once
+        self.rebalancer = Rebalancer(self.options)
+        # this rank's pipeline (setup_environment / setup); only this class assigns these fields
+        self.layout: PipelineLayout | None = None  # replaced (never changed in place) when layers move
+        self.groups = PipelineGroups()
         self.optimizer_layout: OptimizerLayout | None = None
         self.profiler: PipelineProfiler | None = None
         self.engines: EngineCache | None = None
@@ -210,30 +117,14 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self._held_grads = HeldGradients()
         self._last_step_end: float | None = None
         self._batch_sizes = BatchSizes(self.options)
-        self._apply_step = True
+        self._window = AccumulationWindow()  # accumulate_grad_batches (strategy/accumulation.py)
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
         self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
+    @override
     def precision_plugin(self):
         return super().precision_plugin
 
@@ -243,11 +134,12 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         scaler's inf checks agree across the pipeline's ranks (runtime/precision.py)."""
         self._precision_plugin = plugin
         if plugin is not None:
-            install_global_norm_clipping(plugin, lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt), lambda: self.pipeline_group,
-                                         lambda: not self.released, self.expert_shards)
-            install_found_inf_agreement(plugin, lambda: self.pipeline_group, lambda: not self.released,
-                                        lambda: self.root_device)
+            group, active = (lambda: self.pipeline_group), (lambda: not self.released)
+            positions = lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt)  # noqa: E731
+            install_global_norm_clipping(plugin, positions, group, active, self.expert_shards)
+            install_found_inf_agreement(plugin, group, active, lambda: self.root_device)
 
+    @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None):
         """``trainer.init_module(empty_init=True)``: build on the meta device; setup materialises
@@ -259,14 +151,7 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         with meta_init_context(), self.precision_plugin.tensor_init_context():
             yield
 
-    @property
-    def is_distributed(self) -> bool:
-        """Always (``self.log(..., sync_dist=True)`` reduces over the ranks). Samplers: with more
-        than one data-parallel replica Lightning injects a DistributedSampler (our replica count and
-        rank; it shuffles training data, seeded, the same on every rank of a pipeline); with one
-        replica none is injected (see :meth:`setup`), so training sees the loader's own order."""
-        return True
-
+    @override
     def process_dataloader(self, dataloader):
         """One replica: a loader that shuffles with the global RNG gets a seeded generator, so
         every rank of the pipeline draws the same order (their global RNGs drift apart)."""
@@ -275,23 +160,17 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         return dataloader
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         topo = self._world_topology()
         return {"num_replicas": topo.dp, "rank": topo.dp_rank(self.global_rank)}
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # layers are placed first, then each rank loads its own part
 
-    def _world_topology(self) -> Topology:
-        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
-        check_expert_parallel(self.options.expert_parallel, topo.dp)
-        return topo
-
-    def expert_shards(self) -> ExpertShards | None:
-        """This rank's expert-shard parameters and groups (None without expert parallelism)."""
-        return self.expert_parallel.shards(self.lightning_module) if self.expert_parallel else None
-
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._world_topology()  # fail in the launching process, before any worker starts
@@ -301,35 +180,19 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         else:
             self._launcher = PipelineSpawnLauncher(self, start_method=self.options.start_method)
 
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self.layout is None:  # a later trainer stage (test/validate after fit) keeps where the layers now live
-            self.layout = PipelineLayout(self._world_topology(), self.options.schedule, self.options.virtual_stages,
-                                         self.global_rank)
         o = self.options
-        backend = o.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        kwargs: dict[str, Any] = {"timeout": o.timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        store = None if dist.is_initialized() else restart_safe_store(o.timeout)
-        if store is not None:  # torchrun (--max-restarts): this attempt's keys only, no stale peer addresses
-            kwargs["store"] = store
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        die_with_launcher(self.local_rank)  # a rank must not outlive the process that launched it
-        if backend != "nccl":  # Lightning registers this for NCCL only; gloo threads need it too
-            atexit.register(_destroy_dist_connection)
-        self.pipeline_group, self.data_parallel_group, self.replica_pipeline_groups = groups_of_layout(
-            self.layout, self.global_rank, o.timeout)
+        if self.layout is None:  # a later trainer stage (test/validate after fit) keeps where the layers now live
+            self.layout = PipelineLayout(self._world_topology(), o.schedule, o.virtual_stages, self.global_rank)
+        connect(self.cluster_environment, self.root_device, self.local_rank, o.timeout, o.process_group_backend)
+        self.groups = groups_of_layout(self.layout, self.global_rank, o.timeout)
         self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
 
+    @override
     def teardown(self) -> None:
         """Free the built stages and profiling hooks, then Lightning's teardown. The process group
         stays up (a later ``trainer.test`` or checkpoint gather needs it); it is destroyed at exit
@@ -340,68 +203,33 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             self.profiler.stop_layer_profiling()
         super().teardown()
 
+    @override
     def on_train_end(self) -> None:
         """The end-of-fit sanity check: what DynMo cost and what its applied decisions gained."""
         super().on_train_end()
         if self.rebalancer.policy.mode != "never":
             rank_zero_info(dynmo_summary_text(self.dynmo_summary))
 
-    @property
-    def dynmo_summary(self) -> dict:
-        """Measured overhead (profiling, decisions, migrations) and step time after vs before
-        each applied decision (same on every rank)."""
-        return self.rebalancer.summary()
-
-    # ------------------------------------------------------------------ pipeline geometry
-    @property
-    def schedule(self) -> str:
-        return self.options.schedule.name
-
-    @property
-    def pipeline_parallel(self) -> int:
-        pp = self.options.pipeline_parallel
-        return self.num_nodes * self.num_processes if pp == "auto" else pp
-
-    @property
-    def topology(self) -> Topology | None:
-        return self.layout.topology if self.layout else None
-
-    @property
-    def partition(self) -> Partition | None:
-        return self.layout.partition if self.layout else None
-
-    @property
-    def released(self) -> bool:
-        """True on a rank that re-packing took out of the pipeline (it holds no layers)."""
-        return self.layout.released
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        """The module's layer list; entries this rank does not own are :class:`RemoteLayer`."""
-        assert self._layers is not None, "layers are placed in setup()"
-        return self._layers
-
-    @property
-    def layers_attr(self) -> str:
-        """Attribute name of the layer list on the module (the prefix of its state-dict keys)."""
-        return self._layers_attr
-
-    def local_layer_indices(self) -> list[int]:
-        """Global indices of the layers this rank owns, in pipeline order."""
-        return self.layout.local_layer_indices()
-
-    def choose_microbatches(self, batch_size: int, pp: int | None = None) -> int:
-        """Micro-batches for ``batch_size`` on ``pp`` pipeline ranks (default: now)."""
-        return choose_microbatches(self.options.schedule, batch_size, pp or self.layout.pp_size,
-                                   self.options.virtual_stages, self.options.microbatches)
+    def _adopt(self, change: Relayout | None) -> None:
+        """A migration's new layout (and, after re-packing, groups) becomes this rank's; the module
+        and callbacks hear which ranks a re-pack released once the strategy shows it."""
+        if change is None:
+            return
+        self.layout = change.layout
+        if change.migration is not None:
+            self.last_migration = change.migration
+        if change.groups is not None:
+            self.groups = change.groups
+            notify_released(self.lightning_module, self.layout.pp_size, self.layout.released_ranks)
 
     # ------------------------------------------------------------------ setup
+    @override
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel, self.options.virtual_stages,
-                     self.options.activation_checkpointing, self.options.expert_parallel)
+        check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel,
+                     self.options.virtual_stages, self.options.activation_checkpointing, self.options.expert_parallel)
         check_precision(self.precision_plugin)
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
@@ -410,32 +238,24 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_not_split(layers, self.global_rank)
-            message = skipped_training_step_warning(module)
-            if message:
-                rank_zero_warn(message)
+            check_fit(module, layers, self.global_rank)
             # Built once on the full model: every parameter's group and hyper-parameters are known
             # globally, so layers can later move between ranks and checkpoints stay portable.
             self.setup_optimizers(trainer)
             self.optimizer_layout = OptimizerLayout.record(module, self.optimizers, self.tied.aliases)
             check_precision(self.precision_plugin, self.optimizers)
         if self.layout.partition is None:
-            self.layout.partition = self.rebalancer.initial_partition(layers)
-        drop_remote_layers(layers, self.layout)
-        check_local_layers_present(layers, self.local_layer_indices(), self.global_rank)
-        self.tied.update(self.layout, self.options.timeout)
+            self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
+                layers, self.layout, self.root_device, self.global_rank, self.last_microbatches))
+        optimizers = self.optimizers if fitting else ()
+        place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
+                           self.optimizer_layout, self.expert_parallel)
         if self.topology.dp == 1:
             # One replica: every rank already loads the same batches; Lightning's injected
             # DistributedSampler would reshuffle a shuffle=False loader (it forces shuffle=True).
             trainer._accelerator_connector.use_distributed_sampler = False
-        if fitting:
-            OptimizerLayout.keep_only_local(module, self.optimizers)
-        # a model built on the meta device: allocate and initialise this rank's layers only
-        materialize_pipeline(module, layers, self.local_layer_indices(), self.optimizers if fitting else ())
-        if self.expert_parallel:  # keep this rank's expert shard (the optimizers hold the shards instead)
-            self.expert_parallel.shard_module(module, self.optimizers if fitting else (), self.optimizer_layout)
         self.model_to_device()
-        self.tied.align(layers, self.optimizers if fitting else ())  # tied copies: one object per rank, equal values
+        self.tied.align(layers, optimizers)  # tied copies: one object per rank, equal values
         self.profiler = PipelineProfiler(self.root_device)
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(
             self.options.activation_checkpointing, self.options.memory_capacity,
@@ -444,65 +264,44 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-        rank_zero_info(
-            f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
-            f"schedule={self.schedule}, stages={self.layout.num_stages}, partition {self.partition} "
-            f"(balancer={self.rebalancer.balancer})"
-        )
+        rank_zero_info(f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
+                       f"schedule={self.schedule}, stages={self.layout.num_stages}, partition {self.partition} "
+                       f"(balancer={self.options.balancer})")
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
     # ------------------------------------------------------------------ pipeline execution
-    def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool):
+    def _engine_for(self, inputs: torch.Tensor, targets: torch.Tensor | None, train: bool, predict: bool = False):
         # a partial last batch runs with fewer micro-batches (strategy/partial_batch.py)
         m, partial = self._batch_sizes.microbatches(inputs.shape[0], self.layout.pp_size)
         if train and not partial:
             self.last_microbatches = m
-        placement = Placement(self._layers, self.partition, self.options.schedule, self.layout.pp_rank, self.layout.pp_size,
-                              self.pipeline_group, self.root_device)
-        loss_fn = self.lightning_module.pipeline_loss
+        placement = Placement.of(self.layout, self._layers, self.pipeline_group, self.root_device)
+        loss_fn = None if predict else self.lightning_module.pipeline_loss
         inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
         engine = self.engines.get(placement, inputs, m, train,
-                                  pipeline_loss_fn(self.precision_plugin, loss_fn) if train else loss_fn, targets,
-                                  inputs_fn if callable(inputs_fn) else None)
+                                  pipeline_loss_fn(self.precision_plugin, self._window.scaled(loss_fn)) if train else loss_fn,
+                                  targets, inputs_fn if callable(inputs_fn) else None)
         if self.options.compile:  # placed at setup or arrived by migration (after the eager shape discovery)
             compile_local_layers(self._layers, self.local_layer_indices())
         return engine
 
-    def invalidate_pipeline(self) -> None:
-        """Forget built stages and shape metadata (call when layers change structure or grad-ness).
-        Safe on any subset of ranks: the next training step rebuilds every rank's stages."""
-        self.engines.clear()
-
-    def last_step_events(self) -> list[dict]:
-        """This rank's chunk timeline of the last step (for plots and the simulator)."""
-        return self.profiler.event_dicts(self.global_rank)
-
-    @property
-    def rank_busy_seconds(self) -> list[float]:
-        """Compute seconds of each pipeline rank in the last step (slowest replica), same on every rank."""
-        return list(self.rebalancer.rank_busy)
-
-    @property
-    def rank_wall_seconds(self) -> list[float]:
-        """Pipeline-schedule wall seconds of each pipeline rank in the last step, same on every rank."""
-        return list(self.rebalancer.rank_wall)
-
-    @property
-    def layer_load(self) -> list[float | None]:
-        """Each layer's load factor in the last step (layers implementing ReportsLoad), same everywhere."""
-        return list(self.rebalancer.layer_load)
-
+    @override
     def on_train_start(self) -> None:
         self._batch_sizes.check_loader(self.lightning_module.trainer.train_dataloader, self.layout.pp_size)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        step = self.lightning_module.trainer.global_step
-        with explain_timeout(waiting_hint(self.global_rank, step)):  # a decision's collectives
-            self.rebalancer.before_step(step)
+        trainer = self.lightning_module.trainer
+        if not self._window.begin_batch(batch_idx, trainer.accumulate_grad_batches):
+            return  # inside an accumulation window: decisions wait for the next optimizer step
+        with explain_timeout(waiting_hint(self.global_rank, trainer.global_step)):  # a decision's collectives
+            self._adopt(self.rebalancer.before_step(trainer.global_step, self._pipe()))
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
@@ -517,10 +316,10 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
         else:  # a released rank computes nothing; it only joins the step's collective
             with self.precision_plugin.train_step_context():
                 engine = self._engine_for(inputs, targets, train=True)
-                for p in module.parameters():
-                    p.grad = None
+                self._window.set_aside(module.parameters())  # the schedule computes this batch's gradients alone
                 self.profiler.begin_step()
                 losses = unscale_losses(self.precision_plugin, engine.run(inputs, targets, train=True))
+                losses = self._window.batch_losses(losses)  # each batch's loss, not divided by k
             self._held_grads.hold(module.parameters())
             busy, wall, problem = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds, engine.problem
             loads = collect_load_factors(self._layers, self.local_layer_indices())
@@ -530,8 +329,9 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             global_rank=self.global_rank, device=self.root_device, problem=problem is not None,
         )
         raise_step_problem(problem, stats.problem)
-        self._apply_step = check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite)
-        self.rebalancer.after_step(stats)
+        window = self._window.note(stats, check_loss(stats.loss, module.trainer.global_step, self.options.on_nonfinite))
+        if window is not None:  # the accumulation window's last batch (every batch without accumulation)
+            self.rebalancer.after_step(module.trainer.global_step, window, self._pipe())
         log_step(self.lightning_module, stats, inputs, now, self._last_step_end, self.topology.dp, self.layout.pp_size)
         self._last_step_end = now
         hook = getattr(module, "on_pipeline_train_loss", None)
@@ -540,120 +340,79 @@ class DynMoStrategy(WorldCollectives, ParallelStrategy):
             hook(stats.loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx"))
         return stats.loss
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Gradients were computed by the pipeline schedule; restore them, average over replicas
-        and run the usual backward hooks."""
+        """Gradients were computed by the pipeline schedule; restore them (added to the
+        accumulation window's), average over replicas once per optimizer step and run the usual
+        backward hooks."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._apply_step:
-            self._held_grads.restore()
-            if not self.released:
-                self.tied.sync_gradients(self._layers)
-            average_over_replicas(module.parameters(), self.data_parallel_group, self.topology.dp, self.expert_shards())
-        else:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
-            self._held_grads.clear()
+        self._held_grads.restore()
+        exchange = self._window.last and self._window.apply
+        if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
+            self.tied.sync_gradients(self._layers, replicated=exchange and self.topology.dp > 1)
+        self._window.add_batch()
+        if exchange:
+            average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,
+                                  self.topology.dp, self.expert_shards())
+            self.tied.share_gradients()
+        elif self._window.last:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
+            for p in module.parameters():
+                p.grad = None
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any):
         return self._eval_step("val", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any):
         return self._eval_step("test", *args, **kwargs)
 
     def _eval_step(self, stage: str, *args: Any, **kwargs: Any):
-        """Runs the pipeline without backward; returns the batch loss on every rank and logs
-        ``{stage}_loss`` (model-specific metrics such as perplexity are the model's to log)."""
-        inputs, targets = split_batch(args[0] if args else kwargs["batch"])
-        ctx = self.precision_plugin.val_step_context() if stage == "val" else self.precision_plugin.test_step_context()
-        losses, problem = None, None
-        if not self.released:
-            with ctx:
-                engine = self._engine_for(inputs, targets, train=False)
-                losses, problem = engine.run(inputs, targets, train=False), engine.problem
-        loss, flagged = share_eval_loss(losses, self.topology.dp, self.root_device, problem is not None)
-        raise_step_problem(problem, flagged)
-        self.lightning_module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True,
-                                  batch_size=inputs.shape[0], sync_dist=True)  # identical everywhere: mean is exact
-        hook = getattr(self.lightning_module, "on_pipeline_eval_loss", None)
-        if callable(hook):
-            hook(stage, loss, inputs.numel())
-        return loss
+        return eval_batch(self, stage, args[0] if args else kwargs["batch"])  # strategy/evaluation.py
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("DynMoStrategy does not implement predict yet; use a single-device strategy")
+        """Forward through the pipeline; the last layer's output, or the module's optional
+        ``pipeline_predict`` of it, on every rank of the pipeline (strategy/predict.py)."""
+        return predict_batch(self, *args, *kwargs.values())
 
-    # ------------------------------------------------------------------ rebalancing (public API)
-    def request_rebalance(self, reason: str = "requested", reprofile: bool = True) -> None:
-        """Ask for a rebalance (Algorithm 1): the next step is profiled per layer, then balanced.
-        With ``reprofile=False`` (routing changed, not what layers compute) the next step decides
-        from the last profile scaled by the layers' load factors, without profiling, when layers
-        report their load (see :class:`~lightning_dynmo.protocol.ReportsLoad`). Callbacks call
-        this on every rank (callbacks run everywhere); the decision to act is agreed in the
-        step's collective."""
-        self.rebalancer.request_rebalance(reason, reprofile)
-
-    def request_repack(self, target: int | str = "auto") -> None:
-        """Ask to pack the pipeline onto ``target`` ranks (or ``"auto"``): the next step is
-        profiled and then packed, under any ``rebalance`` mode. A request made on some ranks only
-        acts on all of them (agreed at the decision, see strategy/requests.py)."""
-        self.rebalancer.request_repack(target)
-
-    @property
-    def rebalance_history(self) -> list[dict]:
-        """Every decision so far as its JSON record (the lines of ``rebalance_history.jsonl``)."""
-        return [d.to_record() for d in self.rebalancer.recorder.decisions]
-
-    def gather_layer_costs(self) -> tuple[LayerCosts, list[dict]]:
-        """Per-layer costs identical on every rank, plus every rank's last chunk timeline. Collective."""
-        return self.rebalancer.gather_layer_costs()
-
-    def output_dir(self) -> str | None:
-        """Where logs go (``Trainer.log_dir`` is a broadcast: call on every rank)."""
-        trainer = self.lightning_module.trainer
-        return trainer.log_dir or trainer.default_root_dir
-
-    def rebalance_to(self, new: Partition | tuple[int, ...] | list[int]) -> MigrationStats:
-        """Move layers (with all their state) so that ``new`` becomes the partition. Collective:
-        every pipeline rank of every replica must call it with the same partition."""
-        return self.rebalancer.rebalance_to(new if isinstance(new, Partition) else Partition(tuple(new)))
-
-    def repack_to(self, ranks: int, partition: Partition | tuple[int, ...] | list[int]) -> list[int]:
-        """Move every layer (with its state) onto the first ``ranks`` pipeline ranks of each
-        replica, rebuild the pipeline groups on them and release the others. Collective over the
-        world: every rank calls it with the same arguments. Returns the released global ranks."""
-        partition = partition if isinstance(partition, Partition) else Partition(tuple(partition))
-        self.rebalancer.migrate(partition, ranks=ranks)
-        return self.released_ranks
-
-    @property
-    def released_ranks(self) -> list[int]:
-        """Global ranks re-packing has released so far (empty before any packing)."""
-        return list(self.layout.released_ranks) if self.layout is not None else []
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        with self._window.closing():  # its closure runs the accumulation window's last batch
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint safely (``weights_only=True`` unless the caller passes ``False``), refusing
         files that are not checkpoints and NaN/Inf tensors; every rank reads and checks the file."""
         return checkpoint.read_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict (global layer indices) on rank 0; empty elsewhere."""
-        return checkpoint.full_model_state_dict(self)
+        return checkpoint.full_model_state_dict(self._pipe())
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """The optimizer state in single-process format (any partition can load it), on rank 0."""
-        return checkpoint.full_optimizer_state(self, optimizer)
+        return checkpoint.full_optimizer_state(self._pipe(), optimizer)
 
+    @override
     def load_model_state_dict(self, checkpoint_dict, strict: bool = True) -> None:
-        checkpoint.load_local_model_state(self, checkpoint_dict, strict)
+        checkpoint.load_local_model_state(self._pipe(), checkpoint_dict, strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint_dict) -> None:
-        checkpoint.load_local_optimizer_state(self, checkpoint_dict)
+        checkpoint.load_local_optimizer_state(self._pipe(), checkpoint_dict)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(
             "dynmo", cls, description="lightning_dynmo: pipeline parallel with live rebalancing", override=True

@@ -18,7 +18,7 @@ EXPECTED = {
     "batch_not_divisible": r"batch size 6 is not divisible by microbatches=4",
     "no_protocol": r"PipelineProtocolError: .*does not define pipeline_layers and pipeline_loss",
     "partition_does_not_fit": r"ValueError: partition \(0, 2, 4\) does not split 5 layers into 2 stages",
-    "accumulate_grad_batches": r"ValueError: DynMoStrategy does not support accumulate_grad_batches > 1: raise `microbatches`",
+    "predict_hook_raises": r"RuntimeError: RaisingGPT.pipeline_predict raised ValueError: no prediction for batch 0",
     "manual_optimisation": r"PipelineProtocolError: .*needs automatic optimisation",
     "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
     "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different batches \(step 0\)",

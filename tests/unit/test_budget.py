@@ -198,3 +198,22 @@ def test_a_counter_decision_on_unchanged_loads_costs_one_comparison():
     ctrl.after_step(7, False, [1.0, 1.0], [STEP] * 2, [1.0, 0.8, 1.0, 0.5])  # now it moved
     ctrl.request("moe: load moved", reprofile=False)
     assert ctrl.plan(8, decided=False).counters
+
+
+def test_the_controller_owns_requests_under_never_the_repack_target_and_the_migration_cost():
+    """The parts of the state machine the rebalancer used to hold: a request under ``never`` is
+    refused (the rebalancer only warns), the configured re-pack target stands in for a missing
+    request, and ``auto`` weighs a move against one step's wall time until a migration was
+    measured, then against that rebalance's migration (a re-pack's leaves it)."""
+    never = RebalanceController(RebalancePolicy("never"), repack="auto")
+    assert never.request("freeze") is False and never.request("moe", reprofile=False) is False
+    assert not never.rebalancing and never.policy.pending_reasons == [] and never.counter_requests == []
+    assert never.repack_target(None) == "auto" and never.repack_target(2) == 2
+    ctrl = auto()
+    assert ctrl.request("freeze") is True and ctrl.rebalancing and ctrl.repack_target(None) == "off"
+    assert ctrl.expected_migration_cost() == 0.0
+    ctrl.after_step(0, False, [1.0, 1.0], [0.3, 0.2], [None] * 4)
+    assert ctrl.expected_migration_cost() == 0.3
+    ctrl.migrated(0.5, cost=0.52)
+    ctrl.migrated(0.25)  # a re-pack: counted, not weighed
+    assert ctrl.expected_migration_cost() == 0.52 and ctrl.migration_seconds == 0.75

@@ -58,7 +58,7 @@ def test_causal_routing_counts_vary_and_follow_the_rule(routing):
         if routing == "threshold":
             rule = block.router(x).squeeze(-1) > 0.1
         else:
-            rule = block.predictor(x).squeeze(-1) > 0
+            rule = block.predict(x) > 0
     block.train()
     y = block(x.requires_grad_())
     moved = (y != x).any(-1)
@@ -239,6 +239,8 @@ def test_block_time_follows_token_count():
     (dict(predictor_threshold=None), r"predictor_threshold must be 'calibrated' or a float"),
     (dict(predictor_threshold_rate=0.0), r"predictor_threshold_rate must be a finite number > 0"),
     (dict(predictor_threshold_rate=math.inf), r"predictor_threshold_rate must be a finite number > 0"),
+    (dict(predictor_lr=0.0), r"predictor_lr must be a finite number > 0 \(default 0.05\) or None"),
+    (dict(predictor_lr="fast"), r"predictor_lr must be a finite number > 0"),
 ])
 def test_bad_config_names_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -418,10 +420,13 @@ def test_threshold_updates_once_per_batch_however_it_is_split():
     whole, _ = _train_predictor("calibrated", steps=12, anneal=4)
     ref = torch.stack([b.predictor_threshold for _, b in whole.mod_blocks()])
     assert (ref != 0).all()
+    # the predictor's picks vary per token, so the split backward's fp32 rounding (amplified by
+    # Adam) flips a few tokens at the threshold over 12 steps; each moves it by rate / (c * tokens)
+    # = 0.0016 (measured: <= 0.0073). Updating per forward instead is off by ~0.3 (below).
     for split in (2, 4):
         model, _ = _train_predictor("calibrated", steps=12, anneal=4, split=split)
         torch.testing.assert_close(torch.stack([b.predictor_threshold for _, b in model.mod_blocks()]), ref,
-                                   rtol=1e-5, atol=1e-6)
+                                   rtol=0, atol=0.02)
     # the counterfactual: one update per micro-batch forward drifts away
     model = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=1, routing="predictor"), seed=0).train()
     per_forward = MoDGPT(CFG, mod=MoDConfig(capacity=0.125, every=1, routing="predictor"), seed=0).train()
@@ -435,7 +440,7 @@ def test_threshold_updates_once_per_batch_however_it_is_split():
             b.end_batch()
     a = torch.stack([b.predictor_threshold for _, b in model.mod_blocks()])
     b = torch.stack([b.predictor_threshold for _, b in per_forward.mod_blocks()])
-    assert not torch.allclose(a, b)
+    assert (a - b).abs().max() > 0.1
 
 
 def test_threshold_counts_only_training_forwards_and_is_state():
@@ -496,3 +501,48 @@ def test_lightning_calibrates_once_per_batch_and_logs_thresholds():
         assert cb.last_thresholds[i] == pytest.approx(seen[-1][k][1])
     assert math.isnan(cb.last_thresholds[1])  # layer 1 is a plain block: no threshold, none logged
     assert "mod/predictor_threshold_L1" not in trainer.callback_metrics
+
+
+def test_predictor_picks_track_the_capacity_every_step_token_by_token():
+    """Issue 26 item 13: after the anneal, each step's picked fraction of every routed block stays
+    near the capacity and strictly inside (0, 1), and the picks follow the router's top-k better
+    than chance. Before the predictor had a normalised input and a rate of its own, its logits
+    differed across tokens by ~0.001, so a block took all or none of its tokens per step."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=64, n_layer=4, n_head=2, n_embd=64, bias=False)
+    model = MoDGPT(cfg, mod=MoDConfig(capacity=0.125, every=2, routing="predictor"), warmup_steps=2,
+                   max_steps=40, seed=0).train()  # GPT's default lr, 6e-4
+    conf = model.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    cb = MixtureOfDepths(capacity=1.0, final_capacity=0.125, anneal_steps=10)
+    g = torch.Generator().manual_seed(0)
+    fractions, agree, seen = [], 0, 0
+    for step in range(40):
+        model.set_capacity(cb.capacity_at(step))
+        data = torch.randint(0, 64, (8, 65), generator=g)
+        opt.zero_grad()
+        model.pipeline_loss(model(data[:, :-1]), data[:, 1:]).backward()
+        opt.step()
+        sched.step()
+        fractions.append([b.batch_counts()[1] / b.batch_counts()[0] for _, b in model.mod_blocks()])
+        for _, b in model.mod_blocks():
+            if step >= 15:
+                agree, seen = agree + b.predictor_agree, seen + b.tokens_seen
+            b.reset_counters()
+            b.end_batch()
+    after = fractions[15:]
+    assert all(0.0 < f < 1.0 and abs(f - 0.125) <= 0.15 for row in after for f in row), after
+    assert len({round(f, 4) for row in after for f in row}) > 5  # a per-step signal, not a constant
+    chance = 0.125 ** 2 + 0.875 ** 2  # agreement of picks drawn at random at the capacity
+    assert agree / seen > chance + 0.1, (agree / seen, chance)  # measured 0.945 (before: 0.785)
+
+
+def test_predictors_get_their_own_learning_rate_groups():
+    model = MoDGPT(CFG, mod=MoDConfig(routing="predictor", every=2, predictor_lr=0.02), lr=1e-3, seed=0)
+    groups = model.configure_optimizers()["optimizer"].param_groups
+    own = {id(p) for p in model.predictor_parameters()}
+    assert own and [g["initial_lr"] for g in groups] == [1e-3, 1e-3, 0.02, 0.02]  # the schedule scales both alike
+    assert {id(p) for g in groups[2:] for p in g["params"]} == own
+    assert not own & {id(p) for g in groups[:2] for p in g["params"]}
+    plain = MoDGPT(CFG, mod=MoDConfig(routing="predictor", every=2, predictor_lr=None), lr=1e-3, seed=0)
+    assert len(plain.configure_optimizers()["optimizer"].param_groups) == 2  # the model's rate: the old groups

@@ -43,3 +43,22 @@ def test_module_without_protocol_names_what_is_missing():
 
     with pytest.raises(PipelineProtocolError, match="does not define pipeline_layers and pipeline_loss"):
         pipeline_layers_of(Plain())
+
+
+def test_every_consumer_is_built_from_the_validated_options():
+    """The constructor's options are validated once into PipelineOptions; the rebalancer's policy,
+    budget, recorder and re-pack target come from it (no second copy of the raw values)."""
+    s = DynMoStrategy(rebalance="every_n", rebalance_interval=7, imbalance_threshold=0.2, rebalance_horizon=300,
+                      rebalance_cooldown=3, rebalance_hysteresis=0.25, profile_steps=2, overhead_budget=0.5,
+                      repack="auto", repack_tolerance=0.1, plot=False, plot_interval=9, balancer="diffusion_time")
+    o, r = s.options, s.rebalancer
+    assert r.options is o and r.balancer == "diffusion_time" and r.controller.repack == "auto"
+    p = r.policy
+    assert (p.mode, p.interval, p.threshold, p.horizon, p.cooldown, p.hysteresis, p.profile_steps) == \
+        ("every_n", 7, 0.2, 300, 3, 0.25, 2)
+    assert (r.controller.budget.fraction, r.controller.budget.window) == (0.5, 300)
+    assert (r.recorder.plot, r.recorder.plot_interval) == (False, 9)
+    with pytest.raises(ValueError, match="overhead_budget"):
+        DynMoStrategy(overhead_budget=-1)
+    with pytest.raises(ValueError, match="hysteresis"):
+        DynMoStrategy(rebalance_hysteresis=1.5)

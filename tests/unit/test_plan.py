@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import subprocess
@@ -27,7 +28,7 @@ from lightning_dynmo.plan import (
 )
 from lightning_dynmo.plan.layout import PipelineLayout
 from lightning_dynmo.plan.measurements import loads_near_profile, scale_by_load, smooth_load
-from lightning_dynmo.plan.policy import gain_is_clear
+from lightning_dynmo.plan.policy import refusal_unless_gain_clear
 from lightning_dynmo.plan.schedules import choose_microbatches
 from lightning_dynmo.plan.validation import positive_int
 
@@ -172,8 +173,11 @@ def test_topology_layout_and_released_ranks():
     assert (layout.pp_rank, layout.dp_rank, layout.num_stages) == (1, 1, 8)
     assert layout.local_layer_indices() == [1, 5]
     assert layout.released_ranks == []
-    layout.packed_pp = 1
-    assert layout.released and layout.num_stages == 2 and layout.released_ranks == [1, 2, 3, 5, 6, 7]
+    packed = layout.packed(1, Partition.from_sizes([4, 4]))  # a new value: layouts are never changed in place
+    assert packed.released and packed.num_stages == 2 and packed.released_ranks == [1, 2, 3, 5, 6, 7]
+    assert layout.packed_pp is None and layout.with_partition(packed.partition).partition == packed.partition
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.packed_pp = 1
 
 
 def test_zbv_layout_is_a_v():
@@ -284,10 +288,10 @@ def test_a_move_from_load_counters_must_gain_clearly_over_the_recent_steps():
     heavy_first = LayerCosts(tuple(reversed(heavy_last.forward)), tuple(reversed(heavy_last.backward)),
                              (1,) * 4, (1.0,) * 4, (1.0,) * 4)  # (0, 1, 4) is better
     a, b = Partition((0, 2, 4)), Partition((0, 3, 4))
-    assert gain_is_clear(model, [heavy_last] * 3, a, b) is None  # no variation, positive gain
-    assert gain_is_clear(model, [heavy_last], a, b) is None  # too few samples to judge: not refused
+    assert refusal_unless_gain_clear(model, [heavy_last] * 3, a, b) is None  # no variation, positive gain
+    assert refusal_unless_gain_clear(model, [heavy_last], a, b) is None  # too few samples to judge: not refused
     flipping = [heavy_last, heavy_first] * 4
-    why = gain_is_clear(model, flipping, a, b)
+    why = refusal_unless_gain_clear(model, flipping, a, b)
     assert why is not None and why.startswith("refused: gain") and "8 steps" in why
     common = dict(step=3, reason="r", costs=heavy_last, model=model, balancer="partition_time", current=a,
                   migration_cost=0.0)

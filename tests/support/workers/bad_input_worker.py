@@ -103,6 +103,23 @@ def fit(model=None, batch: int = 8, loader=None, ckpt_path=None, trainer_kw=None
     return trainer
 
 
+class RaisingPredict:
+    """``pipeline_predict`` fails on the last stage's rank (the only one that calls it)."""
+
+    def pipeline_predict(self, output, batch, batch_idx):
+        raise ValueError(f"no prediction for batch {batch_idx}")
+
+
+def predict_raising():
+    """``trainer.predict`` whose ``pipeline_predict`` raises: every rank of the pipeline raises it."""
+    from lightning_dynmo.models import GPT
+
+    model = type("RaisingGPT", (RaisingPredict, GPT), {})(**make_model(CFG).hparams)
+    trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, timeout=8), accelerator="cpu",
+                        devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.predict(model, make_loader(CFG, 8))
+
+
 def damaged_checkpoint(out_dir: str, how: str) -> str:
     """A real checkpoint of this model (2 steps on 2 ranks), damaged by rank 0; every rank waits."""
     import torch.distributed as dist
@@ -129,7 +146,7 @@ CASES = {
     "batch_not_divisible": lambda out: fit(batch=6),
     "no_protocol": lambda out: fit(model=NoProtocol()),
     "partition_does_not_fit": lambda out: fit(partition=[0, 2, 4]),  # covers 4 of the 5 layers
-    "accumulate_grad_batches": lambda out: fit(trainer_kw={"accumulate_grad_batches": 2}),
+    "predict_hook_raises": lambda out: predict_raising(),
     "manual_optimisation": lambda out: fit(model=manual_optimisation_model()),
     "parameter_outside_layers": lambda out: fit(model=parameter_outside_layers_model()),
     "different_batches": lambda out: fit(loader=per_rank_shuffled_loader(8), trainer_kw={"use_distributed_sampler": False}),

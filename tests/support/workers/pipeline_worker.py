@@ -51,6 +51,34 @@ class DirectRepack(L.Callback):
             self.returned = trainer.strategy.repack_to(self.ranks, Partition.from_sizes(sizes))
 
 
+class MidWindowRebalance(L.Callback):
+    """After every batch that does not close an accumulation window (on every rank): move layers
+    with ``strategy.rebalance_to``, alternating between ``partitions``, so the layers carry their
+    partially accumulated gradients to their new ranks."""
+
+    def __init__(self, partitions):
+        self.partitions, self.moves = [list(p) for p in partitions], 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            trainer.strategy.rebalance_to(self.partitions[self.moves % len(self.partitions)])
+            self.moves += 1
+
+
+def count_replica_averages() -> list[int]:
+    """Count the strategy's data-parallel gradient averages (the real function, called through)."""
+    from lightning_dynmo.strategy import strategy as module
+
+    calls, real = [0], module.average_over_replicas
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    module.average_over_replicas = counted
+    return calls
+
+
 class ReleaseListener(L.Callback):
     """What a launcher would do: listen for released workers."""
 
@@ -146,6 +174,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         timeout=cfg.get("timeout", 120),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
     )
+    averages = count_replica_averages()
     rec = LossRecorder()
     probe = StepProbe()
     released_hook = ReleaseListener()
@@ -159,6 +188,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         step, target = cfg["request_repack"]
         callbacks.append(RepackRequest(int(step), target))
     direct = None
+    mid_window = None
+    if cfg.get("mid_window_partitions"):
+        mid_window = MidWindowRebalance(cfg["mid_window_partitions"])
+        callbacks.append(mid_window)
     if cfg.get("repack_to"):
         direct = DirectRepack(*[int(v) for v in cfg["repack_to"]])
         callbacks.append(direct)
@@ -184,6 +217,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         limit_val_batches=evaluate["val_batches"] if evaluate else 0,
         val_check_interval=cfg["steps"] if evaluate else None,
         gradient_clip_val=cfg.get("clip"),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
         callbacks=callbacks,
         default_root_dir=os.path.join(out_dir, f"run{idx}"),  # each run's rebalance_history / cost_trace
     )
@@ -211,7 +245,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "repack_to_returned_per_rank": [x[8] for x in per_rank],
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
-              "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None}
+              "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
+              "replica_averages": averages[0], "mid_window_moves": mid_window.moves if mid_window else 0}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")

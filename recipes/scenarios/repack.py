@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...plan.balancers import BalanceProblem, get_balancer
-from ...plan.repack import RepackRefused, plan_repack, rescale
-from ...plan.schedules import choose_microbatches, get_schedule
-from ..simulate import DataParallel, Link, matching_cost_model, simulate
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
+from lightning_dynmo.plan.repack import RepackRefused, plan_repack, rescale
+from lightning_dynmo.plan.schedules import choose_microbatches, get_schedule
+from lightning_dynmo.sim.simulate import DataParallel, Link, matching_cost_model, simulate
 from .snapshot import Snapshot
 
 

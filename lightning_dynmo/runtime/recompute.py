@@ -1,4 +1,5 @@
-"""Per-layer activation checkpointing for pipeline stages.
+"""Per-layer activation recomputation ("activation checkpointing") for pipeline stages; not to be
+confused with model checkpoints (``strategy/checkpoint.py``).
 
 ``DynMoStrategy(activation_checkpointing=...)``:
 

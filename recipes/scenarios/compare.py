@@ -6,11 +6,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ...plan.balancers import BalanceProblem, get_balancer, megatron_layout
-from ...plan.cost_model import LayerCosts
-from ...plan.partition import Partition
-from ...plan.schedules import get_schedule
-from ..simulate import DataParallel, Link, matching_cost_model, simulate
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer, megatron_layout
+from lightning_dynmo.plan.cost_model import LayerCosts
+from lightning_dynmo.plan.partition import Partition
+from lightning_dynmo.plan.schedules import get_schedule
+from lightning_dynmo.sim.simulate import DataParallel, Link, matching_cost_model, simulate
 from .snapshot import Snapshot
 
 STATIC = ("megatron", "uniform", "param", "static_time")

@@ -4,7 +4,7 @@ data parallelism, all balancers and re-packing; a Markdown report, one PNG and a
 Driven by ``recipes/paper_scale.py`` (Hydra, ``conf/paper_scale.yaml``); :func:`project` takes a
 plain dict with the same keys, so tests run it on a tiny grid. Everything here is *simulated*: the
 per-layer costs are a measured H100 profile of the paper's GPT block changed by synthetic models
-of each case (:mod:`lightning_dynmo.sim.scenarios`, which lists every parameter's source).
+of each case (:mod:`recipes.scenarios`, which lists every parameter's source).
 
 Each cell is simulated at the headline ``granularity`` (``sublayer``: attention and MLP halves,
 the LM head + loss in ``head_chunks`` vocabulary chunks; ``fine``: five pieces per block) and,
@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 from .report import PAPER, plot, report
-from .scenarios import (CASES, PER_ITERATION, Profile, Snapshot, compare, dense, load_profile,
+from . import (CASES, PER_ITERATION, Profile, Snapshot, compare, dense, load_profile,
                         repack_projection)
-from .scenarios.snapshot import check_granularity
-from ..plan.balancers import BalanceProblem, get_balancer
-from ..plan.cost_model import CostModel
-from .simulate import DataParallel, Link
+from .snapshot import check_granularity
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
+from lightning_dynmo.plan.cost_model import CostModel
+from lightning_dynmo.sim.simulate import DataParallel, Link
 
 DEFAULTS: dict = {
     "quick": False,
@@ -249,7 +249,7 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         "benchmark": "paper_scale",
         "simulated": True,
         "costs": f"per-layer costs {profile.source}; dynamism: synthetic models "
-                 "(lightning_dynmo/sim/scenarios/__init__.py lists every parameter and its source)",
+                 "(recipes/scenarios/__init__.py lists every parameter and its source)",
         "profile": profile.name,
         "head_scale": cfg["head_scale"],
         "schedule": cfg["schedule"],

@@ -1,4 +1,4 @@
-"""Small helpers shared by the dynamism mechanisms and callbacks.
+"""How the dynamism callbacks (the triggers) reach the pipeline: shared by every callback here.
 
 They hide the difference between plain Lightning (every rank holds the whole model, or there is
 only one process) and a pipeline strategy such as ``DynMoStrategy`` (each rank holds a contiguous

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ...plan.cost_model import LayerCosts
+from lightning_dynmo.plan.cost_model import LayerCosts
 from .profile import Profile
 
 BYTES_PER_PARAM_STATE = 16.0  # bf16 weight + bf16 grad + fp32 master + 2 fp32 Adam moments

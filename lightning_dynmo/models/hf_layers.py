@@ -1,0 +1,131 @@
+"""The single-tensor pipeline layers :class:`~lightning_dynmo.models.hf.HFCausalLM` wraps a
+``transformers`` model's own modules in (see :mod:`lightning_dynmo.models.hf` for why each is
+needed); re-exported by :mod:`lightning_dynmo.models.hf`.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+from torch import nn
+
+from lightning_dynmo.models._aux_loss import attach_aux_loss
+from lightning_dynmo.models.moe_router import load_balancing_loss
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead", "router_balance_loss"]
+
+
+class HFEmbedding(nn.Module):
+    """Layer 0: token ids ``[B, T]`` -> hidden states ``[B, T, C]`` (GPT-2: + learned positions)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], dropout: float = 0.0, max_positions: int | None = None):
+        super().__init__()
+        self.names = tuple(modules)
+        for name, m in modules.items():
+            setattr(self, name, m)
+        self.drop = nn.Dropout(dropout)
+        self.max_positions = max_positions
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.size(1)
+        if self.max_positions is not None and t > self.max_positions:
+            raise ValueError(f"sequence length {t} exceeds the model's {self.max_positions} positions")
+        h = getattr(self, self.names[0])(ids)
+        if len(self.names) > 1:  # learned absolute positions (GPT-2's wpe)
+            h = h + getattr(self, self.names[1])(torch.arange(t, device=ids.device))
+        return self.drop(h)
+
+
+def router_balance_loss(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mixtral's Switch loss of one layer, per sequence, then the mean over rows: for each row of
+    ``logits [B, T, E]``, ``load_balancing_loss_func`` of that layer and row alone (see the module
+    docstring). Our MoE's sequence-wise loss is the same statistic normalised to 1 instead of
+    ``top_k`` for uniform routing."""
+    probs = logits.float().softmax(dim=-1)
+    experts = probs.topk(top_k, dim=-1).indices
+    return top_k * load_balancing_loss(probs, experts, logits.size(-1))
+
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer of the model as a single-tensor layer (see the module docstring).
+
+    ``router``: path of the layer's MoE router (Mixtral); with ``aux_loss_coeff > 0`` a training
+    forward attaches ``aux_loss_coeff * router_balance_loss`` of its logits to the output
+    (``aux_loss_coeff`` is a plain attribute, so a callback may schedule it)."""
+
+    def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool,
+                 router: str | None = None, aux_loss_coeff: float = 0.0):
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.config = config
+        self.sliding_window = bool(sliding_window and getattr(config, "sliding_window", None))
+        self.router = router
+        self.aux_loss_coeff = float(aux_loss_coeff)
+
+    def _mask(self, h: torch.Tensor, position_ids: torch.Tensor):
+        """What the model's own forward passes its layers for a full, unpadded sequence."""
+        fn, embeds_name, wants_cache_position = _mask_function(self.sliding_window)
+        kwargs = {"config": self.config, embeds_name: h, "attention_mask": None, "past_key_values": None,
+                  "position_ids": position_ids}
+        if wants_cache_position:
+            kwargs["cache_position"] = position_ids[0]
+        return fn(**kwargs)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        position_ids = torch.arange(h.size(1), device=h.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {"attention_mask": self._mask(h, position_ids), "position_ids": position_ids,
+                                  "use_cache": False}
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(h, position_ids)
+        if not (self.router and self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled()):
+            return _first(self.layer(h, **kwargs))
+        # the router's logits, captured for this call only (a hook that outlives the call would
+        # have to survive the deep copies and pickling of layer migration)
+        logits: list[torch.Tensor] = []
+        handle = self.layer.get_submodule(self.router).register_forward_hook(lambda m, i, o: logits.append(o[0]))
+        try:
+            out = _first(self.layer(h, **kwargs))
+        finally:
+            handle.remove()
+        aux = router_balance_loss(logits[0].view(h.size(0), h.size(1), -1), self.config.num_experts_per_tok)
+        return attach_aux_loss(out, aux, self.aux_loss_coeff)
+
+
+def _first(out):
+    """Decoder layers return a tensor or (depending on the ``transformers`` version) a tuple."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_function(sliding_window: bool):
+    """``transformers.masking_utils``' mask builder and how it names its arguments (they changed
+    between releases)."""
+    from transformers import masking_utils
+
+    fn = masking_utils.create_sliding_window_causal_mask if sliding_window else masking_utils.create_causal_mask
+    params = inspect.signature(fn).parameters
+    return fn, "inputs_embeds" if "inputs_embeds" in params else "input_embeds", "cache_position" in params
+
+
+class HFFinalNorm(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+
+class HFHead(nn.Module):
+    def __init__(self, lm_head: nn.Module):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
