@@ -89,6 +89,32 @@ class StepTimer(L.Callback):
         return statistics.median(deltas) if deltas else float("nan")
 
 
+class Attribution(L.Callback):
+    """Per profiled step, this rank's share of busy (chunk) seconds that no layer's profiled cost
+    covers, over the profile window so far (``PipelineProfiler.attribution``); :meth:`gathered`
+    is the median over steps of each rank, the same list on every rank."""
+
+    def __init__(self) -> None:
+        self.fractions: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        prof = getattr(trainer.strategy, "profiler", None)
+        if prof is not None and prof.layer_profiling:
+            busy, attributed = prof.attribution()
+            if busy > 0:
+                self.fractions.append(1.0 - attributed / busy)
+
+    def gathered(self) -> list[float | None]:
+        import torch.distributed as dist
+
+        mine = statistics.median(self.fractions) if self.fractions else None
+        if not (dist.is_available() and dist.is_initialized()):
+            return [mine]
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        return parts
+
+
 def median(xs):
     return statistics.median(xs)
 

@@ -29,6 +29,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,10 +82,12 @@ def worker(args) -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     stop = StopAtFitStart()
+    logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # whatever the strategy logs: not the cwd
     trainer = L.Trainer(
         strategy=DynMoStrategy(pipeline_parallel=world, microbatches=2 * world, plot=False, timeout=600),
         accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[stop],
+        default_root_dir=logs.name,
     )
     import gc
 
@@ -108,6 +111,7 @@ def worker(args) -> None:
     if dist.is_initialized() and world > 1:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, local)
+    logs.cleanup()
     write_result(args.out, {"ranks": per_rank, "hwm_reset": stop.reset})
 
 

@@ -4,14 +4,15 @@ Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over
 tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
 
 ``--granularity sublayer``: the pipeline's layers are the blocks' attention and MLP halves
-(``GPTConfig(pipeline_granularity="sublayer")``, split by the same static parameter balancer);
+(``GPTConfig(pipeline_granularity="sublayer")``; ``fine``: five pieces per block), split by the
+same static parameter balancer;
 the same invocation also measures block granularity, interleaved, and reports its figures under
 ``"block"`` and ``fraction_of_ideal_minus_block`` (target: > -0.03, finer cuts must not cost).
 
 ``--head-chunks K``: the LM head + loss as K vocabulary chunks (``GPTConfig(head_chunks=K)``); with
-``--granularity sublayer`` or K > 1 the baseline beside it is whole blocks with one head.
+a finer granularity or K > 1 the baseline beside it is whole blocks with one head.
 
-    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer}] [--head-chunks K] [--compile]
+    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
 
 ``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
 compiled in place, inductor on CPU) and reports ``compile_speedup`` (compiled pipeline tokens/s
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,8 +53,10 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     model, loader = model_and_data(args)
     timer = StepTimer()
+    logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # rebalance_history / cost_trace: not the cwd
     common = dict(accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0)
+                  enable_progress_bar=False, enable_model_summary=False, callbacks=[timer], limit_val_batches=0,
+                  default_root_dir=logs.name)
     if args.mode == "single":
         trainer = L.Trainer(devices=1, **common)
     else:
@@ -66,6 +70,7 @@ def worker(args) -> None:
               "losses": [m.get("train_loss") for m in timer.metrics]}
     if args.mode == "pipeline":
         result["partition"] = str(trainer.strategy.partition)
+    logs.cleanup()
     write_result(args.out, result)
 
 
@@ -84,8 +89,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
-    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
-                   help="pipeline layers: whole blocks, or attention and MLP halves (then whole blocks with one head too)")
+    p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
+                   help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
+                        "(finer than block: whole blocks with one head are measured too)")
     p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
     args = p.parse_args()
     args.steps = args.steps or (8 if args.quick else 16)

@@ -15,10 +15,15 @@ over repeats) and ``resolution`` (the better static balancer runs twice per repe
 |1 - a/b| of the two is the noise floor), and ``rebalance_cost_iterations`` (profiling overhead +
 decision + migration of one rebalance, in training iterations).
 
-``--granularity sublayer`` cuts every block into its attention and MLP halves
-(``GPTConfig(pipeline_granularity="sublayer")``) for every variant, static ones included.
+``unattributed_busy_fraction``: the share of a rank's busy (chunk) seconds in profiled steps that
+no layer's profiled cost covers, max over ranks, the worst profiled variant (target <= 0.03: what
+the time-based balancers cannot see, e.g. the loss before it was given to the head).
 
-    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer}]
+``--granularity sublayer`` cuts every block into its attention and MLP halves
+(``GPTConfig(pipeline_granularity="sublayer")``), ``fine`` into five pieces, for every variant,
+static ones included.
+
+    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K]
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import StepTimer, bootstrap_ratio, launch, resolution, write_result  # noqa: E402
+from benchmarks._harness import Attribution, StepTimer, bootstrap_ratio, launch, resolution, write_result  # noqa: E402
 
 STATIC = ["uniform", "param"]
 DYNAMIC = ["partition_time", "partition_param", "diffusion_time", "diffusion_param"]
@@ -64,10 +69,10 @@ def worker(args) -> None:
             balancer=balancer, partition=None if not dynamic else _uniform(len(model.pipeline_layers())),
             rebalance="every_n" if dynamic else "never", rebalance_interval=args.interval, plot=False,
         )
-        timer = StepTimer()
+        timer, attribution = StepTimer(), Attribution()
         trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=args.steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[timer], limit_val_batches=0, default_root_dir=logs.name)
+                            callbacks=[timer, attribution], limit_val_batches=0, default_root_dir=logs.name)
         trainer.fit(model, train_dataloaders=loader)
         history = trainer.strategy.rebalance_history
         steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
@@ -90,11 +95,13 @@ def worker(args) -> None:
         eff = [sum(timer.busy[i]) / S * (m + S - 1) / m / t for i, t in enumerate(steps)
                if i >= max(last, 2) and i not in profiled | decided]
         prof = [steps[i] for i in profiled if 2 <= i < len(steps)]
+        unattributed = [f for f in attribution.gathered() if f is not None]
         results[name] = {
             "profiling_overhead": (median(prof) / step_s - 1) if prof else None,
             "tokens_per_sec": args.batch * args.block / step_s, "step_seconds": step_s,
             "partition": str(trainer.strategy.partition), "rebalance_cost_ms": cost_ms,
             "efficiency": median(eff), "rebalances": len(applied), "balancer": balancer,
+            "unattributed_busy_fraction": max(unattributed) if unattributed else None,  # max over ranks
         }
     logs.cleanup()
     write_result(args.out, results)
@@ -108,6 +115,12 @@ def _agreed_faster(results: dict) -> str:
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     return choice[0]
+
+
+def _worst_unattributed(runs: list[dict], names=DYNAMIC) -> float | None:
+    key = "unattributed_busy_fraction"
+    per = [median(v) for n in names if (v := [r[n][key] for r in runs if r[n][key] is not None])]
+    return round(max(per), 4) if per else None
 
 
 def _uniform(L: int) -> list[int]:
@@ -128,8 +141,9 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
-    p.add_argument("--granularity", choices=["block", "sublayer"], default="block",
-                   help="pipeline layers: whole blocks, or attention and MLP halves (static baselines alike)")
+    p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
+                   help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
+                        "(static baselines alike)")
     args = p.parse_args()
     args.steps = args.steps or (12 if args.quick else 20)
     if args.worker:
@@ -167,6 +181,10 @@ def main() -> None:
         # the better static run twice per repeat: |1 - a/b| is the noise floor of every speedup here
         "control": runs[0]["control"]["balancer"], "resolution": None if noise is None else round(noise, 4),
         "speedup_vs_static_ci95": bootstrap_ratio(tps(best_dyn), [tps(n) for n in STATIC]),
+        # busy seconds no layer's profiled cost covers (what the balancers cannot see), max over
+        # ranks, the profiled variants' worst median over repeats
+        "unattributed_busy_fraction": _worst_unattributed(runs),
+        "unattributed_busy_fraction_by_balancer": {n: _worst_unattributed(runs, [n]) for n in DYNAMIC},
         "rebalance_cost_iterations": round(median(costs), 3) if costs else None,
         # a profiled step (per-layer hooks) vs a steady step of the same variant
         "profiling_overhead": round(median(r[n]["profiling_overhead"] for r in runs for n in DYNAMIC

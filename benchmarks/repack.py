@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from statistics import median
 
@@ -66,10 +67,12 @@ def worker(args) -> None:
     timer, scen = StepTimer(), Scenario()
     strategy = DynMoStrategy(pipeline_parallel=4, schedule="1f1b", microbatches=None, balancer="partition_time",
                              rebalance="on_event", repack="off", repack_tolerance=0.10, plot=False)
+    logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # rebalance_history / cost_trace: not the cwd
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=4, max_steps=args.steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[timer, scen], limit_val_batches=0)
+                        callbacks=[timer, scen], limit_val_batches=0, default_root_dir=logs.name)
     trainer.fit(model, train_dataloaders=loader)
+    logs.cleanup()
     steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
     hist = trainer.strategy.rebalance_history
     packs = [h for h in hist if h.get("kind") == "repack" and h.get("applied")]

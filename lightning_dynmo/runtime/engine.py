@@ -317,7 +317,7 @@ class PipelineEngine:
                 )
             )
         schedule_cls = get_schedule_class(spec.torch_class)
-        loss_fn = checked_loss(loss_fn) if loss_fn is not None else None  # None: predict (no loss)
+        loss_fn = profiler.timed_loss(checked_loss(loss_fn), S - 1) if loss_fn is not None else None  # None: predict
         # The mean over micro-batches is taken here, once per parameter, after the step: torch's
         # schedules divide by m per stage when that stage's last backward ends, which divides a
         # parameter shared by two stages of this rank (a tied embedding and LM head) twice, and

@@ -5,10 +5,15 @@ Two levels, so that the cheap one can always run:
 * **stage level** (always on): :class:`TimedPipelineStage` (a ``PipelineStage`` subclass) times
   its ``forward_one_chunk`` / ``backward_one_chunk`` / ``backward_weight_one_chunk`` calls. This gives per-rank busy and
   idle time and the timeline of a step (the paper's Figure 5) for two clock reads per chunk.
-* **layer level** (only in profiling windows): forward pre/post hooks time each layer's forward;
-  gradient hooks on each layer's output activation time its backward (the backward of layer k
-  runs from the moment the gradient of its output is ready until the gradient of its input is).
-  The first layer of a stage ends when the stage's backward call returns.
+* **layer level** (only in profiling windows): forward hooks time each layer's forward (inside a
+  forward chunk, from where the previous layer, or the chunk, ended; the last layer also gets the
+  chunk's hand-off of its output); gradient hooks on each layer's output activation time its
+  backward (the backward of layer k runs from the moment the gradient of its output is ready
+  until the gradient of its input is). The first layer of a stage ends when the stage's backward
+  call returns, and the last starts when it begins (on the last stage: the loss's backward).
+* **the loss**: torch's schedules compute it after the last stage's forward chunk, outside it;
+  :meth:`PipelineProfiler.timed_loss` makes it part of that chunk and of the last layer's forward,
+  so every busy second belongs to a layer (:meth:`PipelineProfiler.attribution` checks it).
 
 On CUDA the clock reads synchronise the device so that times are the kernels' times; on CPU
 ``perf_counter`` is exact. Under zero-bubble schedules the weight-gradient pass runs separately;
@@ -19,10 +24,11 @@ that fire there time each layer as in a plain backward.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -68,11 +74,14 @@ class PipelineProfiler:
         self._handles: list = []
         self._stage_layers: dict[int, range] = {}
         self._fwd_start: dict[int, float] = {}
+        self._cursor: float | None = None  # inside a forward chunk: where the last layer (or the chunk) ended
+        self._last_fwd: int | None = None  # ... and which layer that was
         self._grad_ready: dict[int, float] = {}
         self.fwd: dict[int, float] = defaultdict(float)
         self.bwd: dict[int, float] = defaultdict(float)
         self.wgt: dict[int, float] = defaultdict(float)  # per stage, zero-bubble weight pass
         self.fwd_calls: dict[int, int] = defaultdict(int)
+        self.window_busy = 0.0  # chunk seconds since layer profiling started (see attribution())
         self.step_start = 0.0
         self.step_end = 0.0
 
@@ -92,16 +101,50 @@ class PipelineProfiler:
         if kind in ("B", "W"):
             self._grad_ready = {}
         t0 = self.now()
-        yield
+        if kind == "F":
+            self._cursor, self._last_fwd = t0, None
+        try:
+            yield
+        finally:
+            cursor, self._cursor = self._cursor, None
         t1 = self.now()
         self.events.append(ChunkEvent(stage_id, kind, int(chunk_id), t0, t1))
         if self.layer_profiling:
-            if kind == "B":
+            self.window_busy += t1 - t0
+            if kind == "F" and self._last_fwd is not None:  # handing the output on is the last layer's
+                self.fwd[self._last_fwd] += t1 - cursor
+            elif kind == "B":
                 self._attribute_backward(stage_id, t0, t1)
             elif kind == "W" and self._grad_ready:  # the whole backward ran here (see the module docstring)
                 self._attribute_backward(stage_id, t0, t1, starts_at_chunk=True)
             elif kind == "W":
                 self.wgt[stage_id] += t1 - t0
+
+    def timed_loss(self, loss_fn, stage_id: int):
+        """``loss_fn`` timed as part of the last stage: torch's schedules call it right after the
+        stage's forward chunk, outside it, so its time extends that chunk (busy) and, in profiling
+        windows, the forward of the stage's last layer (the head that computes the loss)."""
+        def timed(output, target):
+            t0 = self.now()
+            loss = loss_fn(output, target)
+            self._loss_forward(stage_id, t0, self.now())
+            return loss
+
+        return timed
+
+    def _loss_forward(self, stage_id: int, t0: float, t1: float) -> None:
+        ev = self.events[-1] if self.events else None
+        if ev is not None and ev.stage == stage_id and ev.kind == "F":
+            t0 = ev.end  # it follows its forward chunk directly: one chunk, no gap between them left out
+            self.events[-1] = replace(ev, end=t1)
+        else:
+            mb = next((e.microbatch for e in reversed(self.events) if e.stage == stage_id and e.kind == "F"), 0)
+            self.events.append(ChunkEvent(stage_id, "F", mb, t0, t1))
+        rng = self._stage_layers.get(stage_id)
+        if self.layer_profiling:
+            self.window_busy += t1 - t0
+            if rng:
+                self.fwd[rng.stop - 1] += t1 - t0
 
     def begin_step(self) -> None:
         self.events = []
@@ -128,6 +171,7 @@ class PipelineProfiler:
         self.bwd.clear()
         self.wgt.clear()
         self.fwd_calls.clear()
+        self.window_busy = 0.0
         for i in indices:
             layer = layers[i]
             self._handles.append(layer.register_forward_pre_hook(self._make_pre(i)))
@@ -153,7 +197,10 @@ class PipelineProfiler:
             if is_recomputing():
                 return
             t = self.now()
-            self.fwd[i] += t - self._fwd_start.pop(i, t)
+            start = self._fwd_start.pop(i, t)
+            if self._cursor is not None:  # in a forward chunk: from where the previous layer (or the chunk's start) ended
+                start, self._cursor, self._last_fwd = self._cursor, t, i
+            self.fwd[i] += t - start
             self.fwd_calls[i] += 1
             # a tuple output: the layer's backward starts when the last of its outputs' gradients is ready
             for t in (output,) if isinstance(output, torch.Tensor) else output if isinstance(output, tuple) else ():
@@ -181,6 +228,8 @@ class PipelineProfiler:
         ready = dict(self._grad_ready)
         if starts_at_chunk:
             ready.setdefault(rng.stop - 1, t0)
+        if ready:  # the call's start to the output's gradient (the loss's backward on the last stage) is the top layer's
+            ready[max(ready)] = t0
         for k in rng:
             if k not in ready:
                 continue
@@ -202,6 +251,10 @@ class PipelineProfiler:
             out[i] = (f, b)
         return out
 
+    def attribution(self) -> tuple[float, float]:
+        """``(busy, attributed)`` seconds since layer profiling started: the chunks' time and the
+        part of it the layers' costs account for (what the balancer does not see is the rest)."""
+        return self.window_busy, math.fsum([*self.fwd.values(), *self.bwd.values(), *self.wgt.values()])
 
     def _weight_share(self, stage_id: int, i: int) -> float:
         """Layer ``i``'s share of its stage's weight-gradient time: by input-gradient time, or
