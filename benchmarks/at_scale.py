@@ -110,7 +110,7 @@ def _worker(args) -> None:
             if rec["error"] is None and len(timer.ends) >= b:
                 secs = timer.ends[b - 1] - timer.ends[a - 1]
                 tail = [y - x for x, y in zip(timer.ends[-4:], timer.ends[-3:])]
-                costs = strategy.rebalancer.controller.profiled_costs
+                costs = strategy.rebalancer.profiled_costs
                 rec.update(
                     tokens_per_sec=plan["batch"] * args.dp * cfg.block_size * (b - a) / secs,
                     step_ms=1e3 * secs / (b - a), last_steps_ms=1e3 * sorted(tail)[len(tail) // 2],

@@ -181,7 +181,7 @@ def _worker(args) -> None:
                 parts = [None] * dist.get_world_size()
                 dist.all_gather_object(parts, s.last_step_events())
                 self.steps[-1]["events"] = [e for p in parts for e in p]
-            r = s.rebalancer.controller
+            r = s.rebalancer
             if r.profile_step == step and r.profiled_costs is not None:  # decided before this step on the last one
                 self.profiles.append(dict(step=step - 1, forward=list(r.profiled_costs.forward),
                                           backward=list(r.profiled_costs.backward)))
