@@ -134,22 +134,49 @@ def round_robin(fns: dict, rounds: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ noise floor
-def resolution(a: list[float], b: list[float], median=statistics.median) -> float | None:
-    """``|1 - median(a) / median(b)|`` of one configuration measured twice per round (the
-    control): how far apart two identical runs land on this machine. A speedup within it is noise.
-    ``median``: the one the benchmark's summary uses (e.g. ``statistics.median_low``)."""
-    a, b = [x for x in a if x], [x for x in b if x]
-    if not a or not b:
-        return None
-    return abs(1.0 - median(a) / median(b))
+# Runs of one round share the machine's load at that time; rounds minutes apart do not (other
+# jobs on a shared host come and go). So speedups and the noise floor compare runs *within* a
+# round (paired) and take the median over rounds, and intervals resample whole rounds.
+def _paired(num: list, den: list) -> list[float]:
+    return [a / b for a, b in zip(num, den) if a and b]
+
+
+def paired_ratio(num: list[float | None], den: list[float | None], median=statistics.median) -> float | None:
+    """Median over rounds of ``num[r] / den[r]`` (rounds where both ran)."""
+    ratios = _paired(num, den)
+    return median(ratios) if ratios else None
+
+
+def best_baseline(dens: list[list[float | None]], median=statistics.median) -> int | None:
+    """Index of the baseline with the highest median over rounds (the better static split)."""
+    meds = [median([x for x in d if x]) if any(d) else None for d in dens]
+    ok = [i for i, m in enumerate(meds) if m is not None]
+    return max(ok, key=lambda i: meds[i]) if ok else None
+
+
+def speedup(num: list[float | None], dens: list[list[float | None]], median=statistics.median) -> float | None:
+    """Paired speedup over the better of several baselines: the baseline with the higher median,
+    then the median over rounds of ``num[r] / baseline[r]``."""
+    k = best_baseline(dens, median)
+    return None if k is None else paired_ratio(num, dens[k], median)
+
+
+def resolution(a: list[float | None], b: list[float | None], median=statistics.median) -> float | None:
+    """``|1 - median_r(a[r] / b[r])|`` of one configuration measured twice per round (the
+    control), the same paired estimator as every speedup: how far apart two identical runs land
+    on this machine. A speedup within it is noise. ``median``: the one the benchmark's summary uses
+    (e.g. ``statistics.median_low``)."""
+    r = paired_ratio(a, b, median)
+    return None if r is None else abs(1.0 - r)
 
 
 def bootstrap_ratio(num: list[float], dens: list[list[float]], resamples: int = 2000, seed: int = 0,
                     level: float = 0.95, median=statistics.median) -> list[float] | None:
-    """A percentile bootstrap interval over rounds of ``median(num) / max_k median(dens[k])``
-    (the speedup over the better of several baselines; ``median`` as the summary takes it).
-    Rounds are resampled as a whole (a round's runs share the machine's load at that time), so
-    ``num`` and every ``dens[k]`` hold one value per round, in round order."""
+    """A percentile bootstrap interval over rounds of :func:`speedup` (the paired speedup over
+    the better of several baselines, chosen again in each resample). Rounds are resampled as a
+    whole, so ``num`` and every ``dens[k]`` hold one value per round, in round order. With the
+    control as ``num`` and its twin as the one baseline, the interval's distance from 1 is how far
+    a single speedup figure of this run can be trusted (``resolution_ci95``)."""
     import random
 
     n = len(num)
@@ -159,9 +186,16 @@ def bootstrap_ratio(num: list[float], dens: list[list[float]], resamples: int = 
     ratios = []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
-        top = max(median([d[i] for i in idx]) for d in dens)
-        ratios.append(median([num[i] for i in idx]) / top)
+        ratios.append(speedup([num[i] for i in idx], [[d[i] for i in idx] for d in dens], median))
     ratios.sort()
     lo = ratios[int((1 - level) / 2 * resamples)]
     hi = ratios[min(resamples - 1, int((1 + level) / 2 * resamples))]
     return [round(lo, 4), round(hi, 4)]
+
+
+def rotated(items: list, round_index: int) -> list:
+    """``items`` starting at position ``round_index`` (mod len): each configuration takes every
+    place in a round in turn, so a position effect (the first run after a pause, the one beside a
+    periodic job) hits none of them systematically."""
+    k = round_index % len(items) if items else 0
+    return items[k:] + items[:k]

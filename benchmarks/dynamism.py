@@ -17,10 +17,14 @@ same model, data and dynamism callback three times in one job:
   makes the strategy profile the next step per layer and re-partition.
 
 Every round also runs the better static configuration of the first round a second time
-(``control``): ``resolution`` = |1 - control_a / control_b| of the two runs' medians is how far
-apart identical runs land on this machine, so a speedup within ``resolution`` of 1 is noise;
-``speedup_vs_static_ci95`` is a 95 % bootstrap interval over rounds. Full runs without
-``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``) until ``resolution`` <= 0.02. ``--case none`` is a dense GPT with no dynamism and DynMo's
+(``control``). Speedups are *paired*: the median over rounds of the ratio of two runs of the same
+round (load on a shared host drifts between rounds, less within one), and each round runs the
+configurations in a rotated order. ``resolution`` = |1 - control_a / control_b|, paired the same
+way, is how far apart identical runs land on this machine, so a speedup within ``resolution`` of 1
+is noise; ``resolution_ci95`` and ``speedup_vs_static_ci95`` are 95 % bootstrap intervals over
+rounds (``speedup_vs_static_of_medians``: the older unpaired ratio of medians, for comparison).
+Full runs without ``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``) until ``resolution``
+<= 0.02. ``--case none`` is a dense GPT with no dynamism and DynMo's
 default options: what turning DynMo on costs a model it cannot help (``dynmo_overhead_fraction``
 is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
 ``rebalance_history.jsonl``) go to a temporary directory per run, never the working directory.
@@ -52,13 +56,13 @@ from statistics import median_low
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
-from _harness import bootstrap_ratio, resolution  # noqa: E402
+from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
 from dynamism_cases import CASES, load  # noqa: E402
 
 #: A full (non-quick) run without ``--rounds`` runs at least ``FULL_ROUNDS`` rounds and adds rounds
 #: (up to ``MAX_ROUNDS``) until two runs of one static configuration (the control) land within
-#: ``TARGET_RESOLUTION`` of each other (medians over rounds; each round's runs are interleaved).
-FULL_ROUNDS = 3
+#: ``TARGET_RESOLUTION`` of each other (paired: the median over rounds of their ratio).
+FULL_ROUNDS = 5  # enough rounds for a bootstrap interval that means something
 MAX_ROUNDS = 12
 TARGET_RESOLUTION = 0.02
 
@@ -162,15 +166,17 @@ def _worker(args) -> None:
         done = 0
         while done < plan["rounds"] or (target is not None and done < MAX_ROUNDS
                                          and not _agreed_resolved(out, control, target)):
-            for name, options in configs:
-                yield name, options
-            if control is None:
+            if control is None:  # the first round picks the control from its static runs
+                yield from configs
                 control = _agreed_better_static(out)
-            yield "control", dict(configs)[control]
+                yield "control", dict(configs)[control]
+            else:
+                yield from rotated([*configs, ("control", dict(configs)[control])], done)
             done += 1
 
-    # rounds interleave the configurations (u p d c u p d c ...) so that load drift on a shared
-    # machine hits all of them alike; the summary takes each configuration's median round
+    # rounds interleave the configurations (u p d c, then p d c u, ...: each takes every place in
+    # turn) so that load drift on a shared machine hits all of them alike; the summary compares
+    # runs within a round and takes the median over rounds
     for name, options in runs():
         torch.manual_seed(0)
         model, callbacks = case.build(GPTConfig(**{**plan["model"], **variants[name][0]}) if name in variants else cfg,
@@ -226,7 +232,7 @@ def _agreed_resolved(out: dict, control: str, target: float) -> bool:
     """Whether the control's two runs agree within ``target`` so far (rank 0's view, broadcast)."""
     import torch.distributed as dist
 
-    res = resolution([r.get("tokens_per_sec") for r in out[control]], [r.get("tokens_per_sec") for r in out["control"]],
+    res = resolution([r.get("tokens_per_sec") for r in out["control"]], [r.get("tokens_per_sec") for r in out[control]],
                      median_low)
     flag = [res is not None and res <= target]
     if dist.is_available() and dist.is_initialized():
@@ -279,7 +285,10 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         "tokens_per_sec": {k: round(v["tokens_per_sec"], 1) for k, v in ok.items()},
         "tokens_per_sec_rounds": {k: v["tokens_per_sec_rounds"] for k, v in ok.items()},
         "best_static": best,
-        "speedup_vs_static": round(dyn["tokens_per_sec"] / ok[best]["tokens_per_sec"], 4) if dyn and best else None,
+        # paired: the median over rounds of dynmo / the better static in the same round
+        "speedup_vs_static": _paired_speedup(rounds, "dynmo", static) if dyn and best else None,
+        "speedup_vs_static_of_medians": round(dyn["tokens_per_sec"] / ok[best]["tokens_per_sec"], 4)
+        if dyn and best else None,
         "idle_fraction_static": round(ok[best]["idle_fraction"], 4) if best and ok[best]["idle_fraction"] is not None else None,
         "idle_fraction_dynmo": round(dyn["idle_fraction"], 4) if dyn and dyn["idle_fraction"] is not None else None,
         "idle_fraction_per_rank_static": [round(x, 4) for x in ok[best]["idle_fraction_per_rank"] or []] if best else None,
@@ -300,7 +309,7 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
                                    f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
                                    for h in dyn.get("rebalances", [])]
         for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
-            res[f"speedup_vs_{name}"] = round(dyn["tokens_per_sec"] / ok[name]["tokens_per_sec"], 4)
+            res[f"speedup_vs_{name}"] = _paired_speedup(rounds, "dynmo", [name])
             res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)],
                                                              median=median_low)
     if fixed and best:
@@ -319,13 +328,23 @@ def _per_round(rounds: dict, name: str) -> list[float | None]:
     return [r.get("tokens_per_sec") for r in rounds.get(name, [])]
 
 
+def _paired_speedup(rounds: dict, name: str, baselines: list[str]) -> float | None:
+    s = speedup(_per_round(rounds, name), [_per_round(rounds, k) for k in baselines], median_low)
+    return None if s is None else round(s, 4)
+
+
 def _noise_floor(rounds: dict, control: dict | None, ok: dict) -> dict:
     """The control (the better static configuration of the first round, run twice per round):
-    ``resolution`` = |1 - control_a / control_b| of its medians; and a 95 % bootstrap interval
-    over rounds of ``speedup_vs_static``."""
+    ``resolution`` = |1 - control_a / control_b|, paired as the speedups are (the median over
+    rounds of the two runs' ratio in each round), with ``resolution_ci95``, its 95 % bootstrap
+    interval over rounds (how far from 1 two identical configurations can land in this run: the
+    honest width of every speedup in the line); and a 95 % bootstrap interval over rounds of
+    ``speedup_vs_static``."""
     of = (control or {}).get("control_of")
-    res = None if of is None else resolution(_per_round(rounds, of), _per_round(rounds, "control"), median_low)
-    out = {"control": of, "resolution": None if res is None else round(res, 4), "speedup_vs_static_ci95": None}
+    res = None if of is None else resolution(_per_round(rounds, "control"), _per_round(rounds, of), median_low)
+    out = {"control": of, "resolution": None if res is None else round(res, 4), "speedup_vs_static_ci95": None,
+           "resolution_ci95": None if of is None else bootstrap_ratio(
+               _per_round(rounds, "control"), [_per_round(rounds, of)], median=median_low)}
     if "dynmo" in ok:
         out["speedup_vs_static_ci95"] = bootstrap_ratio(
             _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok],

@@ -10,9 +10,11 @@ and migrate; parameter-based dynamic balancers are included for comparison.
 
 Last line: JSON with tokens/s per balancer, ``efficiency`` (ideal balanced step time from the
 measured per-layer costs / measured step time, best dynamic balancer), ``speedup_vs_static``
-(best dynamic / best static tokens/s) with ``speedup_vs_static_ci95`` (a 95 % bootstrap interval
-over repeats) and ``resolution`` (the better static balancer runs twice per repeat, ``control``:
-|1 - a/b| of the two is the noise floor), and ``rebalance_cost_iterations`` (profiling overhead +
+(the median over repeats of best dynamic / better static tokens/s in the same repeat: paired,
+since load on a shared machine drifts between repeats) with ``speedup_vs_static_ci95`` (a 95 %
+bootstrap interval over repeats) and ``resolution`` (the better static balancer runs twice per
+repeat, ``control``: |1 - a/b| of the two, paired the same way, is the noise floor;
+``resolution_ci95`` its bootstrap interval), and ``rebalance_cost_iterations`` (profiling overhead +
 decision + migration of one rebalance, in training iterations).
 
 ``unattributed_busy_fraction``: the share of a rank's busy (chunk) seconds in profiled steps that
@@ -35,7 +37,8 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import Attribution, StepTimer, bootstrap_ratio, launch, resolution, write_result  # noqa: E402
+from benchmarks._harness import (Attribution, StepTimer, bootstrap_ratio, launch, resolution, speedup,  # noqa: E402
+                                 write_result)
 
 STATIC = ["uniform", "param"]
 DYNAMIC = ["partition_time", "partition_param", "diffusion_time", "diffusion_param"]
@@ -164,7 +167,8 @@ def main() -> None:
     best_static = max(STATIC, key=lambda n: agg[n]["tokens_per_sec"])
     eff = median(r[best_dyn]["efficiency"] for r in runs)
     tps = lambda name: [r[name]["tokens_per_sec"] for r in runs]  # noqa: E731 (per repeat, in order)
-    noise = resolution([r[r["control"]["balancer"]]["tokens_per_sec"] for r in runs], tps("control"))
+    twin = [r[r["control"]["balancer"]]["tokens_per_sec"] for r in runs]
+    noise = resolution(twin, tps("control"))
     costs = [r[n]["rebalance_cost_ms"] / 1e3 / r[n]["step_seconds"] for r in runs for n in DYNAMIC
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
@@ -177,9 +181,12 @@ def main() -> None:
         "best_dynamic": best_dyn, "best_static": best_static,
         "efficiency": round(eff, 3),
         "efficiency_by_balancer": {n: round(median(r[n]["efficiency"] for r in runs), 3) for n in agg},
-        "speedup_vs_static": round(agg[best_dyn]["tokens_per_sec"] / agg[best_static]["tokens_per_sec"], 3),
-        # the better static run twice per repeat: |1 - a/b| is the noise floor of every speedup here
+        # paired: the median over repeats of the best dynamic over the better static in the same repeat
+        "speedup_vs_static": round(speedup(tps(best_dyn), [tps(n) for n in STATIC]), 3),
+        # the better static run twice per repeat: |1 - a/b| (paired, as the speedup) is the noise
+        # floor of every speedup here; its bootstrap interval says how far one figure can be trusted
         "control": runs[0]["control"]["balancer"], "resolution": None if noise is None else round(noise, 4),
+        "resolution_ci95": bootstrap_ratio(tps("control"), [twin]),
         "speedup_vs_static_ci95": bootstrap_ratio(tps(best_dyn), [tps(n) for n in STATIC]),
         # busy seconds no layer's profiled cost covers (what the balancers cannot see), max over
         # ranks, the profiled variants' worst median over repeats

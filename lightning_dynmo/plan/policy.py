@@ -210,11 +210,14 @@ def decide(
     policy: RebalancePolicy,
     migration_cost: float,
     samples: Sequence[LayerCosts] = (),
+    runs_per_step: int = 1,
 ) -> tuple[Decision, Partition | None]:
     """Balance ``costs`` and weigh the result: ``(decision, new partition or None)``.
 
     ``migration_cost`` is the measured (or, before the first migration, estimated) seconds a
-    migration costs; only the ``auto`` policy weighs it. ``samples``: the costs under each of
+    migration costs; only the ``auto`` policy weighs it, against the gain over its horizon of
+    optimizer steps: ``runs_per_step`` pipeline runs each (``accumulate_grad_batches``), since
+    ``costs`` predict one run. ``samples``: the costs under each of
     the last steps' own load factors (decisions from load counters); ``auto`` then moves only if
     the move's gain is clearly positive over them (:func:`refusal_unless_gain_clear`), so a per-step signal
     that is noise (a router's or a predictor's draw) moves nothing however its average looks."""
@@ -248,7 +251,9 @@ def decide(
     unclear = refusal_unless_gain_clear(model, samples, current, new) if policy.mode == "auto" else None
     if unclear:
         return decision.with_(why=unclear), None
-    accept, why = policy.accept(pred_now, pred_new, migration_cost)
+    if isinstance(runs_per_step, bool) or not isinstance(runs_per_step, int) or runs_per_step < 1:
+        raise ValueError(f"runs_per_step must be an int >= 1 (accumulate_grad_batches), got {runs_per_step!r}")
+    accept, why = policy.accept(pred_now * runs_per_step, pred_new * runs_per_step, migration_cost)
     if not accept:
         return decision.with_(why=why), None
     return decision.with_(applied=True, why=why, moved_layers=current.moved_layers(new)), new

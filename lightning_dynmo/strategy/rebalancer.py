@@ -256,7 +256,8 @@ class Rebalancer:
         with self.agreed_failure(what, pipe.device, pipe.global_rank):
             decision, new = decide(step=step, reason=reason, costs=costs, model=model, balancer=self.balancer,
                                    current=before, policy=self.policy,
-                                   migration_cost=self.controller.expected_migration_cost(), samples=samples)
+                                   migration_cost=self.controller.expected_migration_cost(), samples=samples,
+                                   runs_per_step=pipe.runs_per_step)
         overhead = self.check_agreement(decision.after, new is not None, what, pipe.device, pipe.global_rank, started)
         self.controller.charge(step, overhead, source)
         seconds, change = 0.0, None

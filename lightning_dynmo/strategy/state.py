@@ -61,6 +61,7 @@ class RankPipeline:
     global_rank: int
     last_batch_size: int | None = None
     last_microbatches: int | None = None
+    runs_per_step: int = 1  # pipeline runs per optimizer step (accumulate_grad_batches)
 
     def adopted(self, change: Relayout | None) -> "RankPipeline":
         """This pipeline after ``change`` (for the rest of a call that migrated)."""

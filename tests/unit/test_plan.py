@@ -86,6 +86,21 @@ def test_decide_already_balanced_and_auto_refusal():
     assert new is None and not d.applied and "<= cost" in d.why
 
 
+def test_auto_weighs_the_gain_of_every_pipeline_run_of_an_optimizer_step():
+    """With ``accumulate_grad_batches=k`` an optimizer step runs the pipeline k times: the
+    horizon's gain is k times one run's (gain 6 s/run x horizon 2 = 12 s: refused at k=1 for a
+    20 s migration, accepted at k=2)."""
+    common = dict(step=1, reason="r", costs=lopsided(), model=CostModel(microbatches=4), balancer="partition_time",
+                  current=Partition((0, 2, 4)), migration_cost=20.0)
+    d, new = decide(policy=RebalancePolicy("auto", horizon=2), **common)
+    assert new is None and "<= cost" in d.why
+    d, new = decide(policy=RebalancePolicy("auto", horizon=2), runs_per_step=2, **common)
+    assert new == Partition((0, 3, 4)) and d.applied and "> cost" in d.why
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="runs_per_step"):
+            decide(policy=RebalancePolicy("auto", horizon=2), runs_per_step=bad, **common)
+
+
 def test_decide_refuses_an_infeasible_capacity():
     model = CostModel(microbatches=4, capacity=0.5)
     d, new = decide(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time",
