@@ -2,11 +2,12 @@
 
 Activation layout
 -----------------
-Pipeline stages pass exactly one tensor, so the per-token "active" flag travels *inside* the hidden
-state as one extra channel: ``[B, T, C + 1]`` with ``h[..., C] == 1.0`` for active tokens and
-``0.0`` for exited ones. :class:`ExitEmbedding` appends the channel (all ones), every
-:class:`ExitBlock` reads and updates it, :class:`ExitFinalNorm` strips it before the LayerNorm,
-and the head is the plain GPT head.
+Stages pass a pair ``(x [B, T, C], flag [B, T])`` (the pipeline's tuple activations):
+``flag == 1.0`` for active tokens, ``0.0`` for exited ones, in ``x``'s dtype (it never carries a
+gradient). :class:`ExitEmbedding` starts every token active, every :class:`ExitBlock` reads and
+updates the flag, :class:`ExitFinalNorm` drops it before the LayerNorm, and the head is the plain
+GPT head. (Before tuple activations the flag rode in an extra channel of the hidden state, which
+cost a concatenation per block and a sliced copy before every matmul.)
 
 Cost follows the active tokens
 ------------------------------
@@ -50,28 +51,28 @@ from .granularity import check_block_granularity
 __all__ = ["EarlyExitGPT", "ExitEmbedding", "ExitBlock", "ExitFinalNorm", "active_mask_of"]
 
 
-def active_mask_of(h: Tensor) -> Tensor:
-    """The bool ``[B, T]`` active-token mask carried in the last channel of ``h``."""
-    return h[..., -1] > 0.5
+def active_mask_of(flag: Tensor) -> Tensor:
+    """The bool ``[B, T]`` active-token mask of an exit flag (the pair's second tensor)."""
+    return flag > 0.5
 
 
 class ExitEmbedding(Embedding):
-    """``idx [B,T] -> [B,T,C+1]``: the GPT embedding plus an all-active channel."""
+    """``idx [B,T] -> (x [B,T,C], flag [B,T])``: the GPT embedding, every token active."""
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         x = super().forward(idx)
-        return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
+        return x, x.new_ones(x.shape[:-1])
 
 
 class ExitFinalNorm(FinalNorm):
-    """Strips the active channel, then the final LayerNorm: ``[B,T,C+1] -> [B,T,C]``."""
+    """Drops the exit flag, then the final LayerNorm: ``(x, flag) -> [B,T,C]``."""
 
-    def forward(self, h: Tensor) -> Tensor:
-        return self.ln(h[..., :-1])
+    def forward(self, x: Tensor, flag: Tensor) -> Tensor:
+        return self.ln(x)
 
 
 class ExitBlock(Block):
-    """A GPT block over ``[B,T,C+1]`` that computes only on active tokens and may exit some.
+    """A GPT block over ``(x, flag)`` that computes only on active tokens and may exit some.
 
     Attributes (plain Python, they travel with the layer when it migrates):
         is_exit_point: whether tokens may exit after this block.
@@ -115,10 +116,8 @@ class ExitBlock(Block):
         xp = xp + packed_attention(self.attn, self.ln_1(xp), valid, self.training)
         return xp + self.mlp(self.ln_2(xp))
 
-    def forward(self, h: Tensor) -> Tensor:
-        c = h.size(-1) - 1
-        x, flag = h[..., :c], h[..., c:]
-        active = flag[..., 0] > 0.5
+    def forward(self, x: Tensor, flag: Tensor) -> tuple[Tensor, Tensor]:
+        active = active_mask_of(flag)
         b, t = active.shape
         per_row = active.sum(dim=1)
         n_active = int(per_row.sum())
@@ -143,8 +142,8 @@ class ExitBlock(Block):
                 sat = F.cosine_similarity(y.detach().float(), x.detach().float(), dim=-1)
                 leave = active & (sat > thr)
                 self.tokens_exited += int(leave.sum())
-                flag = (active & ~leave).to(flag.dtype)[..., None]
-        return torch.cat([y, flag.detach()], dim=-1)
+                flag = (active & ~leave).to(flag.dtype)
+        return y, flag.detach()
 
 
 class EarlyExitGPT(GPT):

@@ -219,10 +219,9 @@ def test_early_exit_threshold_discriminates_between_tokens(tmp_path):
     model = EarlyExitGPT(CFG, seed=0)
     x, _ = next(iter(loader()))
     with torch.no_grad():
-        h = model.layers[0](x)
-        out = model.layers[1](h)  # block 0, nobody exits yet (threshold None)
-        c = h.size(-1) - 1
-        sat = torch.nn.functional.cosine_similarity(out[..., :c].float(), h[..., :c].float(), dim=-1).flatten()
+        h, flag = model.layers[0](x)
+        out, _ = model.layers[1](h, flag)  # block 0, nobody exits yet (threshold None)
+        sat = torch.nn.functional.cosine_similarity(out.float(), h.float(), dim=-1).flatten()
     threshold = float(sat.median())
     expected = float((sat <= threshold).sum()) / sat.numel()
     assert 0 < expected < 1

@@ -217,41 +217,38 @@ def test_exited_tokens_skip_the_block():
     active = torch.zeros(2, 16, dtype=torch.bool)
     active[0, [0, 3, 4, 9]] = True
     active[1, [2, 5, 6, 7, 8, 15]] = True
-    h_full = torch.cat([x, torch.ones(2, 16, 1)], -1)
-    h_part = torch.cat([x, active[..., None].float()], -1)
-
     with FlopCounterMode(display=False) as full:
-        out_full = block(h_full)
+        out_full, _ = block(x, torch.ones(2, 16))
     block.reset_counters()
     with FlopCounterMode(display=False) as part:
-        out = block(h_part)
+        out, flag = block(x, active.float())
     # cost follows the active tokens: 6 packed rows of 16 instead of 16
     assert block.tokens_seen == 32 and block.tokens_active == 10 and block.tokens_computed == 2 * 6
     assert part.get_total_flops() < 0.5 * full.get_total_flops()
-    # exited tokens carry their hidden state unchanged, the flag channel is passed on
-    assert torch.equal(out[..., :-1][~active], x[~active])
-    assert torch.equal(out[..., -1], active.float())
+    # exited tokens carry their hidden state unchanged, the flag is passed on
+    assert torch.equal(out[~active], x[~active])
+    assert torch.equal(flag, active.float())
     # active tokens: the block applied to the sequence of active tokens alone (causal among them)
     plain = Block(CFG).eval()
     plain.load_state_dict(block.state_dict())
     for r in range(2):
         pos = active[r].nonzero().flatten()
         ref = plain(x[r : r + 1, pos])
-        torch.testing.assert_close(out[r, pos, :-1], ref[0], rtol=1e-5, atol=1e-6)
-    assert torch.equal(out_full[..., :-1], plain(x))
+        torch.testing.assert_close(out[r, pos], ref[0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(out_full, plain(x))
     # nobody active: identity, no compute
     block.reset_counters()
     with FlopCounterMode(display=False) as none:
-        out0 = block(torch.cat([x, torch.zeros(2, 16, 1)], -1))
-    assert none.get_total_flops() == 0 and block.tokens_computed == 0 and torch.equal(out0[..., :-1], x)
+        out0, _ = block(x, torch.zeros(2, 16))
+    assert none.get_total_flops() == 0 and block.tokens_computed == 0 and torch.equal(out0, x)
 
 
 def test_exit_decision_and_gradients():
     model = EarlyExitGPT(CFG, seed=0, exit_layers=[0, 1], exit_threshold=-1.0)  # everyone leaves after block 0
     x, y = _batch()
     h = model.layers[0](x)
-    h1 = model.layers[1](h)
-    assert torch.all(h1[..., -1] == 0)
+    _, flag = model.layers[1](*h)
+    assert torch.all(flag == 0)
     model.layers[1].reset_counters()
     loss = model.pipeline_loss(model(x), y)
     loss.backward()
