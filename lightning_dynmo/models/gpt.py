@@ -15,7 +15,7 @@ Pipeline protocol (what the strategy relies on):
   The model keeps no other reference to a layer (no aliases, no weight tying), so the strategy
   may swap entries it does not own for placeholders.
 * ``pipeline_loss(output, target)``: mean token cross-entropy, a scalar (with a chunked head: the
-  mean of the last chunk's per-token loss).
+  mean of the last chunk's per-token loss); targets equal to -100 are ignored either way.
 * Batches are ``(inputs, targets)`` int64 ``[B, T]`` tuples.
 * ``configure_optimizers()`` only looks at ``self.parameters()`` (trainable ones), so it works on
   any subset of layers; decay/no-decay membership is a rule on the parameter (``ndim >= 2``).
@@ -38,9 +38,9 @@ from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
 from lightning_dynmo.models.granularity import GRANULARITIES, apply_granularity, skip_draws, state_dict_key
 from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
 from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
-from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds, head_logits
+from lightning_dynmo.models.vocab_head import (
+    HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
 from lightning_dynmo.runtime.activations import run_layers
-from lightning_dynmo.runtime.merged_parameters import merge_state, split_state
 from lightning_dynmo.runtime.materialize import layer_seed
 
 __all__ = [
@@ -192,24 +192,6 @@ class GPTConfig:
         return sorted(_PRESETS)
 
 
-def _prefixed(module: "GPT", prefix: str) -> dict:
-    return {prefix + k: [(prefix + n, r) for n, r in v] for k, v in module.checkpoint_merges().items()}
-
-
-def _merge_head_hook(module, state_dict, prefix, local_metadata):
-    merged = merge_state(state_dict, _prefixed(module, prefix))
-    if merged is not state_dict:
-        state_dict.clear()
-        state_dict.update(merged)
-
-
-def _split_head_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    split = split_state(state_dict, _prefixed(module, prefix))
-    if split is not state_dict:
-        state_dict.clear()
-        state_dict.update(split)
-
-
 _PRESETS: dict[str, dict[str, Any]] = {
     # unit tests: milliseconds per step
     "tiny": dict(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
@@ -264,15 +246,13 @@ class GPT(CausalLMModule):
             else:
                 if not self._head_chunks_supported:
                     raise ValueError(f"{type(self).__name__} does not support head_chunks > 1 yet; use GPT, or head_chunks=1")
-                bounds = chunk_bounds(cfg.vocab_size, cfg.head_chunks)
-                layers += [HeadChunk(cfg.n_embd, a, b, cfg.vocab_size, j == 0, j == len(bounds) - 1)
-                           for j, (a, b) in enumerate(bounds)]
+                layers += head_chunk_layers(cfg.n_embd, cfg.vocab_size, cfg.head_chunks)
             self.layers = nn.ModuleList(layers)
         self._init_weights()
         if cfg.head_chunks > 1:  # checkpoints name the head as one matrix, whatever head_chunks is
             # (loading splits it before a sublayer model maps block keys to pipeline indices; saving
             # merges it after that mapping, so the merge hook is registered in _layers_built)
-            self._register_load_state_dict_pre_hook(_split_head_hook, with_module=True)
+            self._register_load_state_dict_pre_hook(split_head_hook, with_module=True)
         if cfg.tie_embeddings:  # after init: the embedding's values win (the head's draw is dropped)
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
@@ -286,7 +266,7 @@ class GPT(CausalLMModule):
         if type(self).__init__ is cls.__init__ or self.config.pipeline_granularity == "block":
             apply_granularity(self)
             if self.config.head_chunks > 1 and not getattr(self, "_head_merge_hooked", False):
-                self._register_state_dict_hook(_merge_head_hook)  # after apply_granularity's key mapping
+                self._register_state_dict_hook(merge_head_hook)  # after apply_granularity's key mapping
                 self._head_merge_hooked = True
 
     # ------------------------------------------------------------------ init
@@ -365,17 +345,13 @@ class GPT(CausalLMModule):
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.config.head_chunks > 1:  # the last chunk's per-token NLL: only the mean is left
-            return output.mean()
+            return streaming_nll_mean(output, target)
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
     def checkpoint_merges(self) -> dict[str, list[tuple[str, int]]]:
         """The chunked head's rows as one ``layers.<head>.lm_head.weight`` in checkpoints
         (runtime/merged_parameters.py), so a run resumes under another ``head_chunks``."""
-        if self.config.head_chunks == 1:
-            return {}
-        h = self.head_index
-        bounds = chunk_bounds(self.config.vocab_size, self.config.head_chunks)
-        return {f"layers.{h}.lm_head.weight": [(f"layers.{h + j}.lm_head.weight", b - a) for j, (a, b) in enumerate(bounds)]}
+        return head_merges(self.head_index, self.config.vocab_size, self.config.head_chunks)
 
     @property
     def head_index(self) -> int:
@@ -389,9 +365,7 @@ class GPT(CausalLMModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: for sampling)."""
-        k = self.config.head_chunks
-        x = run_layers(self.layers if k == 1 else self.layers[:-k], idx)  # fine pieces pass tuples
-        return x if k == 1 else head_logits(self.layers[-k:], x)
+        return logits_through(self.layers, self.config.head_chunks, idx)  # fine pieces pass tuples
 
     # ------------------------------------------------------------------ lightning hooks
     def on_train_batch_start(self, batch, batch_idx) -> None:

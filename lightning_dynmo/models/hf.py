@@ -5,6 +5,8 @@ single-tensor layer per stage-able piece::
 
     [HFEmbedding] + [HFDecoderLayer] * num_hidden_layers + [HFFinalNorm] + [HFHead]
 
+or, with ``head_chunks=k > 1``, ``... + [HFFinalNorm] + [HeadChunk] * k`` (see "Chunked LM head" below).
+
 * :class:`HFEmbedding`: token embedding (GPT-2: plus learned positions, then dropout).
 * :class:`HFDecoderLayer` wraps one of the model's own decoder layers (``GPT2Block``,
   ``LlamaDecoderLayer``, ``MistralDecoderLayer``), which take keyword arguments and (depending on
@@ -26,6 +28,23 @@ copy of the embedding and the two train separately from then on (a warning says 
 :meth:`HFCausalLM.save_pretrained` then writes ``tie_word_embeddings=False`` and both matrices,
 which ``transformers`` loads as an untied model. ``untie_embeddings=False`` keeps them one
 parameter, for strategies that synchronise shared parameters (a real-device build only).
+
+**Chunked LM head.** ``HFCausalLM(..., head_chunks=k)`` (default 1: the one ``HFHead`` above,
+cross-entropy in ``pipeline_loss``) replaces the LM head and its cross-entropy by ``k`` pipeline
+layers over vocabulary slices of the model's ``lm_head.weight``
+(:class:`~lightning_dynmo.models.vocab_head.HeadChunk`, as ``GPTConfig(head_chunks=k)``): the
+targets enter the pipeline with the token ids (``pipeline_inputs``) and pass the embedding, the
+decoder layers and the final norm untouched (the norm runs once, before chunk 0); the chunks carry
+an online softmax and the last returns the per-token loss, which ``pipeline_loss`` averages over
+the targets that are not -100 (as the unchunked ``F.cross_entropy``). The ``tokens x vocab``
+logits never exist in training; loss and gradients equal the unchunked head's within fp32
+rounding. Each chunk is initialised with (reads from the checkpoint) its rows of the whole head
+matrix, so it starts from the unchunked model's values, and ``state_dict()`` names the rows as one
+``layers.<num_hidden_layers + 2>.lm_head.weight`` whatever ``k`` (:meth:`HFCausalLM.checkpoint_merges`):
+checkpoints, ``hf_state_dict`` and ``save_pretrained`` are those of the unchunked model, and a run
+resumes under another ``k``. A tied head (GPT-2's default) is chunked after untying
+(``untie_embeddings=True``, the default); ``untie_embeddings=False`` with ``k > 1`` is refused. An
+LM head with a bias is refused (none of the supported architectures has one).
 
 **Loading.** ``HFCausalLM.from_pretrained(path)`` reads ``config.json`` and the weights
 (``model.safetensors``, sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``) from a
@@ -86,6 +105,10 @@ from lightning_dynmo.models.hf_arch import (  # noqa: F401  (_Arch: re-exported)
 from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
 from lightning_dynmo.models.hf_layers import (  # noqa: F401  (_first, _mask_function: re-exported)
     HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, _first, _mask_function, router_balance_loss)
+from lightning_dynmo.models.vocab_head import (
+    HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
+from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.runtime.merged_parameters import merge_state
 from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
 
 try:  # optional dependency: pip install -e ".[hf]"
@@ -135,6 +158,9 @@ class HFCausalLM(CausalLMModule):
         router_aux_loss: MoE models (Mixtral): train with the per-layer router load-balancing loss
             weighted by the config's ``router_aux_loss_coef`` (see the module docstring); ``None``
             follows the config's ``output_router_logits``.
+        head_chunks: ``k > 1`` makes the LM head and its loss ``k`` pipeline layers over vocabulary
+            slices with a streaming cross-entropy (see the module docstring); 1 (default): one head
+            layer. Needs an untied head (``untie_embeddings=True`` or ``tie_word_embeddings=False``).
         lr, min_lr, warmup_steps, max_steps, weight_decay, betas, eps: AdamW with linear warmup
             and cosine decay, as :class:`~lightning_dynmo.models.GPT`.
     """
@@ -154,6 +180,7 @@ class HFCausalLM(CausalLMModule):
         untie_embeddings: bool = True,
         attn_implementation: str | None = "sdpa",
         router_aux_loss: bool | None = None,
+        head_chunks: int = 1,
     ):
         _require_transformers()
         super().__init__()
@@ -172,6 +199,16 @@ class HFCausalLM(CausalLMModule):
         self.arch = arch
         self._init_seed = int(seed)
         self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        if isinstance(head_chunks, bool) or int(head_chunks) != head_chunks or not 1 <= head_chunks <= cfg.vocab_size:
+            raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={cfg.vocab_size}, "
+                             f"got {head_chunks!r}")
+        self.head_chunks = int(head_chunks)
+        if self.head_chunks > 1 and self._tied and not untie_embeddings:
+            raise ValueError(
+                f"head_chunks={self.head_chunks} needs an LM head of its own, but untie_embeddings=False keeps "
+                f"{cfg.model_type}'s head tied to the token embedding (a chunked head splits it into one parameter "
+                "per vocabulary slice). Pass untie_embeddings=True (the default), set tie_word_embeddings=False "
+                "in the config, or use head_chunks=1")
         self._checkpoint = None if path is None else CheckpointReader(
             Path(path), DISK_LAYOUTS.get(cfg.model_type),
             tied_head=(f"{arch.head}.weight", f"{arch.embeddings[0][1]}.weight") if self._tied else None)
@@ -200,16 +237,26 @@ class HFCausalLM(CausalLMModule):
             elif not real:
                 raise ValueError("untie_embeddings=False keeps the LM head tied to the embedding, which a meta-device "
                                  "build cannot materialise layer by layer; build the model on a real device")
-        layers.append(HFHead(head))
+        if self.head_chunks == 1:
+            layers.append(HFHead(head))
+        else:
+            if getattr(head, "bias", None) is not None:
+                raise ValueError(f"head_chunks > 1 does not support an LM head with a bias ({cfg.model_type}); "
+                                 "use head_chunks=1")
+            with torch.device("meta"):  # each chunk gets its rows of the head in init_pipeline_layer
+                layers += head_chunk_layers(head.in_features, head.out_features, self.head_chunks, head.weight.dtype)
         del skeleton
         self.layers = nn.ModuleList(layers)
+        if self.head_chunks > 1:  # checkpoints name the head as one matrix, whatever head_chunks is
+            self._register_state_dict_hook(merge_head_hook)
+            self._register_load_state_dict_pre_hook(split_head_hook, with_module=True)
         self._init_eval_metric()
         if self._checkpoint is not None:
             self._check_checkpoint()
         if real:  # single process (or a build on a real device): initialise every layer now
             for i, layer in enumerate(self.layers):
                 materialize_layer(self, i, layer, "cpu")
-            if self._tied and not untie_embeddings:
+            if self._tied and not untie_embeddings:  # head_chunks == 1 (checked above)
                 self.layers[-1].lm_head.weight = self.layers[0].get_submodule(arch.embeddings[0][0]).weight
 
     def _router_aux_coeff(self, enabled: bool | None) -> float:
@@ -261,20 +308,28 @@ class HFCausalLM(CausalLMModule):
             cfg._attn_implementation = attn_implementation
         return cfg
 
+    @property
+    def head_index(self) -> int:
+        """Index of the (first) LM head layer: its init seed and its ``state_dict`` key."""
+        return self.hf_config.num_hidden_layers + 2
+
     def _hf_key(self, index: int, name: str) -> str:
-        """The Hugging Face state-dict key of ``name`` inside pipeline layer ``index``."""
-        n = len(self.layers)
+        """The Hugging Face state-dict key of ``name`` inside pipeline layer ``index`` (every head
+        chunk's weight is a slice of ``lm_head.weight``)."""
         attr, _, rest = name.partition(".")
         if index == 0:
             return f"{dict(self.arch.embeddings)[attr]}.{rest}"
-        if index == n - 2:
+        if index == self.head_index - 1:
             return f"{self.arch.norm}.{rest}"
-        if index == n - 1:
+        if index >= self.head_index:
             return f"{self.arch.head}.{rest}"
         return f"{self.arch.layers}.{index - 1}.{rest}"
 
     def _layer_shapes(self, index: int, layer: nn.Module) -> dict[str, tuple[int, ...]]:
-        """``{HF key: shape}`` of the persistent tensors of pipeline layer ``index``."""
+        """``{HF key: shape}`` of the persistent tensors of pipeline layer ``index`` (a head chunk:
+        the whole head matrix it takes its rows from)."""
+        if isinstance(layer, HeadChunk):
+            return {f"{self.arch.head}.weight": (layer.vocab_size, layer.lm_head.in_features)}
         return {self._hf_key(index, name): tuple(t.shape) for name, t in layer.state_dict(keep_vars=True).items()}
 
     def _check_checkpoint(self) -> None:
@@ -282,7 +337,8 @@ class HFCausalLM(CausalLMModule):
         the file headers only)."""
         expected = {k: s for i, layer in enumerate(self.layers) for k, s in self._layer_shapes(i, layer).items()}
         missing, wrong = self._checkpoint.mismatches(expected)
-        extra = self._checkpoint.extra_layer_keys(self.arch.layers, len(self.layers) - 3)
+        blocks = self.hf_config.num_hidden_layers
+        extra = self._checkpoint.extra_layer_keys(self.arch.layers, blocks)
         if wrong or missing or extra:
             cfg = self.hf_config
             sizes = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -294,7 +350,7 @@ class HFCausalLM(CausalLMModule):
             if missing:
                 parts.append(f"{len(missing)} tensor(s) are missing: {missing[:5]}")
             if extra:
-                parts.append(f"it holds layers beyond the config's {len(self.layers) - 3}, which would be dropped: "
+                parts.append(f"it holds layers beyond the config's {blocks}, which would be dropped: "
                              f"{extra[:5]}")
             raise CheckpointMismatchError(
                 f"the checkpoint in {self._checkpoint.path} does not match its config ({sizes}): " + "; ".join(parts)
@@ -306,7 +362,14 @@ class HFCausalLM(CausalLMModule):
     def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
         """Fill pipeline layer ``index`` from the checkpoint (only its own tensors are read), or,
         without a checkpoint, with the model's ``_init_weights`` from a generator seeded by
-        ``(seed, index)``. Rotary buffers are recomputed from the config."""
+        ``(seed, index)``. Rotary buffers are recomputed from the config. A head chunk takes its
+        rows of the whole head, initialised as the unchunked head layer (index :attr:`head_index`)."""
+        if isinstance(layer, HeadChunk):
+            whole = nn.Linear(layer.lm_head.in_features, layer.vocab_size, bias=False, device="meta",
+                              dtype=layer.lm_head.weight.dtype).to_empty(device="cpu")  # no draw from the global RNG
+            self.init_pipeline_layer(self.head_index, HFHead(whole))
+            layer.copy_rows_from(whole.weight)
+            return
         if self._checkpoint is not None:
             tensors = self._checkpoint.load(self._layer_shapes(index, layer))
             for name, t in layer.state_dict(keep_vars=True).items():
@@ -339,14 +402,31 @@ class HFCausalLM(CausalLMModule):
     def pipeline_layers(self) -> nn.ModuleList:
         return self.layers
 
+    def pipeline_inputs(self, ids: torch.Tensor, targets: torch.Tensor):
+        """What enters the first layer: the token ids, and with a chunked head also the targets
+        (carried past the other layers to the head chunks, see runtime/activations.py)."""
+        return ids if self.head_chunks == 1 else (ids, targets)
+
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy over the targets that are not -100 (with a chunked head: the
+        same mean of the last chunk's per-token loss)."""
+        if self.head_chunks > 1:
+            return streaming_nll_mean(output, target)
         return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
 
+    def checkpoint_merges(self) -> dict[str, list[tuple[str, int]]]:
+        """The chunked head's rows as one ``layers.<head_index>.lm_head.weight`` in checkpoints
+        (runtime/merged_parameters.py); none for one head layer."""
+        return head_merges(self.head_index, self.hf_config.vocab_size, self.head_chunks)
+
+    def lm_loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.head_chunks == 1:
+            return super().lm_loss(ids, targets)
+        return self.pipeline_loss(run_layers(self.layers, self.pipeline_inputs(ids, targets)), targets)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = ids
-        for layer in self.layers:
-            h = layer(h)
-        return h
+        """Logits ``[B, T, V]`` (with a chunked head built from its slices: inspection and sampling)."""
+        return logits_through(self.layers, self.head_chunks, ids)
 
     # ------------------------------------------------------------------ export
     def hf_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -364,6 +444,7 @@ class HFCausalLM(CausalLMModule):
                     "['state_dict']"
                 )
             state_dict = self.state_dict()
+        state_dict = merge_state(state_dict, self.checkpoint_merges())  # a chunked head's rows: one matrix
         attr = "layers."
         out: dict[str, torch.Tensor] = {}
         for key, value in state_dict.items():

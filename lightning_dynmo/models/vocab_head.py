@@ -9,18 +9,25 @@ Each chunk carries, per token, the running max ``m`` of the logits seen so far, 
 
     (h, targets) -> chunk 0 -> (h, m, s, tl, targets) -> ... -> chunk k-1 -> nll = m + log s - tl
 
-and ``pipeline_loss`` only averages ``nll``. A chunk's logits exist only inside its own forward
-and backward (:class:`StreamingCrossEntropy` recomputes them from ``h`` and its weight slice,
-like a fused linear cross-entropy), so the head's activation memory falls with ``k`` even on one
-stage: the full ``tokens x vocab`` logits never exist. ``m`` is a stabiliser, not a function
-the loss depends on (``m + log sum exp(l - m)`` is the same for every ``m``), so it carries no
-gradient; losses and gradients equal the unchunked head's within fp32 rounding.
+and ``pipeline_loss`` only averages ``nll`` (:func:`streaming_nll_mean`: over the targets that are
+not :data:`IGNORE_INDEX` = -100, as the unchunked heads' ``F.cross_entropy`` does by default). A
+chunk's logits exist only inside its own forward and backward (:class:`StreamingCrossEntropy`
+recomputes them from ``h`` and its weight slice, like a fused linear cross-entropy), so the head's
+activation memory falls with ``k`` even on one stage: the full ``tokens x vocab`` logits never
+exist. ``m`` is a stabiliser, not a function the loss depends on (``m + log sum exp(l - m)`` is the
+same for every ``m``), so it carries no gradient; losses and gradients equal the unchunked head's
+within fp32 rounding.
 
 Parameters: chunk ``j`` is its own layer with its own ``lm_head.weight`` rows, so it migrates
 alone. Initialisation draws the whole ``[V, C]`` matrix from the head layer's seed and keeps the
 slice, so a chunked model starts from the unchunked model's weights. Checkpoints carry one
 ``layers.<head>.lm_head.weight`` whatever ``k`` (``GPT.checkpoint_merges`` and
 ``runtime/merged_parameters.py``: model and optimizer state), so a run resumes under another ``k``.
+
+Used by :class:`~lightning_dynmo.models.GPT` (``GPTConfig(head_chunks=k)``) and by the Hugging
+Face adapter (``HFCausalLM(head_chunks=k)``, whose chunks copy their rows from the model's own
+``lm_head.weight``); :func:`head_merges` and the state-dict hooks name the chunks' rows as one
+matrix in both.
 """
 from __future__ import annotations
 
@@ -28,7 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_logits"]
+from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.runtime.merged_parameters import merge_state, split_state
+
+__all__ = ["IGNORE_INDEX", "HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_chunk_layers", "head_logits",
+           "head_merges", "logits_through", "merge_head_hook", "split_head_hook", "streaming_nll_mean"]
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: targets with this value count neither in the sum nor the mean
 
 
 def chunk_bounds(vocab_size: int, chunks: int) -> list[tuple[int, int]]:
@@ -122,6 +135,14 @@ class HeadChunk(nn.Module):
         """Draw the whole ``[V, C]`` head matrix from ``generator`` and keep this chunk's rows
         (the unchunked head's initial values)."""
         full = torch.empty(self.vocab_size, self.lm_head.in_features).normal_(0.0, std, generator=generator)
+        self.copy_rows_from(full)
+
+    @torch.no_grad()
+    def copy_rows_from(self, full: torch.Tensor) -> None:
+        """Set this chunk's weight to rows ``[start, stop)`` of the whole ``[V, C]`` head matrix."""
+        if tuple(full.shape) != (self.vocab_size, self.lm_head.in_features):
+            raise ValueError(f"the whole head matrix has shape {list(full.shape)}; chunk {self.extra_repr()} "
+                             f"needs [{self.vocab_size}, {self.lm_head.in_features}]")
         self.lm_head.weight.copy_(full[self.start:self.stop])
 
     def extra_repr(self) -> str:
@@ -131,3 +152,54 @@ class HeadChunk(nn.Module):
 def head_logits(chunks, h: torch.Tensor) -> torch.Tensor:
     """Full logits from the chunks (sampling and inspection only; training never builds them)."""
     return torch.cat([F.linear(h, c.lm_head.weight) for c in chunks], dim=-1)
+
+
+def logits_through(layers, chunks: int, x) -> torch.Tensor:
+    """Logits ``[B, T, V]`` of ``layers`` whose last ``chunks`` layers are the head (one plain head
+    layer for ``chunks == 1``; the chunks' slices concatenated otherwise)."""
+    h = run_layers(layers if chunks == 1 else layers[:-chunks], x)
+    return h if chunks == 1 else head_logits(layers[-chunks:], h)
+
+
+def head_chunk_layers(n_embd: int, vocab_size: int, chunks: int, dtype: torch.dtype | None = None) -> list[HeadChunk]:
+    """The ``chunks`` head layers over :func:`chunk_bounds` (built on the ambient device)."""
+    bounds = chunk_bounds(vocab_size, chunks)
+    layers = [HeadChunk(n_embd, a, b, vocab_size, j == 0, j == len(bounds) - 1) for j, (a, b) in enumerate(bounds)]
+    return layers if dtype is None else [layer.to(dtype) for layer in layers]
+
+
+def streaming_nll_mean(nll: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The last chunk's per-token loss averaged as ``F.cross_entropy`` averages: over the targets
+    that are not :data:`IGNORE_INDEX` (all ignored: NaN, as there)."""
+    keep = targets != IGNORE_INDEX
+    return torch.where(keep, nll, torch.zeros_like(nll)).sum() / keep.sum()
+
+
+def head_merges(head_index: int, vocab_size: int, chunks: int) -> dict[str, list[tuple[str, int]]]:
+    """``checkpoint_merges()`` of a model whose ``layers[head_index:head_index + chunks]`` are the
+    chunks: their rows as one ``layers.<head_index>.lm_head.weight`` (none for one chunk)."""
+    if chunks == 1:
+        return {}
+    bounds = chunk_bounds(vocab_size, chunks)
+    return {f"layers.{head_index}.lm_head.weight":
+            [(f"layers.{head_index + j}.lm_head.weight", b - a) for j, (a, b) in enumerate(bounds)]}
+
+
+def _prefixed(module: nn.Module, prefix: str) -> dict:
+    return {prefix + k: [(prefix + n, r) for n, r in v] for k, v in module.checkpoint_merges().items()}
+
+
+def merge_head_hook(module, state_dict, prefix, local_metadata):
+    """``state_dict`` hook (``module._register_state_dict_hook``): the chunks' rows as one matrix."""
+    merged = merge_state(state_dict, _prefixed(module, prefix))
+    if merged is not state_dict:
+        state_dict.clear()
+        state_dict.update(merged)
+
+
+def split_head_hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """``load_state_dict`` pre-hook (``with_module=True``): one head matrix cut into the chunks' rows."""
+    split = split_state(state_dict, _prefixed(module, prefix))
+    if split is not state_dict:
+        state_dict.clear()
+        state_dict.update(split)

@@ -1,5 +1,7 @@
 """The vocabulary-chunked LM head (GPTConfig(head_chunks=k)): the streaming loss equals the
-unchunked head's loss and gradients, under fp32, bf16 autocast and Lightning's mixed precision."""
+unchunked head's loss and gradients, under fp32, bf16 autocast and Lightning's mixed precision,
+with targets ignored (-100) as the unchunked cross-entropy ignores them. (The Hugging Face
+adapter's chunked head: tests/unit/test_hf_chunked_head.py.)"""
 from __future__ import annotations
 
 import lightning as L
@@ -49,6 +51,24 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_head(k, extra, batch):
     for name, g in want_g.items():
         torch.testing.assert_close(got_g[name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(chunked(x), plain(x))  # sampling's logits, built from the slices
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_ignored_targets_are_ignored_as_by_the_unchunked_cross_entropy(k):
+    """Targets equal to -100 (F.cross_entropy's ignore_index, which the unchunked head uses) count
+    neither in the chunked loss's sum nor in its mean, and give no gradient."""
+    plain, chunked = _pair(50, k)
+    x = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(7))
+    y = torch.randint(0, 50, (3, 8), generator=torch.Generator().manual_seed(8))
+    y[0, 5:] = -100
+    y[2, ::3] = -100
+    want, want_g = _loss_and_grads(plain, x, y)
+    got, got_g = _loss_and_grads(chunked, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    full = _loss_and_grads(plain, x, torch.where(y == -100, x, y))[0]
+    assert abs(float(full) - float(want)) > 1e-4  # the ignored positions would have changed the mean
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
 def test_bf16_autocast_is_close_to_the_unchunked_head():
