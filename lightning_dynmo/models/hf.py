@@ -59,28 +59,9 @@ Mixtral is Mistral with a sparse MoE block (``MixtralSparseMoeBlock``: top-k rou
 experts) in every decoder layer; its published files store the experts per expert, which
 :mod:`~lightning_dynmo.models.hf_checkpoint` fuses per layer on load and splits on save.
 
-**Mixtral's router loss under the pipeline.** ``MixtralForCausalLM.forward`` records every
-layer's router logits and computes one Switch load-balancing loss from all of them at once
-(``load_balancing_loss_func``: expert fractions and mean probabilities pooled over all layers and
-all tokens of the batch), which no pipeline stage can compute. The adapter uses the per-layer
-form of Megatron-Core and of :mod:`~lightning_dynmo.models.moe` instead: each decoder layer computes
-the loss from its own router logits, per sequence, and attaches it to its output in backward
-(:func:`~lightning_dynmo.models._aux_loss.attach_aux_loss`), so the gradients are those of::
-
-    CE + router_aux_loss_coef * mean over layers l of mean over rows b of
-         E * sum_i f_lbi * P_lbi        (f: share of the row's top-k slots routed to expert i,
-                                         P: the row's mean router probability of expert i)
-
-Each term is HF's loss of one layer and one row (``k`` for uniform routing, like HF's), so for a
-single layer and a single sequence the two agree exactly; in general HF's pooled value is
-``E * sum_i mean(f_i) * mean(P_i)`` over layers and rows, which differs from the mean of the
-products by ``E * sum_i cov(f_i, P_i)``, and is not a sum of per-layer terms. Per row (not pooled
-over the batch) the loss is the same whatever the micro-batching, so pipeline training equals
-single-process training. It is on when ``router_aux_loss_coef > 0`` and ``router_aux_loss=True``,
-or with ``router_aux_loss=None`` (default) when the config says ``output_router_logits=True``
-(HF's own switch for adding the loss in training). ``pipeline_loss`` and the logged loss stay
-plain cross-entropy. ``router_jitter_noise > 0`` draws random numbers per forward, so a pipeline
-run then differs from a single-process one, as with dropout.
+**Mixtral's router loss under the pipeline**: per layer and per sequence, so pipeline training
+equals single-process training (:func:`~lightning_dynmo.models.hf_layers.router_balance_loss`
+says how it relates to ``MixtralForCausalLM``'s pooled loss).
 
 Mixtral's block is dropless: every token goes through exactly ``k`` experts, so a layer's work
 does not change with the routing and its layers do not report a load factor (``ReportsLoad``).
@@ -102,13 +83,13 @@ from lightning_dynmo.models._aux_loss import configure_aux_loss, reset_aux_loss
 from lightning_dynmo.models._lm import CausalLMModule
 from lightning_dynmo.models.hf_arch import (  # noqa: F401  (_Arch: re-exported)
     SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, _Arch, _check_architecture)
+from lightning_dynmo.models import hf_export
 from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
 from lightning_dynmo.models.hf_layers import (  # noqa: F401  (_first, _mask_function: re-exported)
     HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, _first, _mask_function, router_balance_loss)
 from lightning_dynmo.models.vocab_head import (
     HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
 from lightning_dynmo.runtime.activations import run_layers
-from lightning_dynmo.runtime.merged_parameters import merge_state
 from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
 
 try:  # optional dependency: pip install -e ".[hf]"
@@ -428,56 +409,19 @@ class HFCausalLM(CausalLMModule):
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: inspection and sampling)."""
         return logits_through(self.layers, self.head_chunks, ids)
 
-    # ------------------------------------------------------------------ export
+    # ------------------------------------------------------------------ export (models/hf_export.py)
     def hf_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The weights under their Hugging Face names, from ``state_dict`` (this module's format,
         e.g. ``strategy.lightning_module_state_dict()`` on rank 0 or a Lightning checkpoint's
         ``state_dict``) or from this module, which must then hold every layer."""
-        if state_dict is None:
-            from lightning_dynmo.protocol import RemoteLayer
-
-            remote = [i for i, layer in enumerate(self.layers) if isinstance(layer, RemoteLayer)]
-            if remote:
-                raise ValueError(
-                    f"this rank holds only part of the model (layers {remote} live on other ranks): pass the full "
-                    "state dict, e.g. trainer.strategy.lightning_module_state_dict() on rank 0, or a checkpoint's "
-                    "['state_dict']"
-                )
-            state_dict = self.state_dict()
-        state_dict = merge_state(state_dict, self.checkpoint_merges())  # a chunked head's rows: one matrix
-        attr = "layers."
-        out: dict[str, torch.Tensor] = {}
-        for key, value in state_dict.items():
-            if not key.startswith(attr):
-                continue
-            index, _, name = key[len(attr):].partition(".")
-            out[self._hf_key(int(index), name)] = value.detach().cpu().contiguous()
-        return out
+        return hf_export.hf_state_dict(self, state_dict)
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the format ``from_pretrained`` (ours and
         ``transformers.AutoModelForCausalLM``'s) reads; Mixtral's experts per expert, as the published
         files and ``transformers``' own ``save_pretrained`` store them. An untied model is saved
         with ``tie_word_embeddings=False``."""
-        from safetensors.torch import save_file
-
-        tensors = self.hf_state_dict(state_dict)
-        embed_key = f"{self.arch.embeddings[0][1]}.weight"
-        head_key = f"{self.arch.head}.weight"
-        head, embed = tensors.get(head_key), tensors.get(embed_key)
-        tied = head is not None and embed is not None and head.data_ptr() == embed.data_ptr()
-        cfg = copy.deepcopy(self.hf_config)
-        cfg.tie_word_embeddings = tied
-        if tied:
-            del tensors[head_key]
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        cfg.save_pretrained(directory)
-        layout = DISK_LAYOUTS.get(cfg.model_type)
-        if layout is not None:  # the published format (what transformers' own save_pretrained writes)
-            tensors = layout.to_disk(tensors)
-        save_file({k: v.clone() for k, v in tensors.items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})
+        hf_export.save_pretrained(self, directory, state_dict)
 
 
 def _warn_untied(cfg) -> None:

@@ -1,6 +1,29 @@
 """The single-tensor pipeline layers :class:`~lightning_dynmo.models.hf.HFCausalLM` wraps a
 ``transformers`` model's own modules in (see :mod:`lightning_dynmo.models.hf` for why each is
 needed); re-exported by :mod:`lightning_dynmo.models.hf`.
+
+**Mixtral's router loss under the pipeline.** ``MixtralForCausalLM.forward`` records every
+layer's router logits and computes one Switch load-balancing loss from all of them at once
+(``load_balancing_loss_func``: expert fractions and mean probabilities pooled over all layers and
+all tokens of the batch), which no pipeline stage can compute. The adapter uses the per-layer
+form of Megatron-Core and of :mod:`~lightning_dynmo.models.moe` instead: each decoder layer computes
+the loss from its own router logits, per sequence, and attaches it to its output in backward
+(:func:`~lightning_dynmo.models._aux_loss.attach_aux_loss`), so the gradients are those of::
+
+    CE + router_aux_loss_coef * mean over layers l of mean over rows b of
+         E * sum_i f_lbi * P_lbi        (f: share of the row's top-k slots routed to expert i,
+                                         P: the row's mean router probability of expert i)
+
+Each term is HF's loss of one layer and one row (``k`` for uniform routing, like HF's), so for a
+single layer and a single sequence the two agree exactly; in general HF's pooled value is
+``E * sum_i mean(f_i) * mean(P_i)`` over layers and rows, which differs from the mean of the
+products by ``E * sum_i cov(f_i, P_i)``, and is not a sum of per-layer terms. Per row (not pooled
+over the batch) the loss is the same whatever the micro-batching, so pipeline training equals
+single-process training. It is on when ``router_aux_loss_coef > 0`` and ``router_aux_loss=True``,
+or with ``router_aux_loss=None`` (default) when the config says ``output_router_logits=True``
+(HF's own switch for adding the loss in training). ``pipeline_loss`` and the logged loss stay
+plain cross-entropy. ``router_jitter_noise > 0`` draws random numbers per forward, so a pipeline
+run then differs from a single-process one, as with dropout.
 """
 from __future__ import annotations
 
