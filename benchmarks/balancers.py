@@ -2,7 +2,8 @@
 
 Instances: 4-96 layers on 2-32 stages (1F1B, m = 4 x stages), per-layer costs of one of five
 shapes, each instance with a 1-in-3 chance of a finite link bandwidth (input-receive time joins
-the stage load) and of a per-stage memory capacity 5-30 % above the smallest feasible peak:
+the stage load; on every other such instance one per stage boundary, 8x slower every fourth) and
+of a per-stage memory capacity 5-30 % above the smallest feasible peak:
 
 * ``uniform``: forward 1, backward 2 for every layer;
 * ``lognormal``: forward ~ LogNormal(0, 0.6), backward 2 x forward x U(0.8, 1.2);
@@ -18,9 +19,10 @@ local fixed point that stalls on staircases.
 
 Last line: JSON with ``partition_optimal_fraction`` (partition_time and partition_param exact on
 every instance: 1.0), ``partition_ms_96x32`` and ``partition_ms_200x32`` (mean ms of
-partition_time on 96 or 200 layers x 32 stages, bandwidth and capacity on, every shape; the
-``partition_max_ms_*`` keys give the slowest call, ``partition_cpu_ms_*`` the mean process CPU
-time, which a loaded machine inflates least; target for 200 x 32: under 50 ms), ``diffusion_mean_ratio`` / ``diffusion_worst_ratio``
+partition_time on 96 or 200 layers x 32 stages, bandwidth and capacity on, every shape; ``_nodes``:
+one bandwidth per stage boundary, 8x slower every fourth; the ``partition_max_ms_*`` keys give the
+slowest call, ``partition_cpu_ms_*`` the mean process CPU time, which a loaded machine inflates
+least; target for 200 x 32: under 50 ms), ``diffusion_mean_ratio`` / ``diffusion_worst_ratio``
 (diffusion_time), ``diffusion_param_worst_ratio`` (max stage parameters / optimum) and per
 balancer mean / worst ratio, worst ratio per shape, ms per call and layers moved.
 
@@ -35,7 +37,6 @@ import random
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -73,13 +74,16 @@ def layer_times(rng: random.Random, shape: str, L: int) -> tuple[list[float], li
     raise ValueError(shape)
 
 
-def instance(rng: random.Random, shape: str, L: int, S: int, links: bool, memory: bool) -> BalanceProblem:
+def instance(rng: random.Random, shape: str, L: int, S: int, links: bool | str, memory: bool) -> BalanceProblem:
     """Times in abstract units; parameter counts about equal per layer and independent of the
-    time shape (frozen or early-exit layers keep their weights), as a static partitioner sees."""
+    time shape (frozen or early-exit layers keep their weights), as a static partitioner sees.
+    ``links="nodes"``: one bandwidth per stage boundary, 8x faster inside nodes of 4 stages."""
     f, b = layer_times(rng, shape, L)
     params = [rng.randint(900_000, 1_100_000) for _ in range(L)]
     costs = LayerCosts(f, b, params, [16.0 * p for p in params], [rng.uniform(2e5, 4e5) for _ in range(L)])
     bandwidth = 1e6 if links else None  # ~0.5 of a unit-time layer per link crossing
+    if links == "nodes":
+        bandwidth = tuple(1e6 if s % 4 == 3 else 8e6 for s in range(S - 1))
     model = CostModel(4 * S, "1f1b", bandwidth=bandwidth)
     if memory:
         loose = BalanceProblem(costs, S, model)
@@ -89,8 +93,8 @@ def instance(rng: random.Random, shape: str, L: int, S: int, links: bool, memory
 
 
 def oracle(problem: BalanceProblem, load) -> float:
-    """Optimal max stage ``load(i, j)`` subject to memory: best[s][j] = min_i max(best[s-1][i],
-    load(i, j)), every (i, j) tried."""
+    """Optimal max stage ``load(s, i, j)`` subject to memory: best[s][j] = min_i max(best[s-1][i],
+    load(s, i, j)), every (i, j) tried."""
     L, S, model, costs = problem.num_layers, problem.num_stages, problem.model, problem.costs
     best = [0.0] + [math.inf] * L
     for s in range(S):
@@ -98,7 +102,7 @@ def oracle(problem: BalanceProblem, load) -> float:
         for j in range(s + 1, L - (S - 1 - s) + 1):
             for i in range(s, j):
                 if model.capacity is None or model.fits(model.segment_memory(costs, i, j, s, S)):
-                    cur[j] = min(cur[j], max(best[i], load(i, j)))
+                    cur[j] = min(cur[j], max(best[i], load(s, i, j)))
         best = cur
     return best[L]
 
@@ -115,10 +119,11 @@ def run(instances: int, seed: int) -> dict:
         shape = SHAPES[k % len(SHAPES)]
         L = rng.randint(4, 96)
         S = rng.randint(2, min(32, L))
-        problem = instance(rng, shape, L, S, rng.random() < 1 / 3, rng.random() < 1 / 3)
+        links = rng.random() < 1 / 3
+        problem = instance(rng, shape, L, S, links and ("nodes" if k % 2 else True), rng.random() < 1 / 3)
         model, costs = problem.model, problem.costs
-        opt_time = oracle(problem, partial(model.segment_time, costs))
-        opt_params = oracle(problem, costs.params_sum)
+        opt_time = oracle(problem, lambda s, i, j: model.segment_time(costs, i, j, s))
+        opt_params = oracle(problem, lambda s, i, j: costs.params_sum(i, j))
         for n in names:
             t0 = time.perf_counter()
             if n == "diffusion_pairs_only":
@@ -138,16 +143,19 @@ def run(instances: int, seed: int) -> dict:
                 optimal.append(peak_params == opt_params)
             elif n == "diffusion_param":
                 param_ratio.append(peak_params / opt_params)
-    speed = {size: [] for size in SPEED_SIZES}
-    cpu = {size: [] for size in SPEED_SIZES}  # process CPU time: what a loaded machine inflates least
+    speed: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # process CPU time: what a loaded machine inflates least
     for L, S in SPEED_SIZES:
-        for shape in SHAPES:
-            problem = instance(random.Random(seed + 1), shape, L, S, True, True)
-            for _ in range(3):
-                t0, c0 = time.perf_counter(), time.process_time()
-                get_balancer("partition_time")(problem)
-                speed[L, S].append((time.perf_counter() - t0) * 1e3)
-                cpu[L, S].append((time.process_time() - c0) * 1e3)
+        for links, tag in ((True, ""), ("nodes", "_nodes")):  # one bandwidth / one per boundary
+            key = f"{L}x{S}{tag}"
+            speed[key], cpu[key] = [], []
+            for shape in SHAPES:
+                problem = instance(random.Random(seed + 1), shape, L, S, links, True)
+                for _ in range(3):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    get_balancer("partition_time")(problem)
+                    speed[key].append((time.perf_counter() - t0) * 1e3)
+                    cpu[key].append((time.process_time() - c0) * 1e3)
     table = {
         n: {
             "mean_ratio": round(statistics.fmean(ratio[n]), 4),
@@ -162,9 +170,9 @@ def run(instances: int, seed: int) -> dict:
         "benchmark": "balancers",
         "instances": instances,
         "partition_optimal_fraction": statistics.fmean(optimal),
-        **{f"partition_ms_{L}x{S}": round(statistics.fmean(v), 2) for (L, S), v in speed.items()},
-        **{f"partition_max_ms_{L}x{S}": round(max(v), 2) for (L, S), v in speed.items()},
-        **{f"partition_cpu_ms_{L}x{S}": round(statistics.fmean(v), 2) for (L, S), v in cpu.items()},
+        **{f"partition_ms_{k}": round(statistics.fmean(v), 2) for k, v in speed.items()},
+        **{f"partition_max_ms_{k}": round(max(v), 2) for k, v in speed.items()},
+        **{f"partition_cpu_ms_{k}": round(statistics.fmean(v), 2) for k, v in cpu.items()},
         "diffusion_mean_ratio": table["diffusion_time"]["mean_ratio"],
         "diffusion_worst_ratio": table["diffusion_time"]["worst_ratio"],
         "diffusion_param_worst_ratio": round(max(param_ratio), 4),

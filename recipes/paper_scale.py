@@ -9,10 +9,10 @@ balancers and cost model): per-layer costs from a measured profile of the paper'
 changed over training by synthetic models of each dynamism case. The run directory gets
 ``report.md``, ``paper_scale.png`` and ``results.json``; the last line printed is one JSON object
 whose ``projected_speedup_vs_static`` maps each case to its speedup (best dynamic over best static
-at the same granularity) at the headline cell (default: 48 layers on 24 stages, sub-layer
-granularity: attention and MLP halves, the LM head + loss in ``head_chunks`` vocabulary chunks),
+at the same granularity) at the headline cell (default: 48 layers on 24 stages, fine
+granularity: five pieces per block, the LM head + loss in ``head_chunks`` vocabulary chunks),
 with ``fluid_ceiling`` per case, ``dense_efficiency``, bubble fractions before/after, the
-block-granularity figures (``granularities``), the zero-bubble schedules (``schedules``) and the
+sub-layer and block-granularity figures (``granularities``), the zero-bubble schedules (``schedules``) and the
 packing figures.
 """
 from __future__ import annotations

@@ -16,6 +16,12 @@ Conventions (the runtime must profile accordingly):
 * Receive cost: stage ``s > 0`` pays ``2 * activation[b[s] - 1] / bandwidth`` per micro-batch, i.e.
   the forward activation coming in plus the gradient of the same size going back over the same
   link. It is charged to the *receiving* stage, so a slow link looks like a heavier stage.
+  ``bandwidth`` is one value for every boundary, or one per stage boundary: ``bandwidth[s]`` is the
+  link between stages ``s`` and ``s + 1`` (what stage ``s + 1`` receives on; ``num_stages - 1``
+  values, ``inf`` for a free boundary), e.g. NVLink inside a node and InfiniBand between nodes.
+  With virtual stages the boundaries are those of the partition's (virtual) stages; whoever knows
+  the placement maps them to rank pairs (:func:`lightning_dynmo.sim.simulate.boundary_links`,
+  :meth:`lightning_dynmo.plan.layout.PipelineLayout.boundary_bandwidth`).
 * Activation checkpointing (``CostModel.recompute``: the layers run under checkpointing): a
   recomputed layer costs one extra forward per micro-batch (its backward recomputes it first) and
   keeps nothing in flight; while its backward runs, one micro-batch of its activations is alive
@@ -26,6 +32,7 @@ Conventions (the runtime must profile accordingly):
 from __future__ import annotations
 
 import math
+from numbers import Real
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from typing import Iterable, Sequence
@@ -196,13 +203,30 @@ def imbalance(loads: Sequence[float]) -> float:
     return 0.0 if mean == 0 else (max(loads) - min(loads)) / mean
 
 
+def _check_bandwidth(bw) -> float | tuple[float, ...] | None:
+    """None, one float, or a tuple of per-boundary floats, each > 0 (``inf``: free)."""
+    if bw is None:
+        return None
+    seq = isinstance(bw, Iterable) and not isinstance(bw, (str, bytes))
+    values = tuple(bw) if seq else (bw,)
+    for i, v in enumerate(values):
+        if not isinstance(v, Real) or isinstance(v, bool) or not float(v) > 0:
+            at = f"[{i}]" if seq else ""
+            raise ValueError(f"bandwidth{at} must be > 0 bytes/s (inf: free), one per stage boundary or one for all, "
+                             f"or None; got {v!r}")
+    if not values:
+        raise ValueError("bandwidth per stage boundary needs at least one value (a single stage: pass None)")
+    return tuple(float(v) for v in values) if seq else float(bw)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """How a schedule turns per-layer costs into per-stage time and memory."""
 
     microbatches: int
     schedule: str = "1f1b"
-    bandwidth: float | None = None  # bytes/s between adjacent stages; None = free transfers
+    # bytes/s between adjacent stages: one value, one per stage boundary, or None = free transfers
+    bandwidth: float | tuple[float, ...] | None = None
     capacity: float | None = None  # bytes per stage; None = unlimited
     virtual_stages: int = 1  # stages per rank; >1: the partition's stages are virtual stages
     recompute: frozenset[int] = frozenset()  # layers under activation checkpointing
@@ -225,13 +249,13 @@ class CostModel:
         v = self.virtual_stages
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
-        for name in ("bandwidth", "capacity"):
-            v = getattr(self, name)
-            if v is not None:
-                v = float(v)
-                if not v > 0 or math.isnan(v):
-                    raise ValueError(f"{name} must be > 0 or None, got {v}")
-                object.__setattr__(self, name, v)
+        object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
+        v = self.capacity
+        if v is not None:
+            v = float(v)
+            if not v > 0 or math.isnan(v):
+                raise ValueError(f"capacity must be > 0 or None, got {v}")
+            object.__setattr__(self, "capacity", v)
 
     # ---- memory -------------------------------------------------------------------------
     def inflight(self, stage: int, num_stages: int) -> int:
@@ -314,22 +338,48 @@ class CostModel:
         return self.capacity is None or memory <= self.capacity
 
     # ---- time ---------------------------------------------------------------------------
-    def recv_time(self, costs: LayerCosts, start: int) -> float:
-        """Per-micro-batch link time of a stage starting at layer ``start`` (fwd act + bwd grad)."""
-        if start == 0 or self.bandwidth is None:
-            return 0.0
-        return 2.0 * costs.activation[start - 1] / self.bandwidth
+    @property
+    def per_boundary(self) -> bool:
+        """True when ``bandwidth`` is one value per stage boundary."""
+        return isinstance(self.bandwidth, tuple)
 
-    def segment_time(self, costs: LayerCosts, start: int, stop: int) -> float:
-        """Per-micro-batch time of a stage owning layers ``start..stop-1`` (compute + receive);
-        a recomputed layer adds its forward once more."""
+    def check_stages(self, num_stages: int) -> None:
+        """Raise a ValueError when a per-boundary ``bandwidth`` does not fit ``num_stages``."""
+        if self.per_boundary and len(self.bandwidth) != num_stages - 1:
+            raise ValueError(
+                f"bandwidth has {len(self.bandwidth)} per-boundary values but a pipeline of {num_stages} stages has "
+                f"{num_stages - 1} boundaries; pass one value per boundary between stages s and s+1 (or one float)"
+            )
+
+    def link_bandwidth(self, stage: int | None) -> float | None:
+        """Bytes/s of the link stage ``stage`` receives its input on (None: free; stage 0 receives
+        on no boundary). ``stage`` may be None only with a single ``bandwidth``."""
+        bw = self.bandwidth
+        if not isinstance(bw, tuple):
+            return bw
+        if stage is None:
+            raise ValueError("this CostModel has a bandwidth per stage boundary: pass the receiving stage")
+        if not 0 <= stage <= len(bw):
+            raise ValueError(f"stage {stage} receives on none of the {len(bw)} boundaries in bandwidth")
+        return bw[stage - 1] if stage else None  # the first stage receives on no link
+
+    def recv_time(self, costs: LayerCosts, start: int, stage: int | None = None) -> float:
+        """Per-micro-batch link time of stage ``stage`` starting at layer ``start`` (fwd act + bwd
+        grad), over the link it receives on."""
+        bw = None if start == 0 else self.link_bandwidth(stage)
+        return 0.0 if bw is None else 2.0 * costs.activation[start - 1] / bw
+
+    def segment_time(self, costs: LayerCosts, start: int, stop: int, stage: int | None = None) -> float:
+        """Per-micro-batch time of stage ``stage`` owning layers ``start..stop-1`` (compute +
+        receive); a recomputed layer adds its forward once more."""
         compute = self._prefixes(costs)["time"].sum(start, stop) if self.recompute else costs.time_sum(start, stop)
-        return compute + self.recv_time(costs, start)
+        return compute + self.recv_time(costs, start, stage)
 
     def stage_times(self, costs: LayerCosts, partition: Partition) -> list[float]:
         costs._check(partition)
+        self.check_stages(partition.num_stages)
         b = partition.boundaries
-        return [self.segment_time(costs, b[s], b[s + 1]) for s in range(partition.num_stages)]
+        return [self.segment_time(costs, b[s], b[s + 1], s) for s in range(partition.num_stages)]
 
     def predicted_step_time(self, costs: LayerCosts, partition: Partition) -> float:
         """Fill-drain bound sum_s t_s + (m - 1) max_s t_s, used for every schedule.

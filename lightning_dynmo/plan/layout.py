@@ -66,6 +66,25 @@ class PipelineLayout:
         return [i for s in range(self.partition.num_stages) if self.rank_of_stage(s) == self.pp_rank
                 for i in self.partition.layers_of(s)]
 
+    def boundary_bandwidth(self, link_bandwidth: float | tuple[float, float] | None,
+                           pp: int | None = None) -> float | tuple[float, ...] | None:
+        """The cost model's ``bandwidth`` for this layout on ``pp`` pipeline ranks (default: now),
+        from ``link_bandwidth``: None, one float (every boundary alike), or ``(intra_node,
+        inter_node)``: each stage boundary by whether the ranks of its two stages share a node
+        (inter-node if they do not in any replica: the slowest replica sets the step); a boundary
+        between two stages of one rank counts as intra-node. One float when all are alike."""
+        if link_bandwidth is None or not isinstance(link_bandwidth, tuple):
+            return link_bandwidth
+        intra, inter = link_bandwidth
+        topo, pp = self.topology, pp or self.pp_size
+        ranks = [self.rank_of_stage(s, pp) for s in range(pp * self.virtual)]
+        per = tuple(
+            inter if any(topo.node_of(d * topo.pp + a) != topo.node_of(d * topo.pp + b) for d in range(topo.dp))
+            else intra
+            for a, b in zip(ranks, ranks[1:])
+        )
+        return per[0] if len(set(per)) == 1 else (per or None)
+
     def owners(self) -> list[int]:
         """Pipeline rank owning each layer."""
         return [self.rank_of_stage(s) for s in self.partition.owner_map()]

@@ -54,12 +54,14 @@ def plan_repack(
     choose_microbatches: Callable[[int], int],
     virtual_stages: int = 1,
     tolerance: float = 0.05,
+    bandwidth: Callable[[int], float | tuple[float, ...] | None] | None = None,
 ) -> RepackPlan:
     """A :class:`RepackPlan`, or :class:`RepackRefused` saying why the pipeline stays as it is.
 
     ``costs`` are per micro-batch of ``model_now.microbatches``; ``choose_microbatches(r)`` gives
     the micro-batch count the runtime would use on ``r`` ranks (raising ValueError when the
-    schedule cannot run there)."""
+    schedule cannot run there). ``bandwidth(r)``: the cost model's bandwidth on ``r`` ranks (needed
+    when ``model_now`` has one per stage boundary; default: ``model_now``'s)."""
     check_repack_target(target)
     pred_now = model_now.predicted_step_time(costs, current)
     if target != "auto":
@@ -76,7 +78,10 @@ def plan_repack(
             reasons.append(f"{r} ranks: the schedule cannot run: {err}")
             continue
         scaled = rescale(costs, model_now.microbatches / m)
-        model = dataclasses.replace(model_now, microbatches=m)
+        if bandwidth is None and model_now.per_boundary:
+            raise ValueError("plan_repack needs bandwidth(r) when the cost model has a bandwidth per stage boundary")
+        bw = model_now.bandwidth if bandwidth is None else bandwidth(r)
+        model = dataclasses.replace(model_now, microbatches=m, bandwidth=bw)
         try:
             result = get_balancer(balancer)(
                 BalanceProblem(costs=scaled, num_stages=r * virtual_stages, model=model, current=None)

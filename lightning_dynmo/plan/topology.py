@@ -1,7 +1,8 @@
 """Rank layout: world = data-parallel replicas x pipeline ranks; a replica's ranks are adjacent.
 
 Global rank ``g`` is pipeline rank ``g % pp`` of replica ``g // pp``, so one pipeline sits on
-consecutive ranks (one node first) and data-parallel all-reduces cross nodes.
+consecutive ranks (one node first) and data-parallel all-reduces cross nodes. Global rank ``g``
+runs on node ``g // ranks_per_node`` (None: one node).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 class Topology:
     world_size: int
     pp: int
+    ranks_per_node: int | None = None  # processes per node (None: every rank on one node)
 
     def __post_init__(self) -> None:
         if self.pp < 1:
@@ -22,6 +24,11 @@ class Topology:
                 f"pipeline_parallel={self.pp} ranks: the world size must be a multiple of pipeline_parallel. "
                 f"Use devices={self.pp * max(1, self.world_size // self.pp)} or change pipeline_parallel."
             )
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be >= 1 or None, got {self.ranks_per_node}")
+
+    def node_of(self, rank: int) -> int:
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
 
     @property
     def dp(self) -> int:

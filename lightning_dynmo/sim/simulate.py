@@ -101,20 +101,40 @@ def _links(link: Link | Sequence[Link], pp: int) -> list[Link]:
     return links
 
 
+def boundary_links(rank_of, num_stages: int, links: Sequence[Link]) -> list[Link]:
+    """The link each stage boundary crosses: ``rank_of(s)`` is stage ``s``'s rank, ``links[r]``
+    joins ranks ``r`` and ``r + 1`` (the last one closes the ring of interleaved schedules)."""
+    pp = len(links)
+
+    def link_of(s: int) -> Link:  # the link joining the ranks of stages s and s+1
+        a, c = sorted((rank_of(s), rank_of(s + 1)))
+        return links[c if (a, c) == (0, pp - 1) and pp > 2 else a]
+
+    return [link_of(s) for s in range(num_stages - 1)]
+
+
 def matching_cost_model(
     schedule: str, microbatches: int, link: Link | Sequence[Link] = Link(), virtual: int | None = None,
     capacity: float | None = None,
 ) -> CostModel:
     """The cost model a balancer should see for this simulated pipeline (same in-flight rule;
-    the link's bandwidth as the cost model's receive cost: with one link per rank, the slowest
-    one, since the cost model has a single bandwidth)."""
+    each stage boundary's link bandwidth as the receive cost of the stage behind it: with one link
+    per rank, the link joining the two stages' ranks, as :func:`simulate` charges it; a free link
+    is ``inf``). One bandwidth for all boundaries when they are all alike."""
     spec = get_schedule(schedule)
-    links = [link] if isinstance(link, Link) else list(link)
-    finite = [x.bandwidth for x in links if x.bandwidth is not None]
-    return CostModel(
-        microbatches, spec.cost_schedule, bandwidth=min(finite) if finite else None, capacity=capacity,
-        virtual_stages=spec.virtual_stages(virtual),
-    )
+    v = spec.virtual_stages(virtual)
+    if isinstance(link, Link):
+        bandwidth = link.bandwidth
+    else:
+        links = list(link)
+        pp = len(links)
+        crossed = boundary_links(lambda s: spec.rank_of_stage(s, pp), pp * v, links)
+        per = tuple(math.inf if x.bandwidth is None else float(x.bandwidth) for x in crossed)
+        if not per or set(per) == {math.inf}:  # one stage, or free links only
+            bandwidth = None
+        else:
+            bandwidth = per[0] if len(set(per)) == 1 else per
+    return CostModel(microbatches, spec.cost_schedule, bandwidth=bandwidth, capacity=capacity, virtual_stages=v)
 
 
 def simulate(
@@ -166,17 +186,11 @@ def simulate(
         "I": [k[s] * ((1.0 - w_fraction) * x + action_overhead) for s, x in enumerate(backward)],
         "W": [k[s] * (w_fraction * x + action_overhead) for s, x in enumerate(backward)],
     }
-    links = _links(link, pp)
-
-    def link_of(s: int) -> Link:  # the link joining the ranks of stages s and s+1
-        a, c = sorted((rank_of[s], rank_of[s + 1]))
-        return links[c if (a, c) == (0, pp - 1) and pp > 2 else a]
-
-    boundary_links = [link_of(s) for s in range(S - 1)]
-    crossing = [x.time(costs.activation[b[s + 1] - 1]) for s, x in enumerate(boundary_links)]
+    crossed = boundary_links(rank_of.__getitem__, S, _links(link, pp))
+    crossing = [x.time(costs.activation[b[s + 1] - 1]) for s, x in enumerate(crossed)]
     gradient = [any(x > 0 for x in costs.backward[: b[s + 1]]) for s in range(S - 1)]
-    spans = replay(ops, durations, crossing, send=[x.send_overhead for x in boundary_links],
-                   recv=[x.recv_overhead for x in boundary_links], gradient=gradient)
+    spans = replay(ops, durations, crossing, send=[x.send_overhead for x in crossed],
+                   recv=[x.recv_overhead for x in crossed], gradient=gradient)
     if reduced_params is not None and len(reduced_params) != costs.num_layers:
         raise ValueError(f"reduced_params has {len(reduced_params)} entries, costs have {costs.num_layers} layers")
     grad_params = list(costs.params if reduced_params is None else reduced_params)

@@ -67,7 +67,7 @@ class PipelineAPI:
                             self.last_batch_size, self.last_microbatches, self._window.k)
 
     def _world_topology(self) -> Topology:
-        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel)
+        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel, ranks_per_node=self.num_processes or None)
         check_expert_parallel(self.options.expert_parallel, topo.dp)
         return topo
 

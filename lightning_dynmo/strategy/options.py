@@ -4,8 +4,10 @@ rebalancer, its policy, budget and recorder, the engine, the launcher) is built 
 from __future__ import annotations
 
 import dis
+import math
 from dataclasses import dataclass
 from datetime import timedelta
+from numbers import Real
 from typing import Literal
 
 import lightning as L
@@ -64,6 +66,13 @@ class PipelineOptions:
             ``float("inf")``: no limit. Events (freezing, pruning, re-packing) are always served.
         memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
             activations in flight); balancers never exceed it. ``None``: unlimited.
+        link_bandwidth: bytes/s of the links between pipeline ranks, so that the balancers charge
+            each stage the time to receive its input activation (and send its gradient back):
+            ``None`` (default) charges nothing; one number charges every stage boundary alike; a
+            pair ``(intra_node, inter_node)`` charges each boundary by whether its two ranks share a
+            node (ranks per node = the processes per node, ``devices``; a boundary that crosses
+            nodes in any data-parallel replica counts as inter-node), e.g. ``(3.6e11, 4.5e10)`` for
+            NVLink inside and InfiniBand between nodes of H100s.
         repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
             move the layers onto the fewest ranks whose balanced partition fits memory and whose
             predicted step time stays within ``repack_tolerance`` of the current one; the other
@@ -112,6 +121,7 @@ class PipelineOptions:
     rebalance_hysteresis: float = 0.5
     profile_steps: int = 1
     overhead_budget: float = 0.01  # share of training time (plan/budget.py)
+    link_bandwidth: float | tuple[float, float] | None = None  # bytes/s (plan/layout.py boundary_bandwidth)
 
     @classmethod
     def validate(cls, *, pipeline_parallel="auto", schedule="1f1b", microbatches=None, virtual_stages=None,
@@ -120,7 +130,7 @@ class PipelineOptions:
                  plot_interval=50, on_nonfinite="error", activation_checkpointing=False, expert_parallel=1,
                  compile=False, rebalance="auto", rebalance_interval=50, imbalance_threshold=0.1,
                  rebalance_horizon=100, rebalance_cooldown=10, rebalance_hysteresis=0.5, profile_steps=1,
-                 overhead_budget=0.01) -> "PipelineOptions":
+                 overhead_budget=0.01, link_bandwidth=None) -> "PipelineOptions":
         pp = positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
         positive_int("expert_parallel", expert_parallel)
         spec = get_schedule(schedule)
@@ -131,6 +141,7 @@ class PipelineOptions:
         get_balancer(balancer)  # unknown names fail here, listing the valid ones
         if memory_capacity is not None and not memory_capacity > 0:
             raise ValueError(f"memory_capacity must be a positive number of bytes or None, got {memory_capacity!r}")
+        link_bandwidth = check_link_bandwidth(link_bandwidth)
         if repack != "off":
             try:
                 check_repack_target(repack)
@@ -163,6 +174,7 @@ class PipelineOptions:
             rebalance_interval=rebalance_interval, imbalance_threshold=imbalance_threshold,
             rebalance_horizon=rebalance_horizon, rebalance_cooldown=rebalance_cooldown,
             rebalance_hysteresis=rebalance_hysteresis, profile_steps=profile_steps, overhead_budget=overhead_budget,
+            link_bandwidth=link_bandwidth,
         )
         out.policy(), out.budget()  # the policy's and the budget's own checks, once, here
         return out
@@ -176,6 +188,25 @@ class PipelineOptions:
     def budget(self) -> OverheadBudget:
         """A fresh overhead budget over the last ``max(100, rebalance_horizon)`` steps."""
         return OverheadBudget(fraction=self.overhead_budget, window=max(100, self.rebalance_horizon))
+
+
+def check_link_bandwidth(value) -> float | tuple[float, float] | None:
+    """``link_bandwidth`` as None, a float or an ``(intra_node, inter_node)`` pair of floats."""
+    fix = ("link_bandwidth must be None, bytes/s of every pipeline link (a finite number > 0, e.g. 4.5e10) or a "
+           "pair (intra_node, inter_node) of them, e.g. (3.6e11, 4.5e10)")
+    if value is None:
+        return None
+
+    def rate(v) -> float:
+        if isinstance(v, bool) or not isinstance(v, Real) or not 0 < float(v) < math.inf:
+            raise ValueError(f"{fix}; got {value!r}")
+        return float(v)
+
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise ValueError(f"{fix}; got {len(value)} values {value!r}")
+        return rate(value[0]), rate(value[1])
+    return rate(value)
 
 
 def check_module(module, accumulate_grad_batches: int, num_stages: int, pipeline_parallel: int, virtual: int,

@@ -161,7 +161,7 @@ class Rebalancer:
     def cost_model(self, layout: PipelineLayout, last_microbatches: int | None) -> CostModel:
         m = last_microbatches or self.options.microbatches or 4 * layout.num_stages
         return CostModel(microbatches=m, schedule=layout.spec.cost_schedule, capacity=self.options.memory_capacity,
-                         virtual_stages=layout.virtual)
+                         virtual_stages=layout.virtual, bandwidth=layout.boundary_bandwidth(self.options.link_bandwidth))
 
     def gather_layer_costs(self, pipe: RankPipeline, timelines: bool = True) -> tuple[LayerCosts, list[dict]]:
         """Per-layer costs identical on every rank (collective over the world) as last profiled;
@@ -287,7 +287,7 @@ class Rebalancer:
                 plan = plan_repack(
                     costs, before, self.cost_model(layout, pipe.last_microbatches), ranks_before, target, self.balancer,
                     lambda r: choose_microbatches(o.schedule, pipe.last_batch_size, r, o.virtual_stages, o.microbatches),
-                    layout.virtual, o.repack_tolerance,
+                    layout.virtual, o.repack_tolerance, lambda r: layout.boundary_bandwidth(o.link_bandwidth, r),
                 )
         except RepackRefused as err:
             self.check_agreement(None, False, what, pipe.device, pipe.global_rank)

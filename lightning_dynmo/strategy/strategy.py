@@ -88,7 +88,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         virtual_stages: int | None = None, balancer: str = "partition_time", partition: Sequence[int] | None = None,
         rebalance: str = "auto", rebalance_interval: int = 50, imbalance_threshold: float = 0.1,
         rebalance_horizon: int = 100, rebalance_cooldown: int = 10, rebalance_hysteresis: float = 0.5,
-        profile_steps: int = 1, overhead_budget: float = 0.01,
+        profile_steps: int = 1, overhead_budget: float = 0.01, link_bandwidth: float | tuple[float, float] | None = None,
         memory_capacity: float | None = None, repack: str | int = "off", repack_tolerance: float = 0.05,
         plot: bool = True, plot_interval: int = 50, on_nonfinite: Literal["error", "skip", "ignore"] = "error",
         activation_checkpointing: bool | Literal["auto"] = False, expert_parallel: int = 1, compile: bool = False,

@@ -6,8 +6,9 @@ plain dict with the same keys, so tests run it on a tiny grid. Everything here i
 per-layer costs are a measured H100 profile of the paper's GPT block changed by synthetic models
 of each case (:mod:`recipes.scenarios`, which lists every parameter's source).
 
-Each cell is simulated at the headline ``granularity`` (``sublayer``: attention and MLP halves,
-the LM head + loss in ``head_chunks`` vocabulary chunks; ``fine``: five pieces per block) and,
+Each cell is simulated at the headline ``granularity`` (``fine``, the default: five pieces per
+block; ``sublayer``: attention and MLP halves; both with the LM head + loss in ``head_chunks``
+vocabulary chunks) and,
 with ``compare_block``, at the coarser granularities beside it; the headline cell is also run
 under the zero-bubble ``schedules``. Two yardsticks come with every cell: ``fluid_ceiling``, the
 speedup over the best static partition if every rank held exactly its share of the work (the
@@ -40,8 +41,8 @@ DEFAULTS: dict = {
     "headline": {"layers": 48, "stages": 24},
     "schedule": "1f1b",
     "schedules": ["zbv", "zero_bubble"],
-    "granularity": "sublayer",
-    "head_chunks": 8,
+    "granularity": "fine",
+    "head_chunks": 16,
     "compare_block": True,
     "microbatches_per_stage": 4,
     "static": ["megatron", "uniform", "param", "static_time"],

@@ -27,7 +27,7 @@ def plot(cells: list[dict], packing: dict, cfg: dict, path: str) -> str:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.2))
     grans = list(dict.fromkeys(c["granularity"] for c in cells))
     for i, case in enumerate(cfg["cases"]):
-        for g, style in zip(grans, ("-", ":")):
+        for g, style in zip(grans, ("-", "--", ":")):
             pts = sorted((c["stages"], c["speedup_vs_static"]) for c in cells if c["case"] == case and c["layers"] == L
                          and c["granularity"] == g and c["schedule"] == cfg["schedule"])
             if pts:
@@ -99,7 +99,7 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
         "up to the block), a chunk's is 1/k of the measured head + loss; each dynamism model acts on the "
         "half it concerns (sparse attention: attention half; MoE: MLP half; MoD, early exit, freezing, pruning: "
         "both), and the finer boundaries' bytes (head chunks also carry max, sum-exp and target logit) cost link "
-        "time in the simulator and the cost model.",
+        "time in the simulator and the cost model, each boundary over its own link (NVLink or InfiniBand).",
         "",
         f"## Headline: {h['layers']} layers on {h['stages']} pipeline stages",
         "",

@@ -3,6 +3,7 @@ dynamic program on larger ones, plus the registry. (How fast they are is a bench
 ``benchmarks/balancers.py``.)"""
 import math
 import random
+from dataclasses import replace
 from itertools import combinations
 
 import pytest
@@ -61,10 +62,12 @@ def problems(draw, max_layers=9, max_stages=4, with_current=True):
     S = draw(st.integers(1, min(L, max_stages)))
     col = lambda: draw(st.lists(value, min_size=L, max_size=L))  # noqa: E731
     costs = LayerCosts(col(), col(), draw(st.lists(st.integers(0, 6), min_size=L, max_size=L)), col(), col())
+    link = st.sampled_from([0.5, 1.0, 4.0])
+    per_boundary = st.lists(st.sampled_from([0.5, 1.0, 4.0, math.inf]), min_size=S - 1, max_size=S - 1).map(tuple)
     model = CostModel(
         draw(st.integers(1, 8)),
         draw(st.sampled_from(SCHEDULES)),
-        bandwidth=draw(st.one_of(st.none(), st.sampled_from([0.5, 1.0, 4.0]))),
+        bandwidth=draw(st.one_of(st.none(), link, per_boundary) if S > 1 else st.one_of(st.none(), link)),
         capacity=draw(st.one_of(st.none(), st.floats(1.0, 150.0))),
     )
     current = None
@@ -272,7 +275,8 @@ def dp_optimum(problem: BalanceProblem, kind: str) -> float:
     """Optimal max stage load by an O(S L^2) dynamic program over (stage, first layer of the
     next stage), with the memory capacity per stage; independent of the balancers' search."""
     L, S, model, costs = problem.num_layers, problem.num_stages, problem.model, problem.costs
-    load = (lambda i, j: model.segment_time(costs, i, j)) if kind == "time" else costs.params_sum
+    load = (lambda s, i, j: model.segment_time(costs, i, j, s)) if kind == "time" else (
+        lambda s, i, j: costs.params_sum(i, j))
     best = [[math.inf] * (L + 1) for _ in range(S + 1)]
     best[0][0] = -math.inf
     for s in range(1, S + 1):
@@ -280,12 +284,13 @@ def dp_optimum(problem: BalanceProblem, kind: str) -> float:
             for i in range(s - 1, j):
                 if best[s - 1][i] == math.inf or not model.fits(model.segment_memory(costs, i, j, s - 1, S)):
                     continue
-                best[s][j] = min(best[s][j], max(best[s - 1][i], load(i, j)))
+                best[s][j] = min(best[s][j], max(best[s - 1][i], load(s - 1, i, j)))
     return best[S][L]
 
 
+@pytest.mark.parametrize("links", ["one", "per_boundary"])
 @pytest.mark.parametrize("capacity", ["none", "binding"])
-def test_exact_balancers_are_optimal_for_64_layers_12_stages(capacity):
+def test_exact_balancers_are_optimal_for_64_layers_12_stages(capacity, links):
     rnd = random.Random(0)
     L, S = 64, 12
     costs = LayerCosts(
@@ -295,11 +300,12 @@ def test_exact_balancers_are_optimal_for_64_layers_12_stages(capacity):
         [rnd.uniform(1e6, 1e7) for _ in range(L)],
         [rnd.uniform(1e5, 1e6) for _ in range(L)],
     )
-    free = BalanceProblem(costs, S, CostModel(32, bandwidth=1e9), megatron_layout(L, S))
+    bw = 1e9 if links == "one" else tuple(1e9 if s % 4 == 3 else 8e9 for s in range(S - 1))  # nodes of 4 ranks
+    free = BalanceProblem(costs, S, CostModel(32, bandwidth=bw), megatron_layout(L, S))
     problem = free
     if capacity == "binding":  # 5 % below the peak memory of the unconstrained optimum
         peak = max(free.model.stage_memory(costs, get_balancer("partition_time")(free).partition))
-        problem = BalanceProblem(costs, S, CostModel(32, bandwidth=1e9, capacity=0.95 * peak), megatron_layout(L, S))
+        problem = BalanceProblem(costs, S, CostModel(32, bandwidth=bw, capacity=0.95 * peak), megatron_layout(L, S))
     for name, kind in (("partition_time", "time"), ("partition_param", "params")):
         r = get_balancer(name)(problem)
         assert r.max_load == dp_optimum(problem, kind)
@@ -307,3 +313,40 @@ def test_exact_balancers_are_optimal_for_64_layers_12_stages(capacity):
         assert_ordered_cover(r.partition, L, S)
     if capacity == "binding":  # the capacity changed the answer
         assert get_balancer("partition_time")(problem).max_load > get_balancer("partition_time")(free).max_load
+
+
+# ---- per-boundary link bandwidth ------------------------------------------------------------------
+@FAST
+@given(problems())
+def test_uniform_per_boundary_bandwidth_is_exactly_one_bandwidth(problem):
+    """Every balancer returns the same result for one bandwidth and for it repeated per boundary."""
+    bw = problem.model.bandwidth
+    if problem.num_stages < 2 or bw is None or isinstance(bw, tuple):
+        return
+    per = BalanceProblem(problem.costs, problem.num_stages, replace(problem.model, bandwidth=(bw,) * (problem.num_stages - 1)),
+                         problem.current)
+    for name in BUILTIN:
+        try:
+            r = get_balancer(name)(problem)
+        except InfeasiblePartitionError:
+            with pytest.raises(InfeasiblePartitionError):
+                get_balancer(name)(per)
+            continue
+        assert get_balancer(name)(per) == r
+
+
+def test_slow_link_moves_the_cut_to_a_narrow_activation():
+    # 4 equal layers, 2 stages on a link of 1 B/s; layer 1's output is wide (4 B), layer 2's narrow
+    # (0.5 B): on a fast link the even cut after layer 1 is best, on the slow one the cut after layer 2
+    c = LayerCosts([1.0] * 4, [2.0] * 4, [1] * 4, [0.0] * 4, [1.0, 4.0, 0.5, 1.0])
+    fast, slow = CostModel(8, bandwidth=(1e9,)), CostModel(8, bandwidth=(1.0,))
+    for name in ("partition_time", "diffusion_time"):
+        assert get_balancer(name)(BalanceProblem(c, 2, fast)).partition.boundaries == (0, 2, 4)
+        r = get_balancer(name)(BalanceProblem(c, 2, slow))
+        assert r.partition.boundaries == (0, 3, 4) and r.loads == (9.0, 3.0 + 2 * 0.5)
+    # three stages: only the second boundary is slow, so only the cut into stage 2 avoids the wide output
+    c = LayerCosts([1.0] * 6, [2.0] * 6, [1] * 6, [0.0] * 6, [1.0, 1.0, 1.0, 8.0, 0.25, 1.0])
+    fast = math.inf
+    for bw, cuts in (((fast, fast), (0, 2, 4, 6)), ((fast, 1.0), (0, 2, 5, 6)), ((1.0, fast), (0, 2, 4, 6))):
+        r = get_balancer("partition_time")(BalanceProblem(c, 3, CostModel(8, bandwidth=bw)))
+        assert r.partition.boundaries == cuts, bw

@@ -32,7 +32,10 @@ def staircases(draw, max_layers=64, max_stages=16):
     mem = draw(st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=L, max_size=L))
     act = draw(st.lists(st.sampled_from([0.25, 0.5, 1.0]), min_size=L, max_size=L))
     costs = LayerCosts(jitter, bwd, [int(4 * m) for m in mem], mem, act)
-    bandwidth = draw(st.sampled_from([None, None, 4.0]))
+    bandwidth = draw(st.sampled_from([None, None, 4.0, "per_boundary"]))
+    if bandwidth == "per_boundary":  # nodes of 1-4 ranks: a slow link between nodes, fast inside
+        per_node = draw(st.integers(1, 4))
+        bandwidth = tuple(1.0 if (s + 1) % per_node == 0 else 8.0 for s in range(S - 1))
     model = CostModel(4 * S, "1f1b", bandwidth=bandwidth)
     if draw(st.booleans()):
         slack = draw(st.sampled_from([1.0, 1.1, 1.5]))
@@ -50,7 +53,7 @@ def fits(problem, part):
 
 
 def textbook_optimum(problem, load):
-    """min over partitions of the max stage ``load(i, j)`` that fit memory: every (i, j) tried."""
+    """min over partitions of the max stage ``load(s, i, j)`` that fit memory: every (i, j) tried."""
     L, S, model, costs = problem.num_layers, problem.num_stages, problem.model, problem.costs
     best = [0.0] + [math.inf] * L
     for s in range(S):
@@ -58,7 +61,7 @@ def textbook_optimum(problem, load):
         for j in range(s + 1, L - (S - 1 - s) + 1):
             for i in range(s, j):
                 if model.fits(model.segment_memory(costs, i, j, s, S)):
-                    cur[j] = min(cur[j], max(best[i], load(i, j)))
+                    cur[j] = min(cur[j], max(best[i], load(s, i, j)))
         best = cur
     return best[L]
 
@@ -85,9 +88,9 @@ def test_diffusion_reaches_the_optimum_from_any_start(problem):
 def test_exact_matches_textbook_dp(problem):
     model, costs = problem.model, problem.costs
     t = get_balancer("partition_time")(problem)
-    assert t.max_load == textbook_optimum(problem, lambda i, j: model.segment_time(costs, i, j))
+    assert t.max_load == textbook_optimum(problem, lambda s, i, j: model.segment_time(costs, i, j, s))
     p = get_balancer("partition_param")(problem)
-    assert p.max_load == textbook_optimum(problem, costs.params_sum)
+    assert p.max_load == textbook_optimum(problem, lambda s, i, j: costs.params_sum(i, j))
 
 
 def test_staircase_from_issue_14():

@@ -127,3 +127,71 @@ def test_memory_fn_is_segment_memory_bit_for_bit(data):
     for i in range(n):
         for j in range(i + 1, n + 1):
             assert f(i, j) == model.segment_memory(costs, i, j, s, S)
+
+
+# ---- per-boundary bandwidth (one link per stage boundary) --------------------------------------
+@pytest.mark.parametrize("bad,match", [
+    ("fast", "bandwidth must be > 0"), (True, "bandwidth must be > 0"), (-1.0, "bandwidth must be > 0"),
+    (math.nan, "bandwidth must be > 0"), ((), "at least one value"), ((1.0, 0.0), "bandwidth\\[1\\] must be > 0"),
+    ([2.0, math.nan], "bandwidth\\[1\\]"), (("1e9",), "bandwidth\\[0\\]"), ([[1.0]], "bandwidth\\[0\\]"),
+])
+def test_bandwidth_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(4, bandwidth=bad)
+
+
+def test_bandwidth_forms_stay_frozen_and_hashable():
+    assert CostModel(4, bandwidth=3).bandwidth == 3.0 and not CostModel(4, bandwidth=3).per_boundary
+    m = CostModel(4, bandwidth=[1, 2.5, math.inf])
+    assert m.bandwidth == (1.0, 2.5, math.inf) and m.per_boundary
+    assert hash(m) == hash(CostModel(4, bandwidth=(1.0, 2.5, math.inf))) and m == CostModel(4, bandwidth=(1, 2.5, math.inf))
+    c = LayerCosts.uniform(4, activation=1.0)
+    with pytest.raises(ValueError, match="3 per-boundary values but a pipeline of 2 stages has 1"):
+        m.stage_times(c, Partition((0, 2, 4)))
+    with pytest.raises(ValueError, match="pass the receiving stage"):
+        m.segment_time(c, 1, 2)
+    with pytest.raises(ValueError, match="receives on none"):
+        m.recv_time(c, 1, 4)
+    assert m.recv_time(c, 1, 0) == 0.0  # the first stage receives on no link
+
+
+def test_per_boundary_receive_cost_is_charged_to_the_receiving_stage():
+    c = LayerCosts([1.0] * 4, [2.0] * 4, [1] * 4, [0.0] * 4, [1.0, 2.0, 4.0, 8.0])
+    part = Partition((0, 1, 2, 4))
+    m = CostModel(4, bandwidth=(2.0, 8.0))
+    # stage 1 receives layer 0's 1 B over the 2 B/s link, stage 2 layer 1's 2 B over the 8 B/s one
+    assert m.stage_times(c, part) == [3.0, 3.0 + 2 * 1.0 / 2.0, 6.0 + 2 * 2.0 / 8.0]
+    assert CostModel(4, bandwidth=(math.inf, 8.0)).stage_times(c, part)[1] == 3.0  # inf: a free boundary
+    assert m.segment_time(c, 1, 2, 1) == 4.0 and m.recv_time(c, 2, 2) == 0.5 and m.recv_time(c, 0, 0) == 0.0
+
+
+@given(st.data())
+def test_uniform_per_boundary_sequence_is_exactly_the_float(data):
+    n = data.draw(st.integers(1, 12))
+    vals = st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
+    costs = LayerCosts(*(data.draw(st.lists(vals, min_size=n, max_size=n)) for _ in range(2)), [1] * n,
+                       [0.0] * n, data.draw(st.lists(vals, min_size=n, max_size=n)))
+    S = data.draw(st.integers(1, n))
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=S - 1, max_size=S - 1))) if n > 1 else []
+    part = Partition((0, *cuts, n))
+    bw = data.draw(st.floats(1e-3, 1e12))
+    one = CostModel(data.draw(st.integers(1, 16)), bandwidth=bw)
+    per = CostModel(one.microbatches, bandwidth=(bw,) * (S - 1) if S > 1 else None)
+    assert per.stage_times(costs, part) == one.stage_times(costs, part)
+    assert per.predicted_step_time(costs, part) == one.predicted_step_time(costs, part)
+
+
+@given(st.data())
+def test_each_stage_pays_its_own_boundary(data):
+    n = data.draw(st.integers(2, 10))
+    S = data.draw(st.integers(2, n))
+    act = data.draw(st.lists(st.floats(0, 1e6, allow_nan=False), min_size=n, max_size=n))
+    costs = LayerCosts([1.0] * n, [2.0] * n, [1] * n, [0.0] * n, act)
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=S - 1, max_size=S - 1)))
+    part = Partition((0, *cuts, n))
+    bw = tuple(data.draw(st.lists(st.floats(1e-3, 1e9), min_size=S - 1, max_size=S - 1)))
+    times = CostModel(4, bandwidth=bw).stage_times(costs, part)
+    b = part.boundaries
+    assert times[0] == costs.time_sum(0, b[1])
+    for s in range(1, S):
+        assert times[s] == costs.time_sum(b[s], b[s + 1]) + 2.0 * act[b[s] - 1] / bw[s - 1]

@@ -62,3 +62,42 @@ def test_every_consumer_is_built_from_the_validated_options():
         DynMoStrategy(overhead_budget=-1)
     with pytest.raises(ValueError, match="hysteresis"):
         DynMoStrategy(rebalance_hysteresis=1.5)
+
+
+# ---- link_bandwidth: one rate, or (intra_node, inter_node) mapped onto the stage boundaries ----
+@pytest.mark.parametrize("bad", [-1.0, 0, float("nan"), float("inf"), "fast", True, (1e9,), (1e9, 2e9, 3e9),
+                                 (1e9, -2.0), ("1e9", 2e9), [1e9, float("nan")], {"intra": 1e9}])
+def test_bad_link_bandwidth_names_the_option_and_the_fix(bad):
+    with pytest.raises(ValueError, match=r"link_bandwidth must be None, bytes/s .* pair \(intra_node, inter_node\)"):
+        DynMoStrategy(link_bandwidth=bad)
+
+
+def test_link_bandwidth_reaches_the_cost_model():
+    from lightning_dynmo.plan.layout import PipelineLayout
+    from lightning_dynmo.plan.schedules import get_schedule
+    from lightning_dynmo.plan.topology import Topology
+
+    assert DynMoStrategy().options.link_bandwidth is None
+    assert DynMoStrategy(link_bandwidth=4.5e10).options.link_bandwidth == 4.5e10
+    s = DynMoStrategy(link_bandwidth=[3.6e11, 4.5e10])
+    assert s.options.link_bandwidth == (3.6e11, 4.5e10)
+    # 8 ranks on 2 nodes of 4, one pipeline: only the boundary between ranks 3 and 4 is inter-node
+    layout = PipelineLayout(Topology(8, 8, ranks_per_node=4), get_schedule("1f1b"), 1, global_rank=0)
+    assert s.rebalancer.cost_model(layout, None).bandwidth == (3.6e11,) * 3 + (4.5e10,) + (3.6e11,) * 3
+    assert DynMoStrategy().rebalancer.cost_model(layout, None).bandwidth is None
+    assert DynMoStrategy(link_bandwidth=2e10).rebalancer.cost_model(layout, None).bandwidth == 2e10
+    # re-packed onto 4 ranks: all on node 0, one rate
+    assert layout.boundary_bandwidth((3.6e11, 4.5e10), 4) == 3.6e11
+    # two replicas of 4 ranks, one per node: no boundary crosses nodes
+    two = PipelineLayout(Topology(8, 4, ranks_per_node=4), get_schedule("1f1b"), 1, global_rank=5)
+    assert two.boundary_bandwidth((3.6e11, 4.5e10)) == 3.6e11
+    # pipelines of 4 on nodes of 3: a boundary crossing nodes in any replica is inter-node
+    three = PipelineLayout(Topology(8, 4, ranks_per_node=3), get_schedule("1f1b"), 1, global_rank=0)
+    assert three.boundary_bandwidth((2.0, 1.0)) == (2.0, 1.0, 1.0)  # ranks 5|6 (replica 1), 2|3 (replica 0)
+    # pipelines of 3 on nodes of 4: replica 1 (ranks 3, 4, 5) crosses between its stages 0 and 1
+    odd = PipelineLayout(Topology(6, 3, ranks_per_node=4), get_schedule("1f1b"), 1, global_rank=0)
+    assert odd.boundary_bandwidth((2.0, 1.0)) == (1.0, 2.0)
+    # interleaved: 2 ranks x 2 virtual stages on 2 nodes of 1: every boundary crosses nodes
+    inter = PipelineLayout(Topology(2, 2, ranks_per_node=1), get_schedule("interleaved_1f1b"), 2, global_rank=0)
+    assert inter.boundary_bandwidth((2.0, 1.0)) == 1.0
+    assert PipelineLayout(Topology(4, 4), get_schedule("1f1b"), 1, 0).boundary_bandwidth((2.0, 1.0)) == 2.0  # one node

@@ -73,6 +73,7 @@ def test_dense_reference_and_frozen_prefix():
 
 TINY = {"layers": [8], "stages": [2, 4], "headline": {"layers": 8, "stages": 4}, "snapshots": 3,
         "per_iteration_snapshots": 3, "dynamic": ["partition_time", "diffusion_time"], "head_chunks": 2,
+        "granularity": "sublayer",
         "sensitivity_head_scale": [0.0], "repack": {"stages": 4, "cases": ["pruning"]}}
 
 

@@ -57,3 +57,18 @@ def test_micro_batch_retune_rescales_costs():
     assert p.microbatches == 8
     same_m = plan(c, 2, m_now=8, choose=lambda r: 8)
     assert p.predicted_step == pytest.approx(2 * same_m.predicted_step, rel=1e-9)
+
+
+def test_per_boundary_bandwidth_is_re_derived_for_each_rank_count():
+    costs, current = head_bound_costs(), Partition((0, 1, 2, 9, 10))
+    model = CostModel(microbatches=8, schedule="1f1b", bandwidth=(1e3, 1e3, 10.0))
+    with pytest.raises(ValueError, match="needs bandwidth"):
+        plan_repack(costs, current, model, 4, 2, "partition_time", lambda r: 8, 1, 0.05)
+    seen = []
+
+    def bandwidth(r):
+        seen.append(r)
+        return (1e3,) * (r - 1) or None
+
+    p = plan_repack(costs, current, model, 4, 2, "partition_time", lambda r: 8, 1, 0.05, bandwidth)
+    assert seen == [2] and p.ranks == 2 and p.partition.num_stages == 2

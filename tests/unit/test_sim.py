@@ -2,6 +2,8 @@
 the heaviest stage's pace, transfer and all-reduce costs; every table schedule replays.
 
 Dyadic costs (1, 2, 0.5, ...) keep every sum exact, so closed forms are compared with ``==``."""
+import math
+
 import pytest
 
 from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer, megatron_layout
@@ -9,6 +11,7 @@ from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.plan.schedules import available_schedules, get_schedule
 from lightning_dynmo.sim import DataParallel, Link, matching_cost_model, schedule_ops, simulate
+from lightning_dynmo.sim.simulate import boundary_links
 from lightning_dynmo.sim.calibrate import message_costs
 from recipes.scenarios import (CASES, Profile, compare, early_exit, freezing, load_profile, moe, pruning,
                                            zhu_gupta)
@@ -197,7 +200,8 @@ def test_per_rank_links_and_overheads():
     assert one_slow == same + 2 * 0.25  # one boundary on the critical path, forward and backward
     with pytest.raises(ValueError, match="one Link per pipeline rank"):
         simulate(costs, part, "gpipe", m, link=[fast] * 3)
-    assert matching_cost_model("1f1b", m, [Link(0.0, 8.0), Link(0.0, 2.0)]).bandwidth == 2.0
+    # the one boundary of 2 ranks crosses link 0 (link 1 would close an interleaved ring)
+    assert matching_cost_model("1f1b", m, [Link(0.0, 8.0), Link(0.0, 2.0)]).bandwidth == 8.0
     # every action pays the overhead: GPipe's step grows by (m + p - 1) x (F + B) overheads
     over = simulate(costs, part, "gpipe", m, action_overhead=0.5).step_time
     assert over == simulate(costs, part, "gpipe", m).step_time + (m + pp - 1) * 2 * 0.5
@@ -293,3 +297,43 @@ def test_dynamic_balancing_beats_static_on_freezing():
     assert c.bubble_fraction["partition_time"] < c.bubble_fraction[c.best_static]
     assert set(c.step_time) == {"megatron", "uniform", "param", "static_time", "partition_time", "diffusion_time"}
     assert c.rebalances["partition_time"] >= 1 and c.migration_seconds["partition_time"] == 0.0  # free links
+
+
+# ---- the balancers see each boundary's own link ------------------------------------------------
+@pytest.mark.parametrize("schedule", available_schedules())
+def test_matching_cost_model_charges_each_boundary_its_link(schedule):
+    """Per-rank links become one bandwidth per (virtual) stage boundary, the link ``simulate``
+    charges for that crossing (same stage -> rank placement as torch's schedule)."""
+    pp, m = 4, 8
+    links = [Link(0.0, float(10 ** (r + 1))) for r in range(pp)]  # every link distinct
+    spec = get_schedule(schedule)
+    v = spec.virtual_stages(None)
+    rank_of = {op.stage: r for r, ops in enumerate(schedule_ops(spec.name, pp, v, m)) for op in ops}
+    want = tuple(x.bandwidth for x in boundary_links(rank_of.__getitem__, pp * v, links))
+    model = matching_cost_model(schedule, m, links)
+    assert model.bandwidth == (want if len(set(want)) > 1 else want[0])
+    assert matching_cost_model(schedule, m, [links[0]] * pp).bandwidth == 10.0  # all alike: one value
+    assert matching_cost_model(schedule, m, [Link()] * pp).bandwidth is None  # free links
+
+
+def test_nvlink_inside_infiniband_between_nodes():
+    nv, ib = Link(5e-6, 3.6e11), Link(1e-5, 4.5e10)
+    links = [ib if (r + 1) % 4 == 0 else nv for r in range(8)]
+    assert matching_cost_model("1f1b", 32, links).bandwidth == (3.6e11,) * 3 + (4.5e10,) + (3.6e11,) * 3
+    mixed = matching_cost_model("1f1b", 32, [Link(), Link(0.0, 2.0), Link(), Link()])
+    assert mixed.bandwidth == (math.inf, 2.0, math.inf)  # a free link is an inf boundary
+
+
+def test_per_boundary_links_let_the_balancer_cut_wide_activations_on_fast_links():
+    """One slow (inter-node) link among fast ones: the balancer pays the wide activations only on
+    the fast hops, and the simulated step is no slower than balancing for the slowest link."""
+    L, pp, m = 24, 8, 32  # 3 layers a stage: cuts after wide outputs, except at the inter-node link
+    costs = LayerCosts([1.0] * L, [2.0] * L, [1] * L, [0.0] * L, [0.5 if i % 4 == 3 else 4.0 for i in range(L)])
+    links = [Link(0.0, 0.5 if (r + 1) % 4 == 0 else 64.0) for r in range(pp)]
+    per = matching_cost_model("1f1b", m, links)
+    slowest = CostModel(m, bandwidth=0.5)
+    step = {}
+    for name, model in (("per", per), ("slowest", slowest)):
+        part = get_balancer("partition_time")(BalanceProblem(costs, pp, model)).partition
+        step[name] = simulate(costs, part, "1f1b", m, link=links).step_time
+    assert step["per"] < step["slowest"]

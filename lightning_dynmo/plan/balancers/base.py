@@ -7,6 +7,7 @@ micro-batch time (compute + input receive, from the cost model), parameter count
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ..cost_model import CostModel, LayerCosts
 from ..partition import Partition
@@ -66,35 +67,45 @@ class BalanceResult:
 
 @dataclass(frozen=True)
 class Objective:
-    """Stage load ``(p[stop] - p[start]) / den + recv[start]``.
+    """Stage ``s``'s load ``(p[stop] - p[start]) / den + recv[s][start]``.
 
     ``p`` are exact int prefix sums, so the first term is monotone in both boundaries and is a
-    lower bound of the load; ``recv`` is the input-transfer time (zeros except for time).
+    lower bound of the load; ``recv[s]`` is stage ``s``'s input-transfer time by first layer, over
+    the link it receives on (zeros except for time; stages on equally fast links share one list).
     Bit-identical to ``CostModel.segment_time`` / ``LayerCosts.params_sum``.
     """
 
     kind: str
     p: list[int]
     den: int
-    recv: list[float]
+    recv: Sequence[list[float]]
 
-    def load(self, start: int, stop: int) -> float:
-        return (self.p[stop] - self.p[start]) / self.den + self.recv[start]
+    def load(self, stage: int, start: int, stop: int) -> float:
+        return (self.p[stop] - self.p[start]) / self.den + self.recv[stage][start]
 
     def loads(self, partition: Partition) -> tuple[float, ...]:
         b = partition.boundaries
-        return tuple(self.load(b[s], b[s + 1]) for s in range(partition.num_stages))
+        return tuple(self.load(s, b[s], b[s + 1]) for s in range(partition.num_stages))
 
 
 def objective(kind: str, problem: BalanceProblem) -> Objective:
-    costs, model, L = problem.costs, problem.model, problem.num_layers
+    costs, model, L, S = problem.costs, problem.model, problem.num_layers, problem.num_stages
     if kind == "time":
         pre = costs._time_prefix
-        return Objective(kind, pre.p, pre.den, [model.recv_time(costs, i) for i in range(L + 1)])
+        model.check_stages(S)
+        by_link: dict = {}  # one receive column per distinct link (stage 0 receives nothing)
+        recv = []
+        for s in range(S):
+            bw = model.link_bandwidth(s) if s else None
+            if bw not in by_link:
+                by_link[bw] = [model.recv_time(costs, i, s) if s else 0.0 for i in range(L + 1)]
+            recv.append(by_link[bw])
+        return Objective(kind, pre.p, pre.den, recv)
+    zeros = [0.0] * (L + 1)
     if kind == "params":
-        return Objective(kind, costs._params_prefix, 1, [0.0] * (L + 1))
+        return Objective(kind, costs._params_prefix, 1, [zeros] * S)
     if kind == "layers":
-        return Objective(kind, list(range(L + 1)), 1, [0.0] * (L + 1))
+        return Objective(kind, list(range(L + 1)), 1, [zeros] * S)
     raise ValueError(f"unknown objective {kind!r}; valid: layers, params, time")
 
 

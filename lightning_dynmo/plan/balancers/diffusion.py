@@ -42,7 +42,7 @@ def diffuse(
     lo = memory_limits(problem)
 
     b = list(start.boundaries)
-    loads = [obj.load(b[s], b[s + 1]) for s in range(S)]
+    loads = [obj.load(s, b[s], b[s + 1]) for s in range(S)]
 
     def resplit(a: int, c: int) -> bool:
         """Re-split stages a..c-1 exactly (fewest moves among the run's optima); apply iff
@@ -52,7 +52,7 @@ def diffuse(
         if not opt < max(loads[a:c]):
             return False
         b[a : c + 1] = solve_run(obj, lo, run, opt, tuple(b))
-        loads[a:c] = [obj.load(b[s], b[s + 1]) for s in range(a, c)]
+        loads[a:c] = [obj.load(s, b[s], b[s + 1]) for s in range(a, c)]
         return True
 
     def relieve_heaviest() -> bool:

@@ -122,7 +122,7 @@ def windows(obj: Objective, run: Run, ub: float) -> Window | None:
 
 def _upper_bound(obj: Objective, run: Run) -> float:
     """A heaviest-stage load some split of ``run`` achieves: the compute-only optimum (greedy
-    stage counts, bisected to 1e-6) plus the largest receive time."""
+    stage counts, bisected to 1e-6) plus the largest receive time of any of its stages."""
     a, c, x, y = run
     p, n = obj.p, c - a
 
@@ -138,22 +138,23 @@ def _upper_bound(obj: Objective, run: Run) -> float:
     while hi - lo > max(1, hi >> 20):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if stages(mid) <= n else (mid, hi)
-    return hi / obj.den + max(obj.recv[x:y])
+    return hi / obj.den + max(max(r[x:y]) for r in {id(r): r for r in obj.recv[a:c]}.values())
 
 
 def _dp(obj: Objective, lo: list[list[int]] | None, run: Run, win: Window | None) -> float:
     """Smallest heaviest-stage load of ``run`` over splits ending each stage inside ``win``."""
     a, c, x, y = run
-    p, den, recv = obj.p, obj.den, obj.recv
+    p, den = obj.p, obj.den
     n = c - a
     wlo, whi = win if win is not None else ([x + t + 1 for t in range(n - 1)] + [y],
                                             [y - (n - 1 - t) for t in range(n)])
     prev = [INF] * (y + 1)
     for j in range(wlo[0], whi[0] + 1):
         if lo is None or lo[a][j] <= x:
-            prev[j] = (p[j] - p[x]) / den + recv[x]
+            prev[j] = (p[j] - p[x]) / den + obj.recv[a][x]
     for t in range(1, n):
         s = a + t
+        recv = obj.recv[s]  # stage s's input link
         ilo, ihi = wlo[t - 1], whi[t - 1]  # where stage s can start
         cur = [INF] * (y + 1)
         los = None if lo is None else lo[s]
@@ -215,7 +216,7 @@ def solve_run(
     fewest layers moved from the reference boundaries ``ref`` (global indices), then
     lexicographically smallest."""
     a, c, x, y = run
-    p, den, recv = obj.p, obj.den, obj.recv
+    p, den = obj.p, obj.den
     # every split within opt ends its stages inside these windows (see bottleneck)
     wlo, whi = windows(obj, run, opt) or ([x] * (c - a), [y] * (c - a))
 
@@ -225,7 +226,7 @@ def solve_run(
         hi = min(y - (c - 1 - s), whi[s - a])
         if lo is not None:
             hi = min(hi, bisect_right(lo[s], i) - 1)
-        pi, r = p[i], recv[i]
+        pi, r = p[i], obj.recv[s][i]
         return i + bisect_right(range(i + 1, hi + 1), opt, key=lambda j: (p[j] - pi) / den + r)
 
     # Forward pass: the starts of each stage reachable from x through stages within the
