@@ -198,16 +198,19 @@ def test_early_exit_unreachable_threshold_equals_gpt(threshold):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
-def test_every_layer_maps_one_tensor_with_active_channel():
+def test_every_layer_passes_the_hidden_state_and_the_exit_flag():
     model = EarlyExitGPT(CFG, seed=0, exit_threshold=0.5)
     x, _ = _batch()
-    h = x
+    h = (x,)
     for i, layer in enumerate(model.pipeline_layers()):
-        h = layer(h)
-        assert isinstance(h, torch.Tensor)
-        if 0 <= i < CFG.n_layer + 1:
-            assert h.shape == (3, 16, CFG.n_embd + 1)
-    assert h.shape == (3, 16, CFG.vocab_size)
+        h = layer(*h)
+        if 0 <= i < CFG.n_layer + 1:  # embedding and blocks: (hidden state, flag), the flag without gradient
+            x_i, flag = h
+            assert x_i.shape == (3, 16, CFG.n_embd) and flag.shape == (3, 16) and not flag.requires_grad
+            assert set(flag.unique().tolist()) <= {0.0, 1.0}
+        else:
+            h = (h,)
+    assert h[0].shape == (3, 16, CFG.vocab_size)
 
 
 def test_exited_tokens_skip_the_block():
