@@ -46,6 +46,15 @@ resumes under another ``k``. A tied head (GPT-2's default) is chunked after unty
 (``untie_embeddings=True``, the default); ``untie_embeddings=False`` with ``k > 1`` is refused. An
 LM head with a bias is refused (none of the supported architectures has one).
 
+**Padding.** ``HFCausalLM(..., pad_token_id=p)`` treats tokens ``p`` as padding (Megatron derives
+its masks from a token id the same way): the embedding layer returns ``(h, keep)`` with
+``keep = ids != p`` (:class:`~lightning_dynmo.models.hf_layers.HFPaddedEmbedding`), the pair crosses
+stages as a tuple activation, and every decoder layer builds the mask the model's own forward
+builds for ``attention_mask=keep`` (left or right padding; positions stay ``0..T-1``, as that
+forward's without ``position_ids``). Pick an id that real text does not contain (GPT-2's usual
+``pad = eos`` would mask every end-of-text token too). A Mixtral router loss counts padding tokens
+(HF's pooled loss drops them).
+
 **Loading.** ``HFCausalLM.from_pretrained(path)`` reads ``config.json`` and the weights
 (``model.safetensors``, sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``) from a
 local directory; no network access. The model is built on the meta device and each layer reads
@@ -69,7 +78,6 @@ does not change with the routing and its layers do not report a load factor (``R
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -82,11 +90,12 @@ from torch import nn
 from lightning_dynmo.models._aux_loss import configure_aux_loss, reset_aux_loss
 from lightning_dynmo.models._lm import CausalLMModule
 from lightning_dynmo.models.hf_arch import (  # noqa: F401  (_Arch: re-exported)
-    SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, _Arch, _check_architecture)
+    SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, _Arch, _check_architecture, load_config)
 from lightning_dynmo.models import hf_export
 from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
 from lightning_dynmo.models.hf_layers import (  # noqa: F401  (_first, _mask_function: re-exported)
-    HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, _first, _mask_function, router_balance_loss)
+    HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, HFPaddedDecoderLayer, HFPaddedEmbedding, HFPaddedFinalNorm,
+    _first, _mask_function, router_balance_loss)
 from lightning_dynmo.models.vocab_head import (
     HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
 from lightning_dynmo.runtime.activations import run_layers
@@ -94,7 +103,7 @@ from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
 
 try:  # optional dependency: pip install -e ".[hf]"
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 except ImportError:  # pragma: no cover - exercised where transformers is missing
     transformers = None
     PretrainedConfig = Any  # type: ignore[misc,assignment]
@@ -139,6 +148,10 @@ class HFCausalLM(CausalLMModule):
         router_aux_loss: MoE models (Mixtral): train with the per-layer router load-balancing loss
             weighted by the config's ``router_aux_loss_coef`` (see the module docstring); ``None``
             follows the config's ``output_router_logits``.
+        pad_token_id: tokens with this id are padding: no query attends to them, as in the
+            model's own forward with ``attention_mask = ids != pad_token_id`` (see the module
+            docstring); ``None`` (default): every token is real. Give padded positions the target
+            -100 so they add no loss.
         head_chunks: ``k > 1`` makes the LM head and its loss ``k`` pipeline layers over vocabulary
             slices with a streaming cross-entropy (see the module docstring); 1 (default): one head
             layer. Needs an untied head (``untie_embeddings=True`` or ``tie_word_embeddings=False``).
@@ -162,6 +175,7 @@ class HFCausalLM(CausalLMModule):
         attn_implementation: str | None = "sdpa",
         router_aux_loss: bool | None = None,
         head_chunks: int = 1,
+        pad_token_id: int | None = None,
     ):
         _require_transformers()
         super().__init__()
@@ -174,7 +188,7 @@ class HFCausalLM(CausalLMModule):
         betas = tuple(float(b) for b in betas)  # noqa: F841 - saved by save_hyperparameters
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = overrides
-        self.hf_config = self._load_config(path, overrides, attn_implementation)
+        self.hf_config = load_config(path, overrides, attn_implementation)
         cfg = self.hf_config
         arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
         self.arch = arch
@@ -184,6 +198,11 @@ class HFCausalLM(CausalLMModule):
             raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={cfg.vocab_size}, "
                              f"got {head_chunks!r}")
         self.head_chunks = int(head_chunks)
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or int(pad_token_id) != pad_token_id
+                                         or not 0 <= pad_token_id < cfg.vocab_size):
+            raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={cfg.vocab_size}) or None, "
+                             f"got {pad_token_id!r}")
+        padded = pad_token_id is not None
         if self.head_chunks > 1 and self._tied and not untie_embeddings:
             raise ValueError(
                 f"head_chunks={self.head_chunks} needs an LM head of its own, but untie_embeddings=False keeps "
@@ -203,12 +222,14 @@ class HFCausalLM(CausalLMModule):
         embeds = {name: _get(skeleton, p) for name, p in arch.embeddings}
         dropout = float(getattr(cfg, arch.embed_dropout, 0.0) or 0.0) if arch.embed_dropout else 0.0
         max_positions = getattr(cfg, "n_positions", None) if len(embeds) > 1 else None
-        layers: list[nn.Module] = [HFEmbedding(embeds, dropout, max_positions)]
+        layers: list[nn.Module] = [HFPaddedEmbedding(embeds, dropout, max_positions, pad_token_id) if padded
+                                   else HFEmbedding(embeds, dropout, max_positions)]
+        decoder = HFPaddedDecoderLayer if padded else HFDecoderLayer
         for block in _get(skeleton, arch.layers):
             with torch.device("meta"):
                 rot = rotary_cls(cfg) if rotary_cls is not None else None
-            layers.append(HFDecoderLayer(block, cfg, rot, arch.sliding_window, arch.router, aux_coeff))
-        layers.append(HFFinalNorm(_get(skeleton, arch.norm)))
+            layers.append(decoder(block, cfg, rot, arch.sliding_window, arch.router, aux_coeff))
+        layers.append((HFPaddedFinalNorm if padded else HFFinalNorm)(_get(skeleton, arch.norm)))
         head = _get(skeleton, arch.head)
         embedding = layers[0].get_submodule(arch.embeddings[0][0])
         if head.weight is embedding.weight:
@@ -268,26 +289,6 @@ class HFCausalLM(CausalLMModule):
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "HFCausalLM":
         """The model saved in the local directory ``path`` (see :class:`HFCausalLM`)."""
         return cls(model_path=path, **kwargs)
-
-    @staticmethod
-    def _load_config(path: str | None, overrides: dict | None, attn_implementation: str | None) -> PretrainedConfig:
-        if path is not None:
-            if not (Path(path) / "config.json").exists():
-                raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
-            raw = json.loads((Path(path) / "config.json").read_text())
-            _check_architecture(raw.get("model_type"), f"{path}/config.json")
-            cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-            for k, v in (overrides or {}).items():
-                setattr(cfg, k, v)
-        else:
-            if not overrides or "model_type" not in overrides:
-                raise ValueError("HFCausalLM needs a path, or a config with its model_type")
-            _check_architecture(overrides["model_type"], "config")
-            fields = {k: v for k, v in overrides.items() if k != "model_type"}
-            cfg = AutoConfig.for_model(overrides["model_type"], **fields)
-        if attn_implementation is not None:
-            cfg._attn_implementation = attn_implementation
-        return cfg
 
     @property
     def head_index(self) -> int:

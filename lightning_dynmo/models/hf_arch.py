@@ -4,9 +4,11 @@ re-exported by :mod:`lightning_dynmo.models.hf`.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "UnsupportedArchitectureError", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -44,3 +46,27 @@ def _check_architecture(model_type: str | None, where: str) -> None:
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Their decoder layers are split into pipeline layers "
             "by lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES"
         )
+
+
+def load_config(path: str | None, overrides: dict | None, attn_implementation: str | None):
+    """The ``PretrainedConfig`` of the model directory ``path`` (with ``overrides`` applied), or
+    one built from ``overrides`` (which then name the ``model_type``); its architecture checked."""
+    from transformers import AutoConfig
+
+    if path is not None:
+        if not (Path(path) / "config.json").exists():
+            raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+        raw = json.loads((Path(path) / "config.json").read_text())
+        _check_architecture(raw.get("model_type"), f"{path}/config.json")
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        for k, v in (overrides or {}).items():
+            setattr(cfg, k, v)
+    else:
+        if not overrides or "model_type" not in overrides:
+            raise ValueError("HFCausalLM needs a path, or a config with its model_type")
+        _check_architecture(overrides["model_type"], "config")
+        fields = {k: v for k, v in overrides.items() if k != "model_type"}
+        cfg = AutoConfig.for_model(overrides["model_type"], **fields)
+    if attn_implementation is not None:
+        cfg._attn_implementation = attn_implementation
+    return cfg

@@ -40,7 +40,8 @@ from lightning_dynmo.models.moe_router import load_balancing_loss
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead", "router_balance_loss"]
+__all__ = ["HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead", "HFPaddedDecoderLayer", "HFPaddedEmbedding",
+           "HFPaddedFinalNorm", "router_balance_loss"]
 
 
 class HFEmbedding(nn.Module):
@@ -91,18 +92,22 @@ class HFDecoderLayer(nn.Module):
         self.router = router
         self.aux_loss_coeff = float(aux_loss_coeff)
 
-    def _mask(self, h: torch.Tensor, position_ids: torch.Tensor):
-        """What the model's own forward passes its layers for a full, unpadded sequence."""
-        fn, embeds_name, wants_cache_position = _mask_function(self.sliding_window)
-        kwargs = {"config": self.config, embeds_name: h, "attention_mask": None, "past_key_values": None,
-                  "position_ids": position_ids}
+    def _mask(self, h: torch.Tensor, position_ids: torch.Tensor, keep: torch.Tensor | None = None):
+        """What the model's own forward passes its layers for ``attention_mask=keep`` (``[B, T]``,
+        nonzero: a real token; ``None``: a full, unpadded sequence)."""
+        fn, embeds_name, wants_cache_position, cache_name = _mask_function(self.sliding_window)
+        kwargs = {"config": self.config, embeds_name: h, "attention_mask": None if keep is None else keep.bool(),
+                  cache_name: None, "position_ids": position_ids}
         if wants_cache_position:
             kwargs["cache_position"] = position_ids[0]
         return fn(**kwargs)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self._run(h)
+
+    def _run(self, h: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         position_ids = torch.arange(h.size(1), device=h.device).unsqueeze(0)
-        kwargs: dict[str, Any] = {"attention_mask": self._mask(h, position_ids), "position_ids": position_ids,
+        kwargs: dict[str, Any] = {"attention_mask": self._mask(h, position_ids, keep), "position_ids": position_ids,
                                   "use_cache": False}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(h, position_ids)
@@ -133,7 +138,8 @@ def _mask_function(sliding_window: bool):
 
     fn = masking_utils.create_sliding_window_causal_mask if sliding_window else masking_utils.create_causal_mask
     params = inspect.signature(fn).parameters
-    return fn, "inputs_embeds" if "inputs_embeds" in params else "input_embeds", "cache_position" in params
+    return (fn, "inputs_embeds" if "inputs_embeds" in params else "input_embeds", "cache_position" in params,
+            "cache" if "cache" in params else "past_key_values")
 
 
 class HFFinalNorm(nn.Module):
@@ -142,6 +148,37 @@ class HFFinalNorm(nn.Module):
         self.norm = norm
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+
+# ------------------------------------------------------------------ padding (HFCausalLM(pad_token_id=...))
+class HFPaddedEmbedding(HFEmbedding):
+    """``ids -> (h, keep)``: ``keep [B, T]`` is 1 where the token is not ``pad_token_id`` and 0 on
+    padding, in ``h``'s dtype and without gradient. It rides beside the hidden state (a tuple
+    activation) to every decoder layer, which masks padding keys as the model's own forward does
+    for ``attention_mask=keep`` (a later stage never sees the token ids)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], dropout: float, max_positions: int | None,
+                 pad_token_id: int):
+        super().__init__(modules, dropout, max_positions)
+        self.pad_token_id = int(pad_token_id)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = super().forward(ids)
+        return h, (ids != self.pad_token_id).to(h.dtype)
+
+
+class HFPaddedDecoderLayer(HFDecoderLayer):
+    """:class:`HFDecoderLayer` over ``(h, keep)``: padding keys masked, ``keep`` passed on."""
+
+    def forward(self, h: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._run(h, keep), keep
+
+
+class HFPaddedFinalNorm(HFFinalNorm):
+    """The final norm over ``(h, keep)``; the padding mask ends here."""
+
+    def forward(self, h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return self.norm(h)
 
 

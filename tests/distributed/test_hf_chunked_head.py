@@ -43,3 +43,16 @@ def test_chunked_hugging_face_llama_with_migrations_equals_single_process(tmp_pa
     assert state.keys() == ref["state"].keys() and state[head].shape == (64, 32)
     for k, v in ref["state"].items():
         assert torch.allclose(state[k], v, rtol=1e-4, atol=1e-6), f"weight {k}: pipeline vs single process"
+
+
+def test_padded_hugging_face_llama_with_migrations_equals_single_process(tmp_path):
+    """``pad_token_id``: the padding mask rides beside the hidden state through both stages (and
+    past the migrating layers); the data's random tokens hold that id here and there."""
+    cfg = base(hf=tiny_llama(tmp_path / "llama"), hf_kwargs={"head_chunks": 2, "pad_token_id": 7}, meta=True,
+               **MIGRATE)
+    (tmp_path / "run").mkdir()
+    (res,) = run_worker(tmp_path / "run", 2, [cfg], worker=WORKER)
+    assert res["applied"] == STEPS - 1
+    ref = reference(cfg)
+    assert all(loss == loss for loss in ref["losses"])  # finite: rows starting with padding included
+    assert_losses(res["losses"], ref["losses"], 1e-5, "HF Llama, padding mask + 2 head chunks")
