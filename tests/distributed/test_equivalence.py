@@ -217,6 +217,8 @@ TWO_RANK_RUNS = {
     "auto_cooldown_3": base(steps=7, partition=[0, 1, 9], rebalance="auto", imbalance_threshold=0.0,
                             rebalance_horizon=10**6, rebalance_cooldown=3, balancer="partition_time"),
     # no 2-stage partition fits 30 % of the model's static memory: every live decision is refused
+    # per-link costs in the live decisions: (intra-node, inter-node) bytes/s, both ranks on one node
+    "links": base(partition=[0, 1, 9], rebalance="every_n", balancer="partition_time", link_bandwidth=[1e11, 1e9]),
     "capacity_refused": base(partition=[0, 4, 9], rebalance="every_n", rebalance_interval=2, balancer="partition_time",
                              memory_capacity=0.3 * total_static_bytes({})),
 }
@@ -278,6 +280,12 @@ def test_auto_cooldown_spaces_decisions(two_rank_results):
     # profiled at step 1, moved at step 2; the next profile waits 3 steps (step 5), decided at 6
     assert [h["step"] for h in decisions] == [2, 6], decisions
     assert decisions[0]["applied"] and decisions[0]["reason"].startswith("auto:")
+    check_against_reference(res, cfg)
+
+
+def test_link_bandwidth_prices_live_decisions_without_changing_the_math(two_rank_results):
+    cfg, res = two_rank_results["links"]
+    assert migrations(res) >= 1, res["history"]  # the lopsided start is left
     check_against_reference(res, cfg)
 
 

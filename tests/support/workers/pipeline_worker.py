@@ -168,6 +168,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         repack_tolerance=cfg.get("repack_tolerance", 0.05),
         rebalance_horizon=cfg.get("rebalance_horizon", 100),
         memory_capacity=cfg.get("memory_capacity"),
+        link_bandwidth=tuple(cfg["link_bandwidth"]) if isinstance(cfg.get("link_bandwidth"), list)
+        else cfg.get("link_bandwidth"),
         rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
         profile_steps=cfg.get("profile_steps", 1),
         plot=bool(cfg.get("plot", False)),
