@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from statistics import median_low
+from statistics import median  # paired ratios: the true median (an even count averages the middle two)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
@@ -233,7 +233,7 @@ def _agreed_resolved(out: dict, control: str, target: float) -> bool:
     import torch.distributed as dist
 
     res = resolution([r.get("tokens_per_sec") for r in out["control"]], [r.get("tokens_per_sec") for r in out[control]],
-                     median_low)
+                     median)
     flag = [res is not None and res <= target]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(flag, src=0)
@@ -311,7 +311,7 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
             res[f"speedup_vs_{name}"] = _paired_speedup(rounds, "dynmo", [name])
             res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)],
-                                                             median=median_low)
+                                                             median=median)
     if fixed and best:
         top = max(fixed, key=lambda k: fixed[k]["tokens_per_sec"])
         res["best_fixed"] = top
@@ -329,7 +329,7 @@ def _per_round(rounds: dict, name: str) -> list[float | None]:
 
 
 def _paired_speedup(rounds: dict, name: str, baselines: list[str]) -> float | None:
-    s = speedup(_per_round(rounds, name), [_per_round(rounds, k) for k in baselines], median_low)
+    s = speedup(_per_round(rounds, name), [_per_round(rounds, k) for k in baselines], median)
     return None if s is None else round(s, 4)
 
 
@@ -341,14 +341,14 @@ def _noise_floor(rounds: dict, control: dict | None, ok: dict) -> dict:
     honest width of every speedup in the line); and a 95 % bootstrap interval over rounds of
     ``speedup_vs_static``."""
     of = (control or {}).get("control_of")
-    res = None if of is None else resolution(_per_round(rounds, "control"), _per_round(rounds, of), median_low)
+    res = None if of is None else resolution(_per_round(rounds, "control"), _per_round(rounds, of), median)
     out = {"control": of, "resolution": None if res is None else round(res, 4), "speedup_vs_static_ci95": None,
            "resolution_ci95": None if of is None else bootstrap_ratio(
-               _per_round(rounds, "control"), [_per_round(rounds, of)], median=median_low)}
+               _per_round(rounds, "control"), [_per_round(rounds, of)], median=median)}
     if "dynmo" in ok:
         out["speedup_vs_static_ci95"] = bootstrap_ratio(
             _per_round(rounds, "dynmo"), [_per_round(rounds, k) for k in ("uniform", "param") if k in ok],
-            median=median_low)
+            median=median)
     return out
 
 
