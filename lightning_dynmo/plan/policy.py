@@ -221,6 +221,8 @@ def decide(
     the last steps' own load factors (decisions from load counters); ``auto`` then moves only if
     the move's gain is clearly positive over them (:func:`refusal_unless_gain_clear`), so a per-step signal
     that is noise (a router's or a predictor's draw) moves nothing however its average looks."""
+    if isinstance(runs_per_step, bool) or not isinstance(runs_per_step, int) or runs_per_step < 1:
+        raise ValueError(f"runs_per_step must be an int >= 1 (accumulate_grad_batches), got {runs_per_step!r}")
     t0 = time.perf_counter()
     base = Decision(step=step, reason=reason, before=str(current), applied=False, why="", balancer=balancer)
     try:
@@ -251,8 +253,6 @@ def decide(
     unclear = refusal_unless_gain_clear(model, samples, current, new) if policy.mode == "auto" else None
     if unclear:
         return decision.with_(why=unclear), None
-    if isinstance(runs_per_step, bool) or not isinstance(runs_per_step, int) or runs_per_step < 1:
-        raise ValueError(f"runs_per_step must be an int >= 1 (accumulate_grad_batches), got {runs_per_step!r}")
     accept, why = policy.accept(pred_now * runs_per_step, pred_new * runs_per_step, migration_cost)
     if not accept:
         return decision.with_(why=why), None
