@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from .recompute import is_recomputing
+from .torch_compat import PortablePipelineStage
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ChunkEvent:
     end: float
 
 
-class TimedPipelineStage(PipelineStage):
+class TimedPipelineStage(PortablePipelineStage):
     """A ``PipelineStage`` that reports the start and end of every chunk to a profiler."""
 
     def __init__(self, *args, profiler: "PipelineProfiler", **kwargs) -> None:
