@@ -14,12 +14,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from ..runtime.fault import CollectiveLedger, explain_lost_peer, peer_missing, raised_on_every_rank
+
 
 class WorldStrategy(ParallelStrategy):
     """A Lightning ``ParallelStrategy`` with one process per device: its devices, ranks and
     collectives over the world."""
 
     _num_nodes = 1
+    ledger: CollectiveLedger | None = None  # set once the process group is up (setup_environment)
+
+    def agree(self, name: str) -> None:
+        """Every rank names the collective it is about to make (``runtime/fault.py``); a rank that
+        calls something else makes every rank raise at once instead of waiting out the timeout."""
+        if self.ledger is not None and dist.is_available() and dist.is_initialized():
+            self.ledger.agree(name)
 
     @property
     @override
@@ -56,6 +65,7 @@ class WorldStrategy(ParallelStrategy):
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():
+            self.agree("barrier")
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
@@ -65,6 +75,7 @@ class WorldStrategy(ParallelStrategy):
     def broadcast(self, obj, src: int = 0):
         if not (dist.is_available() and dist.is_initialized()):
             return obj
+        self.agree("broadcast")
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
@@ -74,24 +85,20 @@ class WorldStrategy(ParallelStrategy):
         from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 
         if isinstance(tensor, torch.Tensor):
+            self.agree("reduce")
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
 
-def _peer_missing(err: BaseException) -> bool:
-    """A collective that timed out, or whose peer gave up first (it timed out elsewhere)."""
-    text = str(err).lower()
-    return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset"))
-
-
 @contextmanager
-def explain_timeout(hint: str):
-    """A collective inside the block that timed out, or lost a peer that timed out first (a rank
-    stopped, or skipped a call every rank must make), raises ``RuntimeError`` with torch's message
-    followed by ``hint``."""
+def explain_timeout(hint: str, where: str = "a collective call"):
+    """A collective inside the block that timed out, or lost a peer (a rank stopped, or skipped a
+    call every rank must make), raises :class:`~lightning_dynmo.runtime.fault.RankFailedError`
+    naming the rank that failed when the job's failure board knows it, else ``RuntimeError`` with
+    torch's message followed by ``hint``, after dumping this rank's Python stacks."""
     try:
         yield
     except RuntimeError as err:
-        if not _peer_missing(err):
+        if not peer_missing(err) or raised_on_every_rank(err):
             raise
-        raise RuntimeError(f"{err}\n{hint}") from err
+        raise explain_lost_peer(err, where, hint) from err

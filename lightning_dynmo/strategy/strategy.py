@@ -44,6 +44,7 @@ from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel
+from ..runtime.fault import CollectiveLedger, install as install_failure_board, step_region
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
 from ..runtime.groups import PipelineGroups, groups_of_layout
 from ..runtime.materialize import meta_init_context
@@ -189,6 +190,9 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         if self.layout is None:  # a later trainer stage (test/validate after fit) keeps where the layers now live
             self.layout = PipelineLayout(self._world_topology(), o.schedule, o.virtual_stages, self.global_rank)
         connect(self.cluster_environment, self.root_device, self.local_rank, o.timeout, o.process_group_backend)
+        install_failure_board(self.global_rank)  # a rank that fails names itself to its peers (runtime/fault.py)
+        self.ledger = CollectiveLedger(self.global_rank, self.root_device)
+        self.agree("setup")
         self.groups = groups_of_layout(self.layout, self.global_rank, o.timeout)
         self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
 
@@ -296,13 +300,20 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         trainer = self.lightning_module.trainer
-        if not self._window.begin_batch(batch_idx, trainer.accumulate_grad_batches):
-            return  # inside an accumulation window: decisions wait for the next optimizer step
-        with explain_timeout(waiting_hint(self.global_rank, trainer.global_step)):  # a decision's collectives
-            self._adopt(self.rebalancer.before_step(trainer.global_step, self._pipe()))
+        where = f"step {trainer.global_step} (batch {batch_idx})"
+        with step_region(where):
+            self.agree("train_batch_start")
+            if not self._window.begin_batch(batch_idx, trainer.accumulate_grad_batches):
+                return  # inside an accumulation window: decisions wait for the next optimizer step
+            with explain_timeout(waiting_hint(self.global_rank, trainer.global_step), where):  # a decision's collectives
+                self._adopt(self.rebalancer.before_step(trainer.global_step, self._pipe()))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any):
+        with step_region(f"training step {self.lightning_module.trainer.global_step}"):
+            return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any):
         module = self.lightning_module
         inputs, targets = split_batch(args[0] if args else kwargs["batch"])
         if not self.released:  # same batch everywhere, grad-ness unchanged (strategy/step_guard.py)
@@ -345,6 +356,10 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         """Gradients were computed by the pipeline schedule; restore them (added to the
         accumulation window's), average over replicas once per optimizer step and run the usual
         backward hooks."""
+        with step_region(f"backward of step {self.lightning_module.trainer.global_step}"):
+            return self._backward(closure_loss)
+
+    def _backward(self, closure_loss: torch.Tensor) -> torch.Tensor:
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -383,8 +398,8 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        with self._window.closing():  # its closure runs the accumulation window's last batch
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with step_region(f"optimizer step {self.lightning_module.trainer.global_step}"), self._window.closing():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # the closure runs the window's last batch
 
     # ------------------------------------------------------------------ checkpoints
     @override
