@@ -20,8 +20,6 @@ from .partition import Partition
 class RepackRefused(ValueError):
     """The pipeline should not (or cannot) be packed; the message says why."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
 
 @dataclass(frozen=True)
 class RepackPlan:

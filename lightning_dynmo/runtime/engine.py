@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ..protocol import PipelineProtocolError
-from .fault import agreed
 from .activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
 from .placement import Placement
 from .recompute import ActivationCheckpointing, CheckpointedLayer
@@ -251,7 +250,7 @@ def discover_layer_specs(placement: Placement, microbatch_input, microbatch_targ
     dist.all_gather_object(gathered, (local, problem), group=group)
     problems = [p for _, p in gathered if p]
     if problems:
-        raise agreed(PipelineProtocolError(problems[0]))  # every rank, after the all-gather
+        raise PipelineProtocolError(problems[0])
     table: dict[int, ActSpec] = {}
     for part, _ in gathered:
         table.update(part)
@@ -269,7 +268,7 @@ def raise_step_problem(problem: str | None, flagged: bool, group: dist.ProcessGr
     world = dist.get_world_size(group)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, problem, group=group)
-    raise agreed(PipelineProtocolError(next((p for p in gathered if p), "a pipeline layer broke the activation protocol")))
+    raise PipelineProtocolError(next((p for p in gathered if p), "a pipeline layer broke the activation protocol"))
 
 
 class PipelineEngine:

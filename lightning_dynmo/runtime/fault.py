@@ -5,12 +5,15 @@ never complete; gloo cannot abort such a wait from Python (neither ``abort()`` n
 of the group releases it: only the peer's sockets closing does). Three parts keep that from
 becoming a silent wait of the whole collective timeout:
 
-* :class:`FailureBoard` - a rank whose step raised an error of its own (not one that every rank
-  raised together, see :func:`raised_on_every_rank`) writes ``rank, where, error`` to the job's
-  c10d store before re-raising, and the job is *failed* in that process: every later DynMo
-  collective raises :class:`RankFailedError` at once instead of pairing with a peer that is
-  elsewhere. A peer whose own collective then fails (its partner closed the connection, or a
-  timeout) reads the board and raises :class:`RankFailedError` naming the rank and its error.
+* :class:`FailureBoard` - every rank whose step raised writes to the job's c10d store: the first
+  failure (rank, where, root cause) and a count of failed ranks, per *failure epoch*. A peer whose
+  own collective then fails (its partner closed the connection, or a timeout) reads the board and
+  raises :class:`RankFailedError` naming the rank and its error. Before its next collective a rank
+  that failed waits (``grace`` seconds at most) for the count to reach the world size: an error
+  that every rank raised (a bad batch size, a non-finite loss) leaves no one waiting, so the
+  epoch closes and the process may fit again; otherwise some peer is still blocked, and this
+  process refuses every later DynMo collective with :class:`RankFailedError` instead of pairing
+  with a peer that is elsewhere.
 * :class:`FailureWatchdog` - a daemon thread per process polls the board. When another rank
   failed and this rank is still inside a step ``grace`` seconds later (blocked on the failed
   rank), it prints the failure and every thread's Python stack and exits the process with code 1,
@@ -18,7 +21,7 @@ becoming a silent wait of the whole collective timeout:
 * :class:`CollectiveLedger` - before each DynMo collective whose participation depends on
   state, the ranks agree on the call's name and a counter in one small all-reduce. A rank that
   makes a call the others do not (a ``broadcast`` on one rank only, a decision only some ranks
-  reach) meets its peers in the same all-reduce, so every rank raises
+  reach) meets its peers in that all-reduce, so every rank raises
   :class:`CollectiveMismatchError` within one round trip, naming every rank's call and the fix.
 
 On a collective timeout every rank dumps its Python stacks (``faulthandler``) to stderr before
@@ -39,8 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-BOARD_KEY = "dynmo/failure"
-#: seconds a rank may stay blocked after a peer failed before the watchdog stops it
+#: seconds a rank may stay blocked after a peer failed before the watchdog stops it; also how long
+#: a failed rank waits for its peers to report their own failure of the same step
 STUCK_GRACE_SECONDS = float(os.environ.get("DYNMO_FAILURE_GRACE", "5"))
 _POLL_SECONDS = 0.25
 
@@ -48,26 +51,9 @@ _POLL_SECONDS = 0.25
 class RankFailedError(RuntimeError):
     """Another rank of the job failed; this rank cannot go on (its collectives would wait for it)."""
 
-    raised_on_every_rank = True
-
 
 class CollectiveMismatchError(RuntimeError):
     """The ranks were about to make different collective calls."""
-
-    raised_on_every_rank = True
-
-
-def raised_on_every_rank(err: BaseException) -> bool:
-    """Whether ``err`` was raised by every rank together, after a collective that told them all
-    (a protocol problem gathered from the stages, a non-finite loss, a batch mismatch): such an
-    error leaves no peer waiting. Set as a class attribute, or on one instance with :func:`agreed`."""
-    return bool(getattr(err, "raised_on_every_rank", False))
-
-
-def agreed(err: BaseException) -> BaseException:
-    """Mark ``err`` as raised on every rank (see :func:`raised_on_every_rank`); returns it."""
-    err.raised_on_every_rank = True
-    return err
 
 
 def peer_missing(err: BaseException) -> bool:
@@ -75,34 +61,6 @@ def peer_missing(err: BaseException) -> bool:
     text = str(err).lower()
     return any(s in text for s in ("timed out", "timeout", "connection closed", "connection reset",
                                    "broken pipe", "pair closure", "aborted"))
-
-
-def explain_lost_peer(err: BaseException, where: str, hint: str) -> BaseException:
-    """What to raise for a collective error ``err`` in ``where``: :class:`RankFailedError` when the
-    board names a rank that failed, else ``err``'s text followed by ``hint``, after dumping this
-    rank's stacks (a timeout with no failure on the board: the ranks made different calls)."""
-    origin = _job.board.first(wait=2.0) if _job.board is not None else None
-    rank = _job.board.rank if _job.board is not None else dist.get_rank() if dist.is_initialized() else 0
-    if origin is not None and origin.rank != rank:
-        _job.failed = origin
-        return RankFailedError(f"rank {rank} stopped in {where}: {origin.describe()}")
-    dump_stacks(f"dynmo: rank {rank} lost a peer or timed out in {where}; its stacks:")
-    explained = RuntimeError(f"{err}\n{hint}")
-    explained.stacks_dumped = True
-    return explained
-
-
-def dump_stacks(header: str) -> None:
-    """Every thread's Python stack to stderr, after ``header`` (where this rank was stuck)."""
-    print(f"\n{header}\n", file=sys.stderr, flush=True)
-    try:
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    except (ValueError, OSError):  # stderr without a file descriptor (a notebook)
-        import traceback
-
-        for tid, frame in sys._current_frames().items():
-            print(f"Thread {tid}:\n{''.join(traceback.format_stack(frame))}", file=sys.stderr)
-    sys.stderr.flush()
 
 
 def describe_error(err: BaseException) -> str:
@@ -116,6 +74,19 @@ def describe_error(err: BaseException) -> str:
     return root if len(chain) == 1 else f"{root} (raised as {text(chain[0])[:200]})"
 
 
+def dump_stacks(header: str) -> None:
+    """Every thread's Python stack to stderr, after ``header`` (where this rank was stuck)."""
+    print(f"\n{header}\n", file=sys.stderr, flush=True)
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (ValueError, OSError, AttributeError):  # stderr without a file descriptor (a notebook)
+        import traceback
+
+        for tid, frame in sys._current_frames().items():
+            print(f"Thread {tid} (most recent call last):\n{''.join(traceback.format_stack(frame))}", file=sys.stderr)
+    sys.stderr.flush()
+
+
 @dataclass(frozen=True)
 class Failure:
     rank: int
@@ -127,71 +98,90 @@ class Failure:
 
 
 class FailureBoard:
-    """The job's first failure, in its c10d store (the first rank to write wins)."""
+    """Per failure epoch, in the job's c10d store: the first failure (first writer wins) and how
+    many ranks failed."""
 
-    def __init__(self, store, rank: int) -> None:
+    def __init__(self, store, rank: int, world_size: int) -> None:
         self.store = store
         self.rank = rank
+        self.world_size = world_size
 
-    def publish(self, where: str, err: BaseException) -> Failure:
+    def publish(self, epoch: int, where: str, err: BaseException) -> Failure:
         failure = Failure(self.rank, where, describe_error(err))
-        payload = json.dumps(failure.__dict__)
         try:
-            self.store.compare_set(BOARD_KEY, "", payload)
+            self.store.compare_set(f"dynmo/failure/{epoch}/first", "", json.dumps(failure.__dict__))
+            self.store.add(f"dynmo/failure/{epoch}/count", 1)
         except Exception:  # noqa: BLE001 - the store is gone: the error still propagates locally
             pass
         return failure
 
-    def first(self, wait: float = 0.0) -> Failure | None:
+    def first(self, epoch: int, wait: float = 0.0) -> Failure | None:
+        key = f"dynmo/failure/{epoch}/first"
         deadline = time.monotonic() + wait
         while True:
             try:
-                if self.store.check([BOARD_KEY]):
-                    return Failure(**json.loads(self.store.get(BOARD_KEY).decode()))
+                if self.store.check([key]):
+                    return Failure(**json.loads(self.store.get(key).decode()))
             except Exception:  # noqa: BLE001 - a store that is gone holds no failure we can read
                 return None
             if time.monotonic() >= deadline:
                 return None
             time.sleep(_POLL_SECONDS)
 
+    def all_failed(self, epoch: int, wait: float) -> bool:
+        """Whether every rank reported a failure in ``epoch`` (waiting up to ``wait`` seconds)."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                if self.store.add(f"dynmo/failure/{epoch}/count", 0) >= self.world_size:
+                    return True
+            except Exception:  # noqa: BLE001
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_SECONDS)
+
 
 class _JobState:
-    """Per process: the board, whether the job failed, and the step region the main thread is in."""
+    """Per process: the board, the failure epoch, this rank's unresolved failure, whether the job
+    is over for this process, and the step region the main thread is in."""
 
     def __init__(self) -> None:
         self.board: FailureBoard | None = None
-        self.failed: Failure | None = None
+        self.epoch = 0
+        self.pending: Failure | None = None  # this rank failed in ``epoch``; not yet known if alone
+        self.failed: Failure | None = None  # some rank failed while others waited: no more collectives
         self.region: str | None = None
         self.region_since = 0.0
-        self.watchdog: FailureWatchdog | None = None
 
 
 _job = _JobState()
 
 
 def install(rank: int) -> None:
-    """Once per process, after the default process group exists: the board and its watchdog."""
+    """Once per job, after the default process group exists: the board and its watchdog."""
     if not dist.is_initialized():
         return
     store = dist.distributed_c10d._get_default_store()
     if _job.board is None or _job.board.store is not store:
-        _job.board = FailureBoard(store, rank)
-        _job.failed = None
-        _job.watchdog = FailureWatchdog(_job)
-        _job.watchdog.start()
-
-
-def job_failure() -> Failure | None:
-    """The failure that ended this job in this process (None: none)."""
-    return _job.failed
+        _job.board = FailureBoard(store, rank, dist.get_world_size())
+        _job.epoch, _job.pending, _job.failed = 0, None, None
+        FailureWatchdog(_job).start()
 
 
 def check_not_failed(what: str) -> None:
-    if _job.failed is not None:
+    """Before a collective: refuse it if this job failed in this process (see the module doc)."""
+    job = _job
+    if job.failed is None and job.pending is not None:
+        if job.board.all_failed(job.epoch, STUCK_GRACE_SECONDS):
+            job.epoch, job.pending = job.epoch + 1, None  # every rank raised it: nobody waits
+        else:
+            job.failed = job.board.first(job.epoch) or job.pending
+    if job.failed is not None:
         raise RankFailedError(
-            f"{_job.failed.describe()}. This process cannot make the collective call {what!r}: its peers "
+            f"{job.failed.describe()}. This process cannot make the collective call {what!r}: its peers "
             "are gone or still waiting for that rank. Fix the cause and start a new job (a process group "
-            "cannot be reused after one of its ranks failed in a step)")
+            "cannot be reused after one of its ranks failed alone in a step)")
 
 
 @contextmanager
@@ -199,37 +189,50 @@ def step_region(where: str):
     """Around a part of a training step in which every rank exchanges tensors with its peers
     (regions nest: an optimizer step's closure runs the training step).
 
-    An error of this rank's own is published (its peers learn who failed and why) and re-raised;
-    a lost peer or a timeout becomes :class:`RankFailedError` naming the rank that failed, or, with
-    no failure on the board, a dump of every thread's stack before the error propagates."""
+    An error is reported on the board and re-raised; a lost peer or a timeout becomes
+    :class:`RankFailedError` naming the rank that failed, or, with no failure on the board, a dump
+    of every thread's stack before the error propagates."""
     check_not_failed(where)
     outer = _job.region
     if outer is None:
         _job.region, _job.region_since = where, time.monotonic()
     try:
         yield
-    except Exception as err:  # noqa: BLE001 - classified and re-raised
-        if not getattr(err, "_dynmo_seen", False):
-            err._dynmo_seen = True
-            _fail(where, err)
+    except Exception as err:  # noqa: BLE001 - reported and re-raised
+        if not getattr(err, "_dynmo_reported", False):
+            err._dynmo_reported = True
+            _report(where, err)
         raise
     finally:
         if outer is None:
             _job.region = None
 
 
-def _fail(where: str, err: BaseException) -> None:
-    if raised_on_every_rank(err) or _job.board is None:
+def _report(where: str, err: BaseException) -> None:
+    board = _job.board
+    if board is None:
         return
-    if peer_missing(err):
-        origin = _job.board.first(wait=2.0)
-        if origin is not None and origin.rank != _job.board.rank:
-            _job.failed = origin
-            raise RankFailedError(f"rank {_job.board.rank} stopped in {where}: {origin.describe()}") from err
-        if not getattr(err, "stacks_dumped", False):
-            dump_stacks(f"dynmo: rank {_job.board.rank} lost a peer or timed out in {where}; its stacks:")
-        return
-    _job.failed = _job.board.publish(where, err)
+    origin = board.first(_job.epoch, wait=2.0) if peer_missing(err) else None
+    _job.pending = board.publish(_job.epoch, where, err)
+    if origin is not None and origin.rank != board.rank:
+        raise RankFailedError(f"rank {board.rank} stopped in {where}: {origin.describe()}") from err
+    if peer_missing(err) and not getattr(err, "stacks_dumped", False):
+        dump_stacks(f"dynmo: rank {board.rank} lost a peer or timed out in {where}; its stacks:")
+
+
+def explain_lost_peer(err: BaseException, where: str, hint: str) -> BaseException:
+    """What to raise for a collective error ``err`` in ``where``: :class:`RankFailedError` when the
+    board names a rank that failed, else ``err``'s text followed by ``hint``, after dumping this
+    rank's stacks (a timeout with no failure on the board: the ranks made different calls)."""
+    board = _job.board
+    origin = board.first(_job.epoch, wait=2.0) if board is not None else None
+    rank = board.rank if board is not None else dist.get_rank() if dist.is_initialized() else 0
+    if origin is not None and origin.rank != rank:
+        return RankFailedError(f"rank {rank} stopped in {where}: {origin.describe()}")
+    dump_stacks(f"dynmo: rank {rank} lost a peer or timed out in {where}; its stacks:")
+    explained = RuntimeError(f"{err}\n{hint}")
+    explained.stacks_dumped = True
+    return explained
 
 
 class FailureWatchdog(threading.Thread):
@@ -238,24 +241,24 @@ class FailureWatchdog(threading.Thread):
     def __init__(self, job: _JobState) -> None:
         super().__init__(name="dynmo-failure-watchdog", daemon=True)
         self.job = job
+        self.board = job.board
 
     def run(self) -> None:
-        board = self.job.board
-        while board is self.job.board:
-            failure = board.first()
-            if failure is None:
+        job, board = self.job, self.board
+        while job.board is board:
+            epoch = job.epoch
+            failure = board.first(epoch)
+            if failure is None or failure.rank == board.rank or job.pending is not None:
                 time.sleep(_POLL_SECONDS)
                 continue
-            if failure.rank == board.rank:
-                return
             seen = time.monotonic()
-            while time.monotonic() - seen < STUCK_GRACE_SECONDS:
-                if self.job.region is None:  # it left the step on its own (it raised, or was done)
-                    self.job.failed = self.job.failed or failure
-                    return
+            while time.monotonic() - seen < STUCK_GRACE_SECONDS and job.region is not None and job.epoch == epoch:
                 time.sleep(_POLL_SECONDS)
+            if job.region is None or job.pending is not None or job.epoch != epoch:
+                time.sleep(_POLL_SECONDS)  # it left the step (it raised too, or finished it) or the epoch closed
+                continue
             dump_stacks(f"dynmo: rank {board.rank} stops: {failure.describe()}\nrank {board.rank} was blocked "
-                        f"in {self.job.region} for {time.monotonic() - self.job.region_since:.1f} s, waiting for "
+                        f"in {job.region} for {time.monotonic() - job.region_since:.1f} s, waiting for "
                         "that rank; its stacks:")
             os._exit(1)
 

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from ..runtime.fault import CollectiveLedger, explain_lost_peer, peer_missing, raised_on_every_rank
+from ..runtime.fault import CollectiveLedger, RankFailedError, explain_lost_peer, peer_missing, step_region
 
 
 class WorldStrategy(ParallelStrategy):
@@ -99,6 +99,26 @@ def explain_timeout(hint: str, where: str = "a collective call"):
     try:
         yield
     except RuntimeError as err:
-        if not peer_missing(err) or raised_on_every_rank(err):
+        if not peer_missing(err) or isinstance(err, RankFailedError):
             raise
         raise explain_lost_peer(err, where, hint) from err
+
+
+def agree_before_each_batch(strategy: WorldStrategy, trainer) -> bool:
+    """Put the ledger's per-batch agreement in front of the first collective of every training
+    batch: Lightning's epoch loop broadcasts a SIGTERM flag with a plain ``dist.broadcast`` before
+    the batch's hooks run, so a rank still in the previous batch's hooks (a ``save_checkpoint`` on
+    rank 0 only) would meet it there and both would wait out the timeout. Returns False where this
+    Lightning has no such broadcast (``on_train_batch_start`` agrees then)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    broadcast = getattr(type(loop), "_broadcast_sigterm_tensor", None)
+    if broadcast is None:
+        return False
+
+    def agreed_then_broadcast() -> None:
+        with step_region(f"step {trainer.global_step} (before the batch)"):
+            strategy.agree("next training batch")
+        broadcast(loop)
+
+    loop._broadcast_sigterm_tensor = agreed_then_broadcast
+    return True

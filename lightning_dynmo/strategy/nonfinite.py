@@ -11,8 +11,6 @@ import torch
 class NonFiniteLossError(FloatingPointError):
     """A training step's loss was NaN or Inf (``on_nonfinite="error"``)."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
 
 def check_loss(loss: torch.Tensor, step: int, mode: str) -> bool:
     """Whether the step's optimizer update should be applied. ``loss`` is the step's shared loss

@@ -21,8 +21,6 @@ from ..plan.schedules import ScheduleSpec, choose_microbatches
 class PartialBatchError(ValueError):
     """No micro-batch count suits the schedule for the epoch's last, partial batch."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
 
 def _fallback(spec: ScheduleSpec, batch_size: int, pp: int, virtual: int, pinned: int | None) -> int | None:
     """The largest micro-batch count that divides ``batch_size``, suits the schedule and is at

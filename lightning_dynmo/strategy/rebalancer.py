@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 class BalancerDisagreementError(RuntimeError):
     """Ranks computed different partitions from the same costs: the balancer is not deterministic."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
 
 class Rebalancer:
     """Carries out what :class:`~lightning_dynmo.plan.controller.RebalanceController` answers:

@@ -35,13 +35,9 @@ from .collectives import explain_timeout
 class PipelineBatchMismatchError(RuntimeError):
     """The ranks of one pipeline loaded different batches for the same step."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
 
 class OptimizerGroupsChangedError(RuntimeError):
     """An optimizer gained or lost param groups after setup."""
-
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
 
 
 def waiting_hint(rank: int, step: int) -> str:

@@ -59,7 +59,7 @@ from ..runtime.tied import TiedParameters, find_tied_parameters
 from . import checkpoint
 from .accumulation import AccumulationWindow
 from .api import PipelineAPI
-from .collectives import WorldStrategy, explain_timeout
+from .collectives import WorldStrategy, agree_before_each_batch, explain_timeout
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
@@ -122,6 +122,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
         self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
+        self._agreed_in_epoch_loop = False  # the ledger's per-batch agreement runs in Lightning's loop
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -268,6 +269,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._agreed_in_epoch_loop = agree_before_each_batch(self, trainer)
         rank_zero_info(f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
                        f"schedule={self.schedule}, stages={self.layout.num_stages}, partition {self.partition} "
                        f"(balancer={self.options.balancer})")
@@ -301,16 +303,17 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         trainer = self.lightning_module.trainer
         where = f"step {trainer.global_step} (batch {batch_idx})"
-        with step_region(where):
-            self.agree("train_batch_start")
+        with step_region(where), explain_timeout(waiting_hint(self.global_rank, trainer.global_step), where):
+            if not self._agreed_in_epoch_loop:
+                self.agree("next training batch")
             if not self._window.begin_batch(batch_idx, trainer.accumulate_grad_batches):
                 return  # inside an accumulation window: decisions wait for the next optimizer step
-            with explain_timeout(waiting_hint(self.global_rank, trainer.global_step), where):  # a decision's collectives
-                self._adopt(self.rebalancer.before_step(trainer.global_step, self._pipe()))
+            self._adopt(self.rebalancer.before_step(trainer.global_step, self._pipe()))  # a decision's collectives
 
     @override
     def training_step(self, *args: Any, **kwargs: Any):
         with step_region(f"training step {self.lightning_module.trainer.global_step}"):
+            self.agree("training step")  # the batch-start hooks ran: a collective one rank added there shows here
             return self._training_step(*args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any):
@@ -411,11 +414,13 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The full model's state dict (global layer indices) on rank 0; empty elsewhere."""
+        self.agree("save_checkpoint (model state)")
         return checkpoint.full_model_state_dict(self._pipe())
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         """The optimizer state in single-process format (any partition can load it), on rank 0."""
+        self.agree("save_checkpoint (optimizer state)")
         return checkpoint.full_optimizer_state(self._pipe(), optimizer)
 
     @override

@@ -36,7 +36,7 @@ def test_a_rank_local_extra_collective_is_reported_on_every_rank_within_seconds(
     for rank in (0, 1):
         (first,) = outcomes[rank]
         assert first["error"] == "CollectiveMismatchError", first
-        assert "rank 0: train_batch_start" in first["message"] and "rank 1: broadcast" in first["message"]
+        assert "rank 0: training step" in first["message"] and "rank 1: broadcast" in first["message"]
         assert "on every rank" in first["message"]  # the fix
         assert first["seconds"] < 20, first  # the whole fit, not the 120 s timeout
 
@@ -58,7 +58,7 @@ def test_a_failed_rank_that_lives_on_neither_hangs_nor_leaves_its_peer_waiting(t
     grace period with the cause and its stack, long before the collective timeout."""
     proc, outcomes, took = launch(tmp_path, "raise_then_continue")
     first, second = outcomes[1]
-    assert second["error"] == "RankFailedError" and second["seconds"] < 5, second
+    assert second["error"] == "RankFailedError" and second["seconds"] < 15, second  # the grace, not the timeout
     assert "cannot make the collective call 'setup'" in second["message"]
     log = (tmp_path / "worker.log").read_text()
     assert "dynmo: rank 0 stops: rank 1 failed in training step 2" in log

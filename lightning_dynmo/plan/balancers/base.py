@@ -16,8 +16,6 @@ from ..partition import Partition
 class InfeasiblePartitionError(ValueError):
     """No contiguous partition fits the per-stage memory capacity."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
     def __init__(self, capacity: float | None, min_peak_memory: float | None, num_layers: int, num_stages: int):
         self.capacity = capacity
         self.min_peak_memory = min_peak_memory

@@ -41,8 +41,6 @@ def unregister_balancer(name: str) -> None:
 class BalancerResultError(ValueError):
     """A balancer returned something that is not a valid result for its problem."""
 
-    raised_on_every_rank = True  # after a collective, or from numbers every rank shares (runtime/fault.py)
-
 
 def check_result(name: str, problem: BalanceProblem, result: object) -> BalanceResult:
     """``result`` if it is a :class:`BalanceResult` whose partition splits the problem's layers
