@@ -10,17 +10,29 @@ Both differences below made torch 2.11 fail on one rank while its peers waited (
   and is expecting to send gradients to stage 0"`` when autograd produced none. We send zeros
   there: the producer's ``stage_backward`` skips outputs that need no gradient, so the zeros
   never reach a parameter, and the math is that of torch 2.13.
+* **Receive buffers of integer activations.** torch <= 2.12 marks every receive buffer as needing
+  a gradient, which an integer tensor cannot (targets carried to a chunked LM head, a padding
+  mask): "only Tensors of floating point dtype can require gradients". Only floating-point
+  buffers are marked here; integer ones get the zero gradient of the first point.
 * **Warm-up sends to one's own rank.** Before its first step a schedule exchanges a dummy tensor
   with each neighbouring stage. Under a V schedule (``zbv``) two neighbouring stages live on one
   rank; torch <= 2.12 sends that dummy to itself, which gloo refuses ("Pair is not connected").
   Stages on one rank pass activations by function call anyway, so the warm-up skips them.
 
-Both are detected by capability, not by version string, so a backport or a nightly is handled
+* **Split backward through a custom ``autograd.Function``.** Zero-bubble schedules split each
+  backward into an input pass (I) and a weight pass (W). torch <= 2.12's weight pass reads
+  ``node._input_metadata`` of every node between the stage's output and its weights, which a
+  custom ``autograd.Function`` node (the MoE/MoD aux-loss scaler) does not have. For a chunk
+  whose graph holds such a node, I runs the whole backward and W has nothing left to do: the
+  gradients are the same, that chunk's weight pass just does not fill a bubble.
+
+All are detected by capability, not by version string, so a backport or a nightly is handled
 by what it does.
 """
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.stage import _RecvInfo
 
@@ -40,11 +52,58 @@ class PortablePipelineStage(PipelineStage):
         ops = super()._get_init_p2p_neighbors_ops()
         return [op for op in ops if _peer_of(op) != self.group_rank]
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
-        out = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+    def _prepare_forward_infra(self, *args, **kwargs):
+        if not GRADIENT_SLOT_PER_INPUT:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        backward = self.has_backward
+        self.has_backward = False  # torch <= 2.12 then marks no receive buffer; we mark the floating ones
+        try:
+            out = super()._prepare_forward_infra(*args, **kwargs)
+        finally:
+            self.has_backward = backward
+        if backward:
+            for infos in self.args_recv_info.values():
+                for info in infos:
+                    if isinstance(info, _RecvInfo) and info.buffer.is_floating_point():
+                        info.buffer.requires_grad_(True)
+        return out
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
+        if GRADIENT_SLOT_PER_INPUT and not full_backward and self._crosses_custom_function(bwd_chunk_id, loss):
+            full_backward = True
+            self._whole_backward_chunks.add(bwd_chunk_id)
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
         if GRADIENT_SLOT_PER_INPUT:
             self._zero_missing_input_grads(bwd_chunk_id)
         return out
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        if bwd_chunk_id in self._whole_backward_chunks:
+            self._whole_backward_chunks.discard(bwd_chunk_id)  # its I pass computed the weight gradients
+            return None
+        return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    @property
+    def _whole_backward_chunks(self) -> set:
+        if "_whole_chunks" not in self.__dict__:
+            self._whole_chunks = set()
+        return self._whole_chunks
+
+    def _crosses_custom_function(self, chunk: int, loss) -> bool:
+        outputs = loss if self.is_last else self.fwd_cache[chunk][0]
+        tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+        seen: set = set()
+        stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            if isinstance(node, BackwardCFunction):
+                return True
+            stack.extend(fn for fn, _ in node.next_functions)
+        return False
 
     def _zero_missing_input_grads(self, chunk: int) -> None:
         grads = self.bwd_cache.get(chunk)
