@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from .recompute import is_recomputing
+from ..protocol.services import is_recomputing
 
 
 @dataclass(frozen=True)
