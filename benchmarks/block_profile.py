@@ -4,7 +4,7 @@
 
 The paper's GPT: hidden 1024, 32 heads, sequence 2048, micro-batch 2 (GPT-2 vocabulary, padded
 to 50304 as in nanoGPT/Megatron). This script times, with device events (median of repeats after
-warm-up), the layers that the simulator's scenarios (``recipes.scenarios``) are
+warm-up), the layers that the simulator's scenarios (``lightning_dynmo.sim.scenarios``) are
 built from:
 
 * ``block``: one pre-LN transformer block (this package's ``Block``: LN, QKV, causal SDPA, proj,
@@ -18,7 +18,7 @@ built from:
 * ``embedding`` (token + position), ``final_norm``, ``head_loss`` (LM head + fp32 cross-entropy).
 
 Every time is milliseconds per micro-batch. The last line of output is the JSON profile; the one
-committed in ``recipes/scenarios/profiles/`` came from this script on an H100 (see its
+committed in ``lightning_dynmo/sim/scenarios/profiles/`` came from this script on an H100 (see its
 ``device`` field).
 """
 from __future__ import annotations
