@@ -28,11 +28,9 @@ import copy
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
 MLP_TOKENS = (512, 1024, 2048, 4096, 6144, 8192, 12288, 16384, 24576, 32768)

@@ -65,8 +65,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
 
 LAYERS = 48
 EVENT_CASES = ("freezing", "early_exit", "pruning")

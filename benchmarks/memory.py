@@ -28,17 +28,14 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from _harness import launch, write_result  # noqa: E402
+from _harness import launch, write_result
 
 BLOCKS = 24
 
