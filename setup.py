@@ -15,6 +15,7 @@ setup(
     version="0.1.0",
     description="Pipeline-parallel Lightning strategy that rebalances dynamic models while they train",
     packages=find_packages(include=["lightning_dynmo", "lightning_dynmo.*"]),
+    package_data={"lightning_dynmo.sim.scenarios": ["profiles/*.json"]},  # the measured per-layer profile
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.4",  # install torch==2.13.0 first; a satisfied range pulls nothing

@@ -8,7 +8,7 @@ custom autograd function. A sleeping rank uses no core, so 8-24 ranks run on 2 c
 timing of 8-24 devices.
 
 What each layer waits for comes from the process-global :data:`CLOCK`: one row of per-layer
-(forward, backward) seconds per scenario snapshot (``recipes.scenarios``, scaled to
+(forward, backward) seconds per scenario snapshot (``lightning_dynmo.sim.scenarios``, scaled to
 the chosen step length); :class:`ScenarioClock` selects the row from the step index on every
 rank. Layers look their cost up by their global index (a plain int that migrates with them), so
 a layer that moved to another rank keeps its cost.

@@ -33,11 +33,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # dynamism_cases, _harness
-sys.path.insert(0, os.path.dirname(HERE))
-from _harness import launch  # noqa: E402
-from dynamism_cases import load  # noqa: E402
+from _harness import launch
+from dynamism_cases import load
 
 CASES = ("freezing", "early_exit", "pruning", "moe_dropless")
 

@@ -35,15 +35,12 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer, megatron_layout  # noqa: E402
-from lightning_dynmo.plan.balancers.diffusion import diffuse  # noqa: E402
-from lightning_dynmo.plan.balancers.exact import min_peak_memory  # noqa: E402
-from lightning_dynmo.plan.cost_model import CostModel, LayerCosts  # noqa: E402
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer, megatron_layout
+from lightning_dynmo.plan.balancers.diffusion import diffuse
+from lightning_dynmo.plan.balancers.exact import min_peak_memory
+from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 
 SHAPES = ("uniform", "lognormal", "few_heavy", "frozen_prefix", "early_exit")
 SPEED_SIZES = ((96, 32), (200, 32))  # layers x stages timed with links and memory on (target: 200 x 32 < 50 ms)

@@ -4,7 +4,7 @@
 
 The paper's GPT: hidden 1024, 32 heads, sequence 2048, micro-batch 2 (GPT-2 vocabulary, padded
 to 50304 as in nanoGPT/Megatron). This script times, with device events (median of repeats after
-warm-up), the layers that the simulator's scenarios (``recipes.scenarios``) are
+warm-up), the layers that the simulator's scenarios (``lightning_dynmo.sim.scenarios``) are
 built from:
 
 * ``block``: one pre-LN transformer block (this package's ``Block``: LN, QKV, causal SDPA, proj,
@@ -18,7 +18,7 @@ built from:
 * ``embedding`` (token + position), ``final_norm``, ``head_loss`` (LM head + fp32 cross-entropy).
 
 Every time is milliseconds per micro-batch. The last line of output is the JSON profile; the one
-committed in ``recipes/scenarios/profiles/`` came from this script on an H100 (see its
+committed in ``lightning_dynmo/sim/scenarios/profiles/`` came from this script on an H100 (see its
 ``device`` field).
 """
 from __future__ import annotations
@@ -28,11 +28,9 @@ import copy
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
 MLP_TOKENS = (512, 1024, 2048, 4096, 6144, 8192, 12288, 16384, 24576, 32768)

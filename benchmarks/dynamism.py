@@ -55,7 +55,6 @@ import time
 from statistics import median  # paired ratios: the true median (an even count averages the middle two)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/ for dynamism_cases
 from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
 from dynamism_cases import CASES, load  # noqa: E402
 
@@ -109,7 +108,6 @@ def _worker(args) -> None:
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
-    sys.path.insert(0, ROOT)
     from lightning_dynmo import DynMoStrategy
     from lightning_dynmo.models import GPTConfig
 

@@ -18,8 +18,8 @@ the rest is real: one process per rank (torchrun, gloo p2p, 1 torch thread each)
 layers' parameters, gradients and AdamW state move), and Lightning's loop.
 
 **Costs.** Per-layer (forward, backward) seconds come from the shipped H100 profile
-(``recipes/scenarios/profiles``) changed over training by the scenario models of
-``recipes.scenarios`` (freezing, early exit, pruning; MoE and MoD per iteration), all
+(``lightning_dynmo/sim/scenarios/profiles``) changed over training by the scenario models of
+``lightning_dynmo.sim.scenarios`` (freezing, early exit, pruning; MoE and MoD per iteration), all
 scaled by one factor so that the dense model's step on the ``uniform`` split of 8 stages lasts
 ``--step-seconds``. Each snapshot of a scenario is one *row* of costs; the run spends
 ``--per-row`` steps on each row (``ScenarioClock`` selects it from the step index on every rank).
@@ -46,7 +46,7 @@ iterations its snapshot lasts) measured vs simulated gives ``sim_error`` (``sim_
 against the simulator with free links and no overheads). ``speedup_vs_static_<S>``: dynmo's weighted time over
 the better of ``uniform`` / ``param`` (static, ``rebalance="never"``); ``sim_speedup_vs_static_<S>``
 the same from the simulated times of the same runs; ``projection_speedup_<S>``: the simulator's
-own static-vs-dynamic comparison (``recipes.scenarios.compare``) of the same trajectory.
+own static-vs-dynamic comparison (``lightning_dynmo.sim.scenarios.compare``) of the same trajectory.
 ``overhead_fraction``: on the profiled steps, what the layers measured beyond the waits they
 were asked for (hooks, the tiny computation, sleep overshoot: what a zero-cost layer would
 measure), summed over the busiest stage's layer calls, over the step time.
@@ -65,8 +65,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, ROOT)
 
 LAYERS = 48
 EVENT_CASES = ("freezing", "early_exit", "pruning")
@@ -96,7 +94,7 @@ def _args(argv=None):
 
 # ------------------------------------------------------------------------------ the plan (launcher)
 def _trajectory(case: str, snapshots: int, iterations: int):
-    from recipes.scenarios import CASES, load_profile
+    from lightning_dynmo.sim.scenarios import CASES, load_profile
 
     p = load_profile()
     if case == "pruning":
@@ -114,7 +112,7 @@ def _scale(step_seconds: float, microbatches: int) -> float:
     """Factor on the profile's seconds that makes the dense 8-stage uniform step last ``step_seconds``."""
     from lightning_dynmo.plan.balancers import megatron_layout
     from lightning_dynmo.sim import simulate
-    from recipes.scenarios import dense
+    from lightning_dynmo.sim.scenarios import dense
 
     costs = dense(LAYERS)[0].costs
     return step_seconds / simulate(costs, megatron_layout(costs.num_layers, 8), "1f1b", microbatches).step_time
@@ -314,7 +312,7 @@ def _overhead(case_plan: dict, run: dict, m: int, step_s: float) -> float | None
 
 def _projection(case_plan: dict, S: int, m: int) -> float:
     from lightning_dynmo.plan.cost_model import LayerCosts
-    from recipes.scenarios import Snapshot, compare
+    from lightning_dynmo.sim.scenarios import Snapshot, compare
 
     p = case_plan["params"]
     traj = [Snapshot(LayerCosts(f, b, p, [16.0 * x for x in p], [0.0] * len(p)), w, tuple([0.0] * len(p)))

@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from dynamism_cases.sparse_attention import MODEL  # noqa: E402
-from lightning_dynmo.models import GPT, GPTConfig  # noqa: E402
-from lightning_dynmo.models.gpt import SparseAttentionBlock, set_hash_step  # noqa: E402
-from lightning_dynmo.sparse.hash_layout import HASH_CENTERS, hash_sort_plan  # noqa: E402
+from dynamism_cases.sparse_attention import MODEL
+from lightning_dynmo.models import GPT, GPTConfig
+from lightning_dynmo.models.gpt import SparseAttentionBlock, set_hash_step
+from lightning_dynmo.sparse.hash_layout import HASH_CENTERS, hash_sort_plan
 
 
 def batches(kind: str, n: int, batch: int, t: int, seed: int = 0) -> list[torch.Tensor]:

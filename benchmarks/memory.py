@@ -28,17 +28,14 @@ import argparse
 import json
 import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from _harness import launch, write_result  # noqa: E402
+from _harness import launch, write_result
 
 BLOCKS = 24
 
@@ -149,7 +146,7 @@ def _allocator_peak(fn) -> int:
 def head_activation_peak(chunks: int, width: int, vocab: int, block: int, microbatch: int) -> int:
     """Peak bytes of the head + loss forward and backward on one micro-batch (see the docstring)."""
     from lightning_dynmo.models import GPT, GPTConfig
-    from lightning_dynmo.runtime.activations import run_layers
+    from lightning_dynmo.protocol.activations import run_layers
 
     cfg = GPTConfig(vocab_size=vocab, block_size=block, n_layer=1, n_head=8, n_embd=width, head_chunks=chunks)
     model = GPT(cfg, seed=0)

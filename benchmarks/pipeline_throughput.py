@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import StepTimer, launch, median, write_result  # noqa: E402
+from _harness import StepTimer, launch, median, write_result
 
 
 def model_and_data(args):

@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import (Attribution, StepTimer, bootstrap_ratio, launch, resolution, speedup,  # noqa: E402
+from _harness import (Attribution, StepTimer, bootstrap_ratio, launch, resolution, speedup,
                                  write_result)
 
 STATIC = ["uniform", "param"]

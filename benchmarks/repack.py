@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import StepTimer, launch, write_result  # noqa: E402
+from _harness import StepTimer, launch, write_result
 
 VOCAB = 8192  # the LM head (~7 narrow blocks of work) is the one layer no partition can split
 

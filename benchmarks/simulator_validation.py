@@ -58,7 +58,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 MODEL = dict(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=128, dropout=0.0)
 LOPSIDED = (12, 12, 4, 1, 1, 1, 1, 1)  # per-block MLP width ratios: a heavy front

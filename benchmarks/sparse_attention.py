@@ -21,18 +21,15 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from benchmarks._harness import round_robin  # noqa: E402
-from lightning_dynmo import sparse  # noqa: E402
-from lightning_dynmo.sparse import BlockLayout, block_sparse_attention  # noqa: E402
-from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention  # noqa: E402
+from _harness import round_robin
+from lightning_dynmo import sparse
+from lightning_dynmo.sparse import BlockLayout, block_sparse_attention
+from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
 
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 NB_HASH = (4, 8)

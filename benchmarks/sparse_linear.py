@@ -12,17 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-from benchmarks._harness import round_robin  # noqa: E402
-from lightning_dynmo import sparse  # noqa: E402
-from lightning_dynmo.sparse import SparseLinear  # noqa: E402
+from _harness import round_robin
+from lightning_dynmo import sparse
+from lightning_dynmo.sparse import SparseLinear
 
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")

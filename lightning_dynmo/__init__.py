@@ -16,9 +16,8 @@ from .callbacks import EarlyExit, GradualPruning, LayerFreezing, MixtureOfDepths
 from .plan.cost_model import CostModel, LayerCosts
 from .plan.partition import Partition
 from .plan.policy import Decision
-from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad
+from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad, run_layers
 from .plan.schedules import available_schedules
-from .runtime.activations import run_layers
 from .strategy import DynMoStrategy
 from .strategy.partial_batch import PartialBatchError
 from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError

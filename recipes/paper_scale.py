@@ -18,21 +18,16 @@ packing figures.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 @hydra.main(config_path="../conf", config_name="paper_scale", version_base="1.3")
 def main(cfg: DictConfig) -> dict:
-    from recipes.scenarios.projection import project
+    from lightning_dynmo.sim.scenarios.projection import project
 
     out_dir = Path(HydraConfig.get().runtime.output_dir)
     summary = project(OmegaConf.to_container(cfg, resolve=True), out_dir)

@@ -23,17 +23,12 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 _T0 = time.perf_counter()
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # run as a script (python recipes/train_gpt.py) from anywhere
-    sys.path.insert(0, str(REPO_ROOT))
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -61,7 +56,7 @@ OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 def build_model(cfg: DictConfig):
     """``GPT(config=GPTConfig.preset(name, **overrides), lr=..., ...)``; bad presets/fields raise here."""
     from lightning_dynmo.models import GPT, GPTConfig
-    from recipes.hf_model import build_hf_model, is_hf
+    from lightning_dynmo.cli.hf_model import build_hf_model, is_hf
 
     if is_hf(cfg):  # model=hf: a Hugging Face causal LM from model.path
         return build_hf_model(cfg)
@@ -75,7 +70,7 @@ def build_model(cfg: DictConfig):
         )
     if gpt_config.vocab_size < 256:
         raise ValueError(f"byte-level data needs vocab_size >= 256, got {gpt_config.vocab_size}")
-    from recipes.dynamism import model_class  # the dynamism group picks the class (GPT, MoEGPT, ...)
+    from lightning_dynmo.cli.dynamism import model_class  # the dynamism group picks the class (GPT, MoEGPT, ...)
 
     cls, extra = model_class(cfg)
     return cls(
@@ -118,7 +113,7 @@ def check_config_keys(cfg: DictConfig) -> None:
     import dataclasses
 
     from lightning_dynmo.models import GPTConfig
-    from recipes.hf_model import check_hf_keys, is_hf
+    from lightning_dynmo.cli.hf_model import check_hf_keys, is_hf
 
     if is_hf(cfg):
         return check_hf_keys(cfg)
@@ -443,8 +438,8 @@ def train(cfg: DictConfig) -> dict | None:
     loggers = build_loggers(cfg, run_dir)
     stats = RunStats.make()
     callbacks: list = [stats]
-    from recipes.dynamism import build_callbacks
-    from recipes.sweep import prepare_multirun_children
+    from lightning_dynmo.cli.dynamism import build_callbacks
+    from lightning_dynmo.cli.multirun import prepare_multirun_children
 
     callbacks += build_callbacks(cfg)  # the dynamism group's callbacks (conf/dynamism/)
     prepare_multirun_children()  # under -m, ranks > 0 run this job's overrides only

@@ -3,7 +3,7 @@ a pipeline to rebalance when the per-layer density profile shifts."""
 from __future__ import annotations
 
 from ._pipeline_access import pipeline_layers
-from ..models.hash_attention import SparseAttentionLoad
+from ..models.gpt.hash_attention import SparseAttentionLoad
 from ..protocol import RemoteLayer
 from ._layer_monitor import LayerLoadMonitor
 

@@ -393,7 +393,7 @@ def default_prunable_layer(index: int, layer: nn.Module, num_layers: int) -> boo
     embedding, final norm or head. (The callback falls back to every layer but the first and the
     last when no layer matches.)"""
     from ..models.gpt import Block
-    from ..models.granularity import AttentionHalf, MLPHalf
+    from ..models.gpt.granularity import AttentionHalf, MLPHalf
 
     if isinstance(layer, (Block, AttentionHalf, MLPHalf)):
         return True

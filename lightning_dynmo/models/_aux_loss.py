@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..runtime.precision import grad_scaler
+from ..protocol.services import grad_scaler
 
 __all__ = [
     "attach_aux_loss",

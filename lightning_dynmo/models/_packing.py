@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .gpt import CausalSelfAttention
+from .gpt.layers import CausalSelfAttention
 
 __all__ = ["Packing", "pack", "unpack", "packed_attention"]
 

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ._packing import pack, packed_attention, unpack
 from .gpt import GPT, Block, Embedding, FinalNorm, GPTConfig
-from .granularity import check_block_granularity
+from .gpt.granularity import check_block_granularity
 
 __all__ = ["EarlyExitGPT", "ExitEmbedding", "ExitBlock", "ExitFinalNorm", "active_mask_of"]
 

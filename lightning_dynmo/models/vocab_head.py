@@ -22,7 +22,7 @@ Parameters: chunk ``j`` is its own layer with its own ``lm_head.weight`` rows, s
 alone. Initialisation draws the whole ``[V, C]`` matrix from the head layer's seed and keeps the
 slice, so a chunked model starts from the unchunked model's weights. Checkpoints carry one
 ``layers.<head>.lm_head.weight`` whatever ``k`` (``GPT.checkpoint_merges`` and
-``runtime/merged_parameters.py``: model and optimizer state), so a run resumes under another ``k``.
+``protocol/merges.py``: model and optimizer state), so a run resumes under another ``k``.
 
 Used by :class:`~lightning_dynmo.models.GPT` (``GPTConfig(head_chunks=k)``) and by the Hugging
 Face adapter (``HFCausalLM(head_chunks=k)``, whose chunks copy their rows from the model's own
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.runtime.activations import run_layers
-from lightning_dynmo.runtime.merged_parameters import merge_state, split_state
+from ..protocol.activations import run_layers
+from ..protocol.merges import merge_state, split_state
 
 __all__ = ["IGNORE_INDEX", "HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_chunk_layers", "head_logits",
            "head_merges", "logits_through", "merge_head_hook", "split_head_hook", "streaming_nll_mean"]

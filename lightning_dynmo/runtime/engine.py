@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ..protocol import PipelineProtocolError
-from .activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
+from ..protocol.activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
 from .placement import Placement
 from .recompute import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage

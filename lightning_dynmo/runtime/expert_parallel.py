@@ -33,58 +33,26 @@ format.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..plan.topology import Topology
+from ..protocol.services import ExpertShard, ShardsExperts, set_expert_dispatch
 from .optimizer_layout import OptimizerLayout
 
 __all__ = [
     "ExpertParallel",
-    "ExpertShard",
     "ExpertShards",
-    "ShardsExperts",
-    "active_expert_parallel",
     "check_expert_parallel",
     "check_expert_parallel_model",
     "expert_modules",
     "run_sharded_experts",
     "shard_slots",
 ]
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """Shard ``rank`` of ``size``: the ``rank``-th of ``size`` equal slices of the experts (dim 0)."""
-
-    rank: int
-    size: int
-
-    def take(self, full: Tensor) -> Tensor:
-        """This shard's rows of a whole ``[num_experts, ...]`` tensor (a view)."""
-        n = full.shape[0] // self.size
-        return full.narrow(0, self.rank * n, n)
-
-
-@runtime_checkable
-class ShardsExperts(Protocol):
-    """A module whose parameters stack ``num_experts`` experts along dim 0 and that can keep only
-    a shard of them (:class:`~lightning_dynmo.models.moe.GroupedExperts`).
-
-    ``shard_experts(shard)`` replaces each stacked parameter by its shard (new ``Parameter``
-    objects) and returns ``[(name, old, new)]``; a module already holding ``shard`` returns ``[]``.
-    While ``expert_shard`` is set, its forward takes tokens sorted by *global* expert with
-    ``[num_experts]`` counts and dispatches them with :func:`run_sharded_experts`."""
-
-    num_experts: int
-    expert_shard: ExpertShard | None
-
-    def shard_experts(self, shard: ExpertShard) -> list[tuple[str, nn.Parameter, nn.Parameter]]: ...
 
 
 def expert_modules(module: nn.Module) -> list[tuple[str, ShardsExperts]]:
@@ -161,10 +129,9 @@ class ExpertParallel:
 
     @classmethod
     def build(cls, topo: Topology, ep: int, rank: int, timeout: timedelta) -> "ExpertParallel | None":
-        global _ACTIVE
         check_expert_parallel(ep, topo.dp)
         if ep == 1:
-            _ACTIVE = None
+            set_expert_dispatch(None)
             return None
         mine = None
         for stage in range(topo.pp):
@@ -174,12 +141,17 @@ class ExpertParallel:
             if topo.pp_rank(rank) == stage:
                 d = topo.dp_rank(rank)
                 mine = cls(ExpertShard(d % ep, ep), peer_groups[d // ep], same_groups[d % ep], topo.dp // ep)
-        _ACTIVE = mine
+        set_expert_dispatch(mine)
         return mine
 
     @property
     def size(self) -> int:
         return self.shard.size
+
+    def dispatch(self, local: Callable[[Tensor, Tensor], Tensor], x: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """The sharded experts' forward (:class:`~lightning_dynmo.protocol.DispatchesExperts`):
+        :func:`run_sharded_experts` over this rank's group."""
+        return run_sharded_experts(local, x, counts, self)
 
     def sharded_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """``{qualified name: parameter}`` of the expert shards ``module`` holds, in name order."""
@@ -212,19 +184,6 @@ class ExpertParallel:
             dist.all_gather(parts, local, group=self.peers)
             out[name] = torch.cat(parts).cpu()
         return out
-
-
-_ACTIVE: ExpertParallel | None = None
-
-
-def active_expert_parallel() -> ExpertParallel:
-    """The process's expert-parallel setting (sharded expert layers need one to run)."""
-    if _ACTIVE is None:
-        raise RuntimeError(
-            "an expert layer holds a shard of its experts, but this process has no expert-parallel group; "
-            "sharded layers run only under DynMoStrategy(expert_parallel=...)"
-        )
-    return _ACTIVE
 
 
 class _AllToAll(torch.autograd.Function):

@@ -13,18 +13,18 @@ setup memory follows the rank's share of the model.
            model = GPT(config, seed=0)
 
    (or plain ``with torch.device("meta"):``, or layers created in ``configure_model`` under either);
-2. it implements :class:`InitializesPipelineLayers`::
+2. it implements :class:`~lightning_dynmo.protocol.InitializesPipelineLayers`::
 
        def init_pipeline_layer(self, index: int, layer: nn.Module) -> None
 
    which fills *every* parameter and buffer of pipeline layer ``index`` (already allocated on the
    CPU, with uninitialised memory) with exactly the values the same module gets when it is built
    on a real device. Two ways to make that hold: draw the values from a generator seeded by
-   ``(seed, index)`` alone (:func:`layer_seed`; :class:`~lightning_dynmo.models.GPT` does this
+   ``(seed, index)`` alone (:func:`~lightning_dynmo.protocol.layer_seed`; :class:`~lightning_dynmo.models.GPT` does this
    for its normal construction too, so a single-process model and a pipeline agree bit for bit),
    or read them from a checkpoint (:class:`~lightning_dynmo.models.hf.HFCausalLM` reads only the
    tensors of the layer from the safetensors files). Writing must be in place (``copy_``,
-   ``normal_``, ``fill_``...); :func:`materialize_layer` checks, through each tensor's version
+   ``normal_``, ``fill_``...); :func:`~lightning_dynmo.protocol.materialize_layer` checks, through each tensor's version
    counter, that every parameter and buffer was written, and names those that were not.
 
 **Order in** ``DynMoStrategy.setup`` (every step works on meta tensors until the last):
@@ -49,44 +49,20 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Protocol, runtime_checkable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
+from ..protocol.layer_init import MaterializationError, layer_tensors, materialize_layer
+
 __all__ = [
-    "InitializesPipelineLayers",
-    "MaterializationError",
     "MaterializeStats",
     "has_meta_tensors",
-    "layer_seed",
-    "materialize_layer",
     "materialize_pipeline",
     "meta_init_context",
     "rebind_optimizers",
 ]
-
-
-class MaterializationError(RuntimeError):
-    """A module built on the meta device cannot be turned into real tensors."""
-
-
-@runtime_checkable
-class InitializesPipelineLayers(Protocol):
-    """A LightningModule that can initialise one pipeline layer on its own (see module docstring)."""
-
-    def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
-        """Fill every parameter and buffer of pipeline layer ``index`` in place with the values
-        a single-process construction gives it."""
-
-
-def layer_seed(seed: int, index: int) -> int:
-    """A 63-bit seed for pipeline layer ``index`` of a model seeded with ``seed``: a SplitMix64
-    finaliser of both, so neighbouring seeds and layers get unrelated streams."""
-    z = (int(seed) * 0x9E3779B97F4A7C15 + (int(index) + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 @contextmanager
@@ -97,20 +73,15 @@ def meta_init_context() -> Iterator[None]:
         yield
 
 
-def _tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
-
-
 def has_meta_tensors(module: nn.Module) -> bool:
     """True when any parameter or buffer of ``module`` lives on the meta device."""
-    return any(t.is_meta for _, t in _tensors(module))
+    return any(t.is_meta for _, t in layer_tensors(module))
 
 
 def _meta_leftovers(module: nn.Module) -> list[str]:
     """Names of meta tensors anywhere in ``module``: parameters, buffers and torchmetrics states
     (metric states are plain attributes, which ``named_buffers`` does not list)."""
-    names = [n for n, t in _tensors(module) if t.is_meta]
+    names = [n for n, t in layer_tensors(module) if t.is_meta]
     for mod_name, m in module.named_modules():
         defaults = getattr(m, "_defaults", None)  # torchmetrics.Metric
         if isinstance(defaults, dict):
@@ -120,58 +91,6 @@ def _meta_leftovers(module: nn.Module) -> list[str]:
                 if any(torch.is_tensor(v) and v.is_meta for v in values):
                     names.append(f"{mod_name}.{state}" if mod_name else state)
     return names
-
-
-def materialize_layer(module: nn.Module, index: int, layer: nn.Module,
-                      device: torch.device | str = "cpu") -> dict[nn.Parameter, nn.Parameter]:
-    """Allocate pipeline layer ``index`` of ``module`` on ``device`` and let the module initialise
-    it (``module.init_pipeline_layer(index, layer)``). Returns ``{old meta parameter: new
-    parameter}`` for re-binding optimizers. Raises :class:`MaterializationError` when the module
-    cannot initialise layers or leaves a tensor of the layer unwritten."""
-    init = getattr(module, "init_pipeline_layer", None)
-    if not callable(init):
-        raise MaterializationError(
-            f"{type(module).__name__} was built on the meta device but does not define "
-            "init_pipeline_layer(index, layer), so DynMoStrategy cannot initialise the layers this rank owns. "
-            "Implement it (fill every parameter and buffer of the layer with the values a single-process "
-            "construction gives it; see lightning_dynmo.runtime.materialize), or build the model on a real "
-            "device (without trainer.init_module(empty_init=True) / torch.device('meta'))"
-        )
-    mapping, fresh = _allocate_meta_tensors(layer, torch.device(device))
-    versions = {id(t): t._version for t in fresh}
-    with torch.no_grad():
-        init(index, layer)
-    missed = [name for name, t in _tensors(layer) if t.is_meta or versions.get(id(t)) == t._version]
-    if missed:
-        raise MaterializationError(
-            f"{type(module).__name__}.init_pipeline_layer({index}, ...) left {len(missed)} tensor(s) of layer {index} "
-            f"({type(layer).__name__}) uninitialised: {missed[:8]}. It must write every parameter and buffer of the "
-            "layer in place (copy_, normal_, fill_, ...); until it does, build this model on a real device"
-        )
-    return mapping
-
-
-def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter], list[torch.Tensor]]:
-    """Replace every meta parameter and buffer of ``layer`` by uninitialised storage on ``device``
-    (what ``Module.to_empty`` does, but tensors already real keep their values). A tensor used
-    under several names is allocated once. Returns ``{old parameter: new}`` and the new tensors."""
-    memo: dict[int, torch.Tensor] = {}
-    mapping: dict[nn.Parameter, nn.Parameter] = {}
-    for m in layer.modules():
-        for name, p in list(m._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                mapping[p] = memo[id(p)]
-            m._parameters[name] = memo[id(p)]
-        for name, b in list(m._buffers.items()):
-            if b is None or not b.is_meta:
-                continue
-            if id(b) not in memo:
-                memo[id(b)] = torch.empty_like(b, device=device)
-            m._buffers[name] = memo[id(b)]
-    return mapping, list(memo.values())
 
 
 def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], mapping: dict[nn.Parameter, nn.Parameter]) -> None:
@@ -220,7 +139,7 @@ def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iter
         layer = layers[i]
         if has_meta_tensors(layer):
             mapping.update(materialize_layer(module, i, layer, device))
-            nbytes += sum(t.numel() * t.element_size() for _, t in _tensors(layer))
+            nbytes += sum(t.numel() * t.element_size() for _, t in layer_tensors(layer))
     rebind_optimizers(optimizers, mapping)
     leftovers = _meta_leftovers(module)
     if leftovers:

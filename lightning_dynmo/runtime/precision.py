@@ -36,11 +36,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
+from ..protocol.services import grad_scaler
+
 __all__ = [
     "SUPPORTED_PRECISIONS",
     "UnsupportedPrecisionError",
     "check_precision",
-    "grad_scaler",
     "install_found_inf_agreement",
     "pipeline_loss_fn",
     "unscale_losses",
@@ -81,12 +82,6 @@ def check_precision(plugin, optimizers=()) -> None:
                     f"cannot make its ranks agree on skipping a step with precision={name!r}; use a non-fused "
                     "optimizer (e.g. fused=False) or precision='bf16-mixed', which needs no grad scaler"
                 )
-
-
-def grad_scaler(plugin) -> torch.amp.GradScaler | None:
-    """The plugin's enabled grad scaler, if it has one."""
-    scaler = getattr(plugin, "scaler", None)
-    return scaler if scaler is not None and scaler.is_enabled() else None
 
 
 def pipeline_loss_fn(plugin, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):

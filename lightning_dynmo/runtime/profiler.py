@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .recompute import is_recomputing
+from ..protocol.services import is_recomputing
 from .torch_compat import PortablePipelineStage
 
 

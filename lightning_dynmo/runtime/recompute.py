@@ -23,7 +23,7 @@ What a layer must satisfy: its forward is a function of its input, parameters an
 recomputed from a different state; :class:`CheckpointedLayer` checks the buffers' version
 counters and raises a clear error instead of computing wrong gradients. Python-side counters
 (load factors, routing statistics) see the recomputed forward unless the layer asks
-:func:`is_recomputing` (the profiler does, so per-layer times stay per micro-batch: a layer's
+:func:`~lightning_dynmo.protocol.is_recomputing` (the profiler does, so per-layer times stay per micro-batch: a layer's
 recompute is part of its measured backward).
 
 For ``"auto"`` the runtime measures, once per micro-batch shape and layer, the bytes autograd
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import warnings
 from typing import Callable, Iterable
 
@@ -45,19 +44,16 @@ from torch.utils.checkpoint import checkpoint
 
 from ..plan.cost_model import CostModel, LayerCosts, choose_recompute
 from ..plan.partition import Partition
-from .activations import as_acts, call_layer
+from ..protocol.activations import as_acts, call_layer
+from ..protocol.services import Recomputing
 
 __all__ = [
     "ActivationCheckpointing",
     "CheckpointedLayer",
     "check_activation_checkpointing",
-    "is_recomputing",
     "layer_state_bytes",
     "saved_activation_bytes",
 ]
-
-_state = threading.local()
-
 
 def check_activation_checkpointing(mode, memory_capacity) -> bool | str:
     """Validate the option (``True``, ``False`` or ``"auto"``; ``"auto"`` needs a capacity)."""
@@ -73,25 +69,8 @@ def check_activation_checkpointing(mode, memory_capacity) -> bool | str:
     return mode
 
 
-def is_recomputing() -> bool:
-    """True while a checkpointed layer's forward is being recomputed during backward (on the
-    thread running that backward)."""
-    return getattr(_state, "depth", 0) > 0
-
-
-class _Recomputing:
-    """Marks a recompute (re-enterable: a zero-bubble schedule's weight pass may recompute a
-    layer a second time with the same context)."""
-
-    def __enter__(self) -> None:
-        _state.depth = getattr(_state, "depth", 0) + 1
-
-    def __exit__(self, *exc) -> None:
-        _state.depth -= 1
-
-
 def _contexts():
-    return contextlib.nullcontext(), _Recomputing()
+    return contextlib.nullcontext(), Recomputing()
 
 
 class CheckpointedLayer(nn.Module):

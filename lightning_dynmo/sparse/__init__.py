@@ -2,9 +2,9 @@
 (with a measured dense-vs-sparse dispatch so pruning never slows a layer), and block-sparse
 causal attention with hash-based dynamic layouts."""
 from ._ops import cuda_kernels_available, extension_available, extension_error
-from .attention import (BlockLayout, attention_kernel_available, block_sparse_attention,
-                        reference_block_sparse_attention)
+from .attention import attention_kernel_available, block_sparse_attention, reference_block_sparse_attention
 from .dispatch import crossover_density, maybe_sparsify
+from .layout import BlockLayout
 from .hash_layout import (HashPlan, draw_rotations, hash_buckets, hash_sort_plan, hash_sparse_attention,
                           local_window_layout)
 from .linear import MaskedLinear, SparseLinear

@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from . import _ops
+from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
-__all__ = ["BlockLayout", "block_sparse_attention", "reference_block_sparse_attention",
+__all__ = ["block_sparse_attention", "reference_block_sparse_attention",
            "attention_kernel_available", "KERNEL_BLOCK_SIZES", "BACKENDS", "resolve_backend"]
 
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
@@ -78,144 +79,6 @@ def attention_kernel_available(device: Union[str, torch.device] = "cpu",
     return False
 
 
-# --------------------------------------------------------------------------- layout
-class BlockLayout:
-    """Causal block layout of one attention call (see the module docstring for the format).
-
-    Build one with :meth:`from_block_mask` (any boolean ``[B, H, n, n]`` block mask; blocks above
-    the diagonal are dropped) or directly from ``row_ptr``/``col_idx``. The transposed layout the
-    backward needs is computed on first use with tensor ops on the layout's device and cached.
-    """
-
-    __slots__ = ("row_ptr", "col_idx", "block_size", "seq_len", "_transposed")
-
-    def __init__(self, row_ptr: Tensor, col_idx: Tensor, block_size: int, seq_len: int) -> None:
-        block_size, seq_len = int(block_size), int(seq_len)
-        if block_size < 1:
-            raise ValueError(f"block_size must be positive, got {block_size}")
-        if seq_len < 0:
-            raise ValueError(f"seq_len must be non-negative, got {seq_len}")
-        n = -(-seq_len // block_size)
-        if row_ptr.dtype != torch.int32 or col_idx.dtype != torch.int32:
-            raise TypeError(f"row_ptr and col_idx must be int32, got {row_ptr.dtype} and {col_idx.dtype}")
-        if row_ptr.dim() != 3 or row_ptr.shape[-1] != n + 1:
-            raise ValueError(f"row_ptr must have shape [B, H, ceil(T / block_size) + 1] = [B, H, {n + 1}] "
-                             f"for T={seq_len}, block_size={block_size}; got {tuple(row_ptr.shape)}")
-        if col_idx.dim() != 1:
-            raise ValueError(f"col_idx must be 1-D, got shape {tuple(col_idx.shape)}")
-        if row_ptr.device != col_idx.device:
-            raise ValueError("row_ptr and col_idx must be on the same device")
-        self.row_ptr = row_ptr.contiguous()
-        self.col_idx = col_idx.contiguous()
-        self.block_size = block_size
-        self.seq_len = seq_len
-        self._transposed: Optional[Tuple[Tensor, Tensor]] = None
-
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_block_mask(cls, mask: Tensor, block_size: int, seq_len: Optional[int] = None) -> "BlockLayout":
-        """Layout of the causal part of a boolean block mask ``[B, H, n, n]`` (query block, key
-        block). ``seq_len`` defaults to ``n * block_size``; a shorter one makes the last block ragged."""
-        if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
-            raise ValueError(f"block mask must be [B, H, n, n], got {tuple(mask.shape)}")
-        b, h, n, _ = mask.shape
-        seq_len = n * int(block_size) if seq_len is None else int(seq_len)
-        if -(-seq_len // int(block_size)) != n:
-            raise ValueError(f"a [.., {n}, {n}] block mask does not fit seq_len={seq_len} with "
-                             f"block_size={block_size} (needs {-(-seq_len // int(block_size))} blocks)")
-        causal = torch.ones(n, n, dtype=torch.bool, device=mask.device).tril_()
-        m = mask.bool() & causal
-        counts = m.sum(-1, dtype=torch.int64).reshape(-1)
-        flat = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=mask.device)
-        torch.cumsum(counts, 0, out=flat[1:])
-        heads = torch.arange(b * h, device=mask.device).unsqueeze(1) * n
-        row_ptr = flat[heads + torch.arange(n + 1, device=mask.device)].reshape(b, h, n + 1)
-        col_idx = m.nonzero()[:, 3]  # row-major: sorted by (b, h, query block, key block)
-        return cls(row_ptr.to(torch.int32), col_idx.to(torch.int32), block_size, seq_len)
-
-    # ------------------------------------------------------------------ views
-    @property
-    def n_blocks(self) -> int:
-        return self.row_ptr.shape[-1] - 1
-
-    @property
-    def batch(self) -> int:
-        return self.row_ptr.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.row_ptr.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.row_ptr.device
-
-    def active_blocks(self) -> int:
-        """Block pairs computed, over all batches and heads."""
-        return self.col_idx.numel()
-
-    def causal_blocks(self) -> int:
-        """Block pairs of dense causal attention (the denominator of :meth:`density`)."""
-        n = self.n_blocks
-        return self.batch * self.heads * n * (n + 1) // 2
-
-    def density(self) -> float:
-        """Active / causal block pairs: the fraction of dense causal attention's work done."""
-        return self.active_blocks() / max(1, self.causal_blocks())
-
-    def _rows(self) -> Tuple[Tensor, Tensor]:
-        """(head index b * H + h, query block) of every entry of ``col_idx``."""
-        n = self.n_blocks
-        counts = (self.row_ptr[..., 1:] - self.row_ptr[..., :-1]).reshape(-1).long()
-        rows = torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts,
-                                       output_size=self.col_idx.numel())
-        return rows // max(n, 1), rows % max(n, 1)
-
-    def block_mask(self) -> Tensor:
-        """Boolean ``[B, H, n, n]`` block mask (query block, key block)."""
-        n = self.n_blocks
-        mask = torch.zeros(self.batch * self.heads, n, n, dtype=torch.bool, device=self.device)
-        head, qb = self._rows()
-        mask[head, qb, self.col_idx.long()] = True
-        return mask.reshape(self.batch, self.heads, n, n)
-
-    def token_mask(self) -> Tensor:
-        """Boolean ``[B, H, T, T]`` mask of the attention the kernels compute (block mask and
-        causal), e.g. for ``scaled_dot_product_attention(..., attn_mask=...)``."""
-        t, bs = self.seq_len, self.block_size
-        blocks = torch.arange(t, device=self.device) // bs
-        tokens = self.block_mask()[:, :, blocks][:, :, :, blocks]
-        return tokens & torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
-
-    def transposed(self) -> Tuple[Tensor, Tensor]:
-        """``(col_ptr, row_idx)``: per key block the query blocks attending to it, same format.
-        Tensor ops only (no host sync on CUDA); cached."""
-        if self._transposed is None:
-            b, h, n = self.batch, self.heads, self.n_blocks
-            head, qb = self._rows()
-            key = head * n + self.col_idx.long()
-            order = torch.argsort(key, stable=True)  # entries are in query order within a head
-            counts = torch.zeros(b * h * n, dtype=torch.int64, device=self.device)
-            counts.scatter_add_(0, key, torch.ones_like(key))
-            flat = torch.zeros(b * h * n + 1, dtype=torch.int64, device=self.device)
-            torch.cumsum(counts, 0, out=flat[1:])
-            heads = torch.arange(b * h, device=self.device).unsqueeze(1) * n
-            col_ptr = flat[heads + torch.arange(n + 1, device=self.device)].reshape(b, h, n + 1)
-            self._transposed = (col_ptr.to(torch.int32), qb[order].to(torch.int32))
-        return self._transposed
-
-    def to(self, device) -> "BlockLayout":
-        device = torch.device(device)
-        if device == self.device:
-            return self
-        return BlockLayout(self.row_ptr.to(device), self.col_idx.to(device), self.block_size, self.seq_len)
-
-    def __repr__(self) -> str:
-        return (f"BlockLayout(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "
-                f"block_size={self.block_size}, active={self.active_blocks()}, "
-                f"density={self.density():.3f})")
-
-
 # --------------------------------------------------------------------------- reference
 def reference_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout,
                                      scale: Optional[float] = None,
@@ -230,26 +93,6 @@ def reference_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: Bl
         qs, ks, vs = (gather_slots(x, src) for x in (q, k, v))
         return scatter_slots(_masked_attention(qs, ks, vs, mask & (src < t).unsqueeze(-2), scale), src, t)
     return _masked_attention(q, k, v, mask, scale)
-
-
-def slot_sources(slot_token: Tensor, seq_len: int) -> Tensor:
-    """int64 ``[B, H, S]``: the token at each slot, ``seq_len`` for a padding slot."""
-    return torch.where(slot_token >= 0, slot_token.long(), seq_len)
-
-
-def gather_slots(x: Tensor, src: Tensor) -> Tensor:
-    """``x [B, H, T, D]`` in slot order ``[B, H, S, D]`` (zero rows at padding slots)."""
-    b, h, _, d = x.shape
-    idx = src.unsqueeze(-1).expand(b, h, src.shape[-1], d)
-    return torch.cat([x, x.new_zeros(b, h, 1, d)], dim=2).gather(2, idx)
-
-
-def scatter_slots(out: Tensor, src: Tensor, seq_len: int) -> Tensor:
-    """Inverse of :func:`gather_slots`: slot-order rows back to token order (padding dropped)."""
-    b, h, _, d = out.shape
-    slots = torch.arange(src.shape[-1], device=src.device).expand_as(src)
-    slot_of = torch.zeros(b, h, seq_len + 1, dtype=torch.long, device=src.device).scatter_(-1, src, slots)
-    return out.gather(2, slot_of[..., :seq_len].unsqueeze(-1).expand(b, h, seq_len, d))
 
 
 def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import BlockLayout, gather_slots, scatter_slots, slot_sources
+from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
 __all__ = ["FLEX_TILE", "flex_available", "flex_tile", "flex_block_mask", "flex_block_sparse_attention"]
 

@@ -59,7 +59,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .attention import BlockLayout, block_sparse_attention, resolve_backend
+from .attention import block_sparse_attention, resolve_backend
+from .layout import BlockLayout
 
 __all__ = ["draw_rotations", "hash_buckets", "HashPlan", "hash_sort_plan", "hash_sparse_attention",
            "local_window_layout", "max_slots", "HASH_CENTERS", "causal_center"]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
 from ..protocol import state_dict_key
-from ..runtime.merged_parameters import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
+from ..protocol.merges import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
 from ..runtime.optimizer_layout import OptimizerLayout
 from .collectives import explain_timeout
 from .state import RankPipeline

@@ -17,7 +17,7 @@ from tests.distributed.test_equivalence import BACKWARD_ORDER, CLIP, RTOL, _Loss
 from tests.support.multiproc import run_worker
 from tests.support.workers.common import make_loader, make_model
 
-from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.protocol.activations import run_layers
 
 pytestmark = pytest.mark.slow
 K = 2  # batches per optimizer step

@@ -23,7 +23,7 @@ EXPECTED = {
     "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
     "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different batches \(step 0\)",
     "checkpoint_two_optimizers": r"checkpoint has 2 optimizers, the module configures 1",
-    # the activation protocol (runtime/activations.py): at shape discovery, or mid-step after it
+    # the activation protocol (protocol/activations.py): at shape discovery, or mid-step after it
     "layer_returns_dict": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a dict; .*tuple of tensors",
     "layer_returns_non_tensor": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a tuple of 2 "
                                 r"\(\[2, 16, 32\], int\)",

@@ -25,8 +25,8 @@ from tests.support.workers.common import make_loader, make_model
 from tests.support.multiproc import run_worker
 
 from lightning_dynmo import available_balancers, available_schedules
-from lightning_dynmo.runtime.activations import run_layers
-from lightning_dynmo.runtime.merged_parameters import merge_optimizer_state, merges_of
+from lightning_dynmo.protocol.activations import run_layers
+from lightning_dynmo.protocol.merges import merge_optimizer_state, merges_of
 
 pytestmark = pytest.mark.slow
 SCHEDULES = available_schedules()
@@ -131,7 +131,7 @@ def microbatched_reference(cfg: dict, dp: int, microbatches: list[int] | None = 
             sched.step()
     finally:
         torch.set_num_threads(threads)
-    # in checkpoint naming (a chunked head's rows as one parameter, runtime/merged_parameters.py)
+    # in checkpoint naming (a chunked head's rows as one parameter, protocol/merges.py)
     fqn = {id(p): n for n, p in model.named_parameters()}
     names = dict(enumerate(fqn[id(p)] for g in opt.param_groups for p in g["params"]))
     opt_sd = merge_optimizer_state(opt.state_dict(), names, merges_of(model))

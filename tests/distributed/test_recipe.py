@@ -4,12 +4,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.multiproc import worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "recipes" / "train_gpt.py"
@@ -30,9 +31,7 @@ TINY = [
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["HYDRA_FULL_ERROR"] = "1"
+    env = worker_env(HYDRA_FULL_ERROR="1")  # this checkout's lightning_dynmo, as `pip install -e .` gives a user
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
         env.pop(k, None)  # never look like a launched child rank
     return env

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+
+from tests.support.multiproc import worker_env
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = {  # case -> (model class in the log line, callback, metric prefix the callback logs)
@@ -31,7 +32,7 @@ TINY = [
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    env = worker_env(HYDRA_FULL_ERROR="1")  # this checkout's lightning_dynmo, as `pip install -e .` gives a user
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
         env.pop(k, None)
     return env

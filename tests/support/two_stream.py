@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.runtime.activations import run_layers
+from lightning_dynmo.protocol.activations import run_layers
 
 VOCAB, WIDTH = 32, 16
 

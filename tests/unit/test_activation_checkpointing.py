@@ -11,11 +11,11 @@ from hypothesis import given, strategies as st
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.plan.cost_model import CostModel, LayerCosts, choose_recompute
 from lightning_dynmo.plan.partition import Partition
+from lightning_dynmo.protocol import is_recomputing
 from lightning_dynmo.runtime.recompute import (
     ActivationCheckpointing,
     CheckpointedLayer,
     check_activation_checkpointing,
-    is_recomputing,
     layer_state_bytes,
     saved_activation_bytes,
 )

@@ -1,4 +1,4 @@
-"""The tuple-activation convention (runtime/activations.py): pass-through, output checks, byte counts."""
+"""The tuple-activation convention (protocol/activations.py): pass-through, output checks, byte counts."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_dynmo import PipelineProtocolError, run_layers
-from lightning_dynmo.runtime.activations import call_layer, consumed, output_problem
+from lightning_dynmo.protocol.activations import call_layer, consumed, output_problem
 from lightning_dynmo.runtime.engine import TensorSpec, act_nbytes, act_spec
 
 

@@ -10,8 +10,8 @@ from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.models import GPT, GPTConfig, MoEGPT
 from lightning_dynmo.models.moe import GroupedExperts
 from lightning_dynmo.plan.topology import Topology
+from lightning_dynmo.protocol import ExpertShard
 from lightning_dynmo.runtime.expert_parallel import (
-    ExpertShard,
     _groups_of_stage,
     check_expert_parallel,
     check_expert_parallel_model,

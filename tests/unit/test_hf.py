@@ -294,7 +294,7 @@ def test_a_config_with_fewer_layers_than_the_weights_is_refused(tmp_path, arch):
 @pytest.mark.parametrize("keep", [100, 0.5])
 def test_a_truncated_safetensors_file_is_named(tmp_path, keep):
     """Issue 26 item 11: safetensors' own error does not say which file."""
-    from lightning_dynmo.models.hf_checkpoint import CheckpointFileError
+    from lightning_dynmo.models.hf.checkpoint import CheckpointFileError
 
     _, path = saved(tmp_path, "llama")
     file = path / "model.safetensors"

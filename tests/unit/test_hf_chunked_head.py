@@ -18,7 +18,7 @@ from lightning_dynmo.models.hf import HFCausalLM  # noqa: E402
 from lightning_dynmo.models.vocab_head import HeadChunk  # noqa: E402
 from lightning_dynmo.protocol import RemoteLayer  # noqa: E402
 from lightning_dynmo.runtime.materialize import materialize_pipeline  # noqa: E402
-from lightning_dynmo.runtime.merged_parameters import merge_state  # noqa: E402
+from lightning_dynmo.protocol.merges import merge_state  # noqa: E402
 from tests.unit.test_hf import configs  # noqa: E402
 
 V = 64  # the tiny configs' vocabulary: 3 chunks of it are 22, 21, 21 rows

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_dynmo.models.hf import HFCausalLM, HFPaddedDecoderLayer  # noqa: E402
 from lightning_dynmo.protocol import pipeline_layers_of  # noqa: E402
-from lightning_dynmo.runtime.activations import run_layers  # noqa: E402
+from lightning_dynmo.protocol.activations import run_layers  # noqa: E402
 from tests.unit.test_hf import configs, load, saved  # noqa: E402
 
 PAD = 63

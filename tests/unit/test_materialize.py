@@ -9,12 +9,8 @@ from torch import nn
 
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.protocol import RemoteLayer
-from lightning_dynmo.runtime.materialize import (
-    MaterializationError,
-    has_meta_tensors,
-    layer_seed,
-    materialize_pipeline,
-)
+from lightning_dynmo.protocol import MaterializationError, layer_seed
+from lightning_dynmo.runtime.materialize import has_meta_tensors, materialize_pipeline
 from lightning_dynmo.runtime.optimizer_layout import OptimizerLayout
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, mlp_ratios=(1, 4, 2, 3),

@@ -1,4 +1,4 @@
-"""The paper-scale projection (recipes.scenarios.projection, recipes/paper_scale.py) on a tiny
+"""The paper-scale projection (lightning_dynmo.sim.scenarios.projection, recipes/paper_scale.py) on a tiny
 grid, and the pieces it is built from: the measured profile, the Megatron layout, the MoE routing
 calibration, re-packing."""
 import json
@@ -11,8 +11,8 @@ import pytest
 
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.sim import Link
-from recipes.scenarios.projection import DEFAULTS, links, merged, project
-from recipes.scenarios import (CASES, DEFAULT_PROFILE, Profile, _softmax, dense, freezing,
+from lightning_dynmo.sim.scenarios.projection import DEFAULTS, links, merged, project
+from lightning_dynmo.sim.scenarios import (CASES, DEFAULT_PROFILE, Profile, _softmax, dense, freezing,
                                            logit_std_for_spread, megatron_gpt_layout, pruning, repack_projection)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_slow_changes_are_balanced_after_one_profiled_step():
     the old partition); one-iteration snapshots (per-step routing) on the previous one's."""
     from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
     from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
-    from recipes.scenarios import compare
+    from lightning_dynmo.sim.scenarios import compare
 
     model = CostModel(16)
     traj = freezing(24, Profile.from_flops(), snapshots=3)
@@ -161,7 +161,7 @@ def test_static_time_is_the_first_snapshots_time_balanced_split():
     """``static_time``: partition_time on the first snapshot, kept for the whole trajectory; a
     balancer cannot be both static and dynamic."""
     from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
-    from recipes.scenarios import STATIC, compare, freezing
+    from lightning_dynmo.sim.scenarios import STATIC, compare, freezing
     from lightning_dynmo.sim.simulate import matching_cost_model
 
     assert "static_time" in STATIC
@@ -177,7 +177,7 @@ def test_static_time_is_the_first_snapshots_time_balanced_split():
 
 
 def test_fine_granularity_layouts():
-    from recipes.scenarios.projection import layouts
+    from lightning_dynmo.sim.scenarios.projection import layouts
 
     lays = layouts(merged({"granularity": "fine", "head_chunks": 4}))
     assert list(lays) == ["fine", "sublayer", "block"] and lays["fine"]["head_chunks"] == 4

@@ -13,7 +13,7 @@ from lightning_dynmo.plan.schedules import available_schedules, get_schedule
 from lightning_dynmo.sim import DataParallel, Link, matching_cost_model, schedule_ops, simulate
 from lightning_dynmo.sim.simulate import boundary_links
 from lightning_dynmo.sim.calibrate import message_costs
-from recipes.scenarios import (CASES, Profile, compare, early_exit, freezing, load_profile, moe, pruning,
+from lightning_dynmo.sim.scenarios import (CASES, Profile, compare, early_exit, freezing, load_profile, moe, pruning,
                                            zhu_gupta)
 
 F, B = 1.0, 2.0

@@ -7,8 +7,8 @@ import pytest
 
 from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
 from lightning_dynmo.plan.cost_model import CostModel
-from recipes.scenarios import CASES, dense, freezing, load_profile, megatron_gpt_layout, moe, sparse_attention
-from recipes.scenarios.snapshot import STATS_BYTES_PER_TOKEN, TARGET_BYTES_PER_TOKEN, gpt_snapshot
+from lightning_dynmo.sim.scenarios import CASES, dense, freezing, load_profile, megatron_gpt_layout, moe, sparse_attention
+from lightning_dynmo.sim.scenarios.snapshot import STATS_BYTES_PER_TOKEN, TARGET_BYTES_PER_TOKEN, gpt_snapshot
 
 SUB = {"granularity": "sublayer", "head_chunks": 1}
 

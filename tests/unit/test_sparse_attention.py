@@ -15,7 +15,8 @@ from lightning_dynmo.models import GPT, Block, GPTConfig
 from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.protocol import ReportsLoad
 from lightning_dynmo.sparse import _ops
-from lightning_dynmo.sparse.attention import BlockLayout, block_attention_op, block_sparse_attention
+from lightning_dynmo.sparse.attention import block_attention_op, block_sparse_attention
+from lightning_dynmo.sparse.layout import BlockLayout
 from lightning_dynmo.sparse.hash_layout import (HASH_CENTERS, causal_center, draw_rotations, hash_buckets,
                                                 hash_sort_plan, hash_sparse_attention, local_window_layout)
 

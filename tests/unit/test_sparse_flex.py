@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_dynmo.models import GPT, GPTConfig
-from lightning_dynmo.sparse.attention import (BlockLayout, block_sparse_attention, gather_slots,
-                                              reference_block_sparse_attention, resolve_backend, scatter_slots,
-                                              slot_sources)
+from lightning_dynmo.sparse.attention import block_sparse_attention, reference_block_sparse_attention, resolve_backend
+from lightning_dynmo.sparse.layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 from lightning_dynmo.sparse.flex import flex_available, flex_block_mask, flex_block_sparse_attention, flex_tile
 from lightning_dynmo.sparse.hash_layout import hash_sort_plan, max_slots
 

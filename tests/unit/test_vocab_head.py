@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.models.early_exit import EarlyExitGPT
 from lightning_dynmo.models.vocab_head import HeadChunk, chunk_bounds
-from lightning_dynmo.runtime.merged_parameters import merge_optimizer_state, merge_state, split_optimizer_state
+from lightning_dynmo.protocol.merges import merge_optimizer_state, merge_state, split_optimizer_state
 
 
 def _pair(vocab: int, k: int, **kw) -> tuple[GPT, GPT]:

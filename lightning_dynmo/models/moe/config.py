@@ -4,9 +4,10 @@ Apart from the layers so that configurations can be built and checked without mo
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
+
+from .._config import ModelConfig
 
 __all__ = ["MoEConfig"]
 
@@ -15,7 +16,7 @@ _DROP_POLICIES = ("probs", "position")
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(ModelConfig):
     """Mixture-of-Experts settings (the dense settings stay in :class:`GPTConfig`).
 
     Args:
@@ -39,6 +40,8 @@ class MoEConfig:
             build, dtype and sizes allow it and as a loop otherwise; ``True`` requires the grouped
             GEMM; ``False`` always loops.
     """
+
+    argument: ClassVar[str] = "moe"
 
     num_experts: int = 8
     top_k: int = 2
@@ -82,21 +85,3 @@ class MoEConfig:
             )
         if self.expert_ratio is not None and not float(self.expert_ratio) > 0:
             raise ValueError(f"expert_ratio must be > 0 (or None for the block's mlp_ratio), got {self.expert_ratio}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_any(cls, config: MoEConfig | Mapping | None) -> MoEConfig:
-        """Accept a MoEConfig, a (OmegaConf) mapping, or None (defaults)."""
-        if config is None:
-            return cls()
-        if isinstance(config, MoEConfig):
-            return dataclasses.replace(config)
-        if isinstance(config, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(config) - fields
-            if unknown:
-                raise ValueError(f"unknown MoEConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
-            return cls(**{k: config[k] for k in config})
-        raise TypeError(f"moe must be a MoEConfig, dict or None, got {type(config).__name__}")

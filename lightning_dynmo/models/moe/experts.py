@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime.expert_parallel import ExpertShard, active_expert_parallel, run_sharded_experts
+from ...protocol.services import ExpertShard, expert_dispatch
 
 
 @functools.cache
@@ -47,7 +47,8 @@ class GroupedExperts(nn.Module):
     has it for the device and dtype and every row stride is a multiple of 16 bytes; otherwise it
     loops over experts. Both compute the same function.
 
-    Expert parallelism (:mod:`lightning_dynmo.runtime.expert_parallel`): after
+    Expert parallelism (:mod:`lightning_dynmo.runtime.expert_parallel`, reached through
+    :func:`lightning_dynmo.protocol.expert_dispatch`): after
     ``shard_experts(shard)`` the module holds only its shard's experts (``w1 [E / ep, C, H]``...)
     while ``num_experts`` stays the layer's total; ``forward`` still takes tokens sorted by global
     expert with ``[num_experts]`` counts and exchanges them with the replicas owning the others,
@@ -100,7 +101,7 @@ class GroupedExperts(nn.Module):
         """Outputs of ``x``'s rows and the rows each expert shard of the layer received
         (``[expert_parallel]``, on the device; unsharded: one shard, ``counts.sum()``)."""
         if self.expert_shard is not None:
-            return run_sharded_experts(self._local, x, counts, active_expert_parallel())
+            return expert_dispatch().dispatch(self._local, x, counts)
         return self._local(x, counts), counts.sum().view(1)
 
     def _local(self, x: Tensor, counts: Tensor) -> Tensor:

@@ -1,29 +1,27 @@
 """Writing an :class:`~lightning_dynmo.models.hf.HFCausalLM` back in Hugging Face's format: its
 weights under their ``transformers`` names (a chunked head's rows joined into one matrix) and a
-``save_pretrained`` directory that ``transformers.AutoModelForCausalLM`` loads."""
+``save_pretrained`` directory that ``transformers.AutoModelForCausalLM`` loads. The model comes in
+as an argument (``model.py`` calls these), so this module does not import it."""
 from __future__ import annotations
 
 import copy
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
+from torch import nn
 
-from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS
-from lightning_dynmo.runtime.merged_parameters import merge_state
-
-if TYPE_CHECKING:
-    from lightning_dynmo.models.hf import HFCausalLM
+from ...protocol import RemoteLayer
+from ...protocol.merges import merge_state
+from .checkpoint import DISK_LAYOUTS
 
 __all__ = ["hf_state_dict", "save_pretrained"]
 
 
-def hf_state_dict(model: "HFCausalLM", state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """See :meth:`HFCausalLM.hf_state_dict`."""
     if state_dict is None:
-        from lightning_dynmo.protocol import RemoteLayer
-
         remote = [i for i, layer in enumerate(model.layers) if isinstance(layer, RemoteLayer)]
         if remote:
             raise ValueError(
@@ -43,7 +41,7 @@ def hf_state_dict(model: "HFCausalLM", state_dict: Mapping[str, torch.Tensor] | 
     return out
 
 
-def save_pretrained(model: "HFCausalLM", directory: str | os.PathLike,
+def save_pretrained(model: nn.Module, directory: str | os.PathLike,
                     state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
     """See :meth:`HFCausalLM.save_pretrained`."""
     from safetensors.torch import save_file

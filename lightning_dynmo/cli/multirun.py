@@ -1,4 +1,4 @@
-"""Hydra multirun (``-m``) with Lightning's script launcher.
+"""Hydra multirun (``-m``) with Lightning's script launcher (the GPT recipe calls it).
 
 Lightning starts ranks > 0 by re-running the script with ``sys.argv[1:]`` plus
 ``hydra.run.dir=<HydraConfig run.dir>``. Under ``-m`` that command would be the whole sweep again

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from .moe import MoEConfig
+    from .config import MoEConfig
 
 
 @dataclass

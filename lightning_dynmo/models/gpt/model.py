@@ -7,7 +7,7 @@ tensor to one tensor:
 
 With ``GPTConfig(head_chunks=k)`` the head is ``k`` ``HeadChunk`` layers (models/vocab_head.py,
 ``L = n_layer + 2 + k``) and the targets enter the pipeline with the tokens (``pipeline_inputs``),
-passing through the other layers untouched (runtime/activations.py).
+passing through the other layers untouched (protocol/activations.py).
 
 Pipeline protocol (what the strategy relies on):
 
@@ -22,185 +22,22 @@ Pipeline protocol (what the strategy relies on):
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.sparse.attention import BACKENDS
-from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
-from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
-from lightning_dynmo.models.granularity import GRANULARITIES, apply_granularity, skip_draws, state_dict_key
-from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
-from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
-from lightning_dynmo.models.vocab_head import (
+from ...protocol import layer_seed, run_layers
+from .._lm import CausalLMModule
+from ..vocab_head import (
     HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
-from lightning_dynmo.runtime.activations import run_layers
-from lightning_dynmo.runtime.materialize import layer_seed
+from .config import GPTConfig
+from .granularity import apply_granularity, skip_draws, state_dict_key
+from .hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
+from .layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
 
-__all__ = [
-    "GPTConfig",
-    "Embedding",
-    "CausalSelfAttention",
-    "MLP",
-    "Block",
-    "FinalNorm",
-    "Head",
-    "GPT",
-    "WarmupCosine",
-    "HashSparseSelfAttention",
-    "SparseAttentionBlock",
-    "set_hash_step",
-    "ATTENTION_KINDS",
-]
-
-# Attention per block: "dense" (SDPA, causal) or "hash_sparse" (hash-bucketed block-sparse
-# attention, lightning_dynmo.sparse.hash_layout: a token sees earlier tokens of its bucket).
-ATTENTION_KINDS = ("dense", "hash_sparse")
-
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 256
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True
-    mlp_ratio: float = 4
-    # Optional per-block MLP width ratio (len == n_layer) for heterogeneous layer stacks.
-    mlp_ratios: tuple | None = None
-    # "dense" | "hash_sparse" for every block, or a tuple with one entry per block.
-    attention: str | tuple = "dense"
-    attention_block: int = 64  # layout block size of hash_sparse attention (kernels: 16/32/64/128)
-    nb_hash: int | tuple = 4  # hash buckets per head (density ~ 1 / nb_hash), or one entry per block
-    hash_redraw: bool = False  # new hash rotations every training step (default: fixed per layer)
-    # what the hash sees: "causal" = keys minus their running mean over positions <= t, so a
-    # direction all keys share (training grows one) does not send every token to one bucket;
-    # "causal_std" also divides by the running std; "none" = the raw keys
-    hash_center: str = "causal"
-    # "auto" (FlexAttention on CUDA, our kernels on the CPU) | "kernel" | "flex"
-    attention_backend: str = "auto"
-    # GPT-2's weight tying: the LM head uses the token embedding's matrix (one parameter, used by
-    # the first and the last pipeline layer; DynMoStrategy keeps one copy per owning rank and sums
-    # their gradients before each step, Megatron's way)
-    tie_embeddings: bool = False
-    # the LM head + cross-entropy as this many pipeline layers over vocabulary slices, streaming
-    # an online softmax (models/vocab_head.py): the full logits never exist; 1 = one Head layer
-    head_chunks: int = 1
-    # what the pipeline's layers are: "block" (whole transformer blocks), "sublayer" (each
-    # block's attention half and MLP half are separate layers) or "fine" (five pieces per block,
-    # cut inside the halves; models/granularity.py)
-    pipeline_granularity: str = "block"
-
-    def __post_init__(self) -> None:
-        if self.mlp_ratios is not None:
-            self.mlp_ratios = tuple(self.mlp_ratios)  # lists from YAML/OmegaConf become tuples
-            if len(self.mlp_ratios) != self.n_layer:
-                raise ValueError(
-                    f"mlp_ratios has {len(self.mlp_ratios)} entries but n_layer={self.n_layer}"
-                )
-        if not isinstance(self.attention, str):
-            self.attention = tuple(self.attention)  # lists from YAML/OmegaConf become tuples
-            if len(self.attention) != self.n_layer:
-                raise ValueError(f"attention has {len(self.attention)} entries but n_layer={self.n_layer}")
-        for kind in (self.attention,) if isinstance(self.attention, str) else self.attention:
-            if kind not in ATTENTION_KINDS:
-                raise ValueError(f"attention must be one of {ATTENTION_KINDS} (or a per-layer tuple), got {kind!r}")
-        if not isinstance(self.nb_hash, (int, float)):
-            self.nb_hash = tuple(self.nb_hash)  # lists from YAML/OmegaConf become tuples
-            if len(self.nb_hash) != self.n_layer:
-                raise ValueError(f"nb_hash has {len(self.nb_hash)} entries but n_layer={self.n_layer}")
-        for nb in (self.nb_hash,) if isinstance(self.nb_hash, (int, float)) else self.nb_hash:
-            if int(nb) != nb or nb < 1:
-                raise ValueError(f"nb_hash must be an integer >= 1 (or a per-layer tuple of them), got {nb!r}")
-        if self.hash_center not in HASH_CENTERS:
-            raise ValueError(f"hash_center must be one of {HASH_CENTERS}, got {self.hash_center!r}")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
-        if int(self.attention_block) != self.attention_block or self.attention_block < 1:
-            raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
-        if not isinstance(self.tie_embeddings, bool):
-            raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
-        if int(self.head_chunks) != self.head_chunks or not 1 <= self.head_chunks <= self.vocab_size:
-            raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={self.vocab_size}, "
-                             f"got {self.head_chunks!r}")
-        if self.head_chunks > 1 and self.tie_embeddings:
-            raise ValueError("tie_embeddings=True needs head_chunks=1: a chunked head splits the LM head's matrix "
-                             "into one parameter per vocabulary slice, which cannot be the embedding's one matrix; "
-                             "untie the embedding or use one head chunk")
-        if self.pipeline_granularity not in GRANULARITIES:
-            raise ValueError(f"pipeline_granularity must be one of {GRANULARITIES}, got {self.pipeline_granularity!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-    def block_mlp_ratio(self, i: int) -> float:
-        return self.mlp_ratio if self.mlp_ratios is None else self.mlp_ratios[i]
-
-    def layer_attention(self, i: int) -> str:
-        return self.attention if isinstance(self.attention, str) else self.attention[i]
-
-    def layer_nb_hash(self, i: int) -> int:
-        return int(self.nb_hash if isinstance(self.nb_hash, (int, float)) else self.nb_hash[i])
-
-    def to_dict(self) -> dict:
-        """Plain dict (tuples -> lists) so checkpoints/hparams.yaml stay portable."""
-        d = dataclasses.asdict(self)
-        if d["mlp_ratios"] is not None:
-            d["mlp_ratios"] = list(d["mlp_ratios"])
-        if not isinstance(d["attention"], str):
-            d["attention"] = list(d["attention"])
-        if isinstance(d["nb_hash"], tuple):
-            d["nb_hash"] = list(d["nb_hash"])
-        return d
-
-    @classmethod
-    def from_any(cls, config: "GPTConfig | Mapping | str | None") -> "GPTConfig":
-        """Accept a GPTConfig, a (OmegaConf) mapping, a preset name, or None (defaults)."""
-        if config is None:
-            return cls()
-        if isinstance(config, GPTConfig):
-            return dataclasses.replace(config)
-        if isinstance(config, str):
-            return cls.preset(config)
-        if isinstance(config, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(config) - fields
-            if unknown:
-                raise ValueError(f"unknown GPTConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
-            return cls(**{k: config[k] for k in config})
-        raise TypeError(f"config must be GPTConfig, dict, preset name or None, got {type(config)}")
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "GPTConfig":
-        """Named sizes. ``overrides`` replace preset fields (e.g. ``vocab_size=256`` for bytes)."""
-        if name not in _PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; valid presets: {sorted(_PRESETS)}")
-        return cls(**{**_PRESETS[name], **overrides})
-
-    @staticmethod
-    def preset_names() -> list[str]:
-        return sorted(_PRESETS)
-
-
-_PRESETS: dict[str, dict[str, Any]] = {
-    # unit tests: milliseconds per step
-    "tiny": dict(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32),
-    # README main job on 2 CPU cores (~2.7M params, byte-level)
-    "small-cpu": dict(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=192),
-    # GPT-2 sizes (vocab padded to 50304 like nanoGPT); override vocab_size=256 for byte data
-    "gpt2": dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(vocab_size=50304, block_size=1024, n_layer=24, n_head=16, n_embd=1024),
-}
+__all__ = ["GPT"]
 
 
 class GPT(CausalLMModule):
@@ -330,7 +167,7 @@ class GPT(CausalLMModule):
 
     def pipeline_inputs(self, idx: torch.Tensor, targets: torch.Tensor):
         """What enters the first layer: the tokens, and with a chunked head also the targets
-        (carried past the blocks to the head chunks, see runtime/activations.py)."""
+        (carried past the blocks to the head chunks, see protocol/activations.py)."""
         return idx if self.config.head_chunks == 1 else (idx, targets)
 
     def pipeline_layer_units(self) -> tuple[int, ...]:
@@ -350,7 +187,7 @@ class GPT(CausalLMModule):
 
     def checkpoint_merges(self) -> dict[str, list[tuple[str, int]]]:
         """The chunked head's rows as one ``layers.<head>.lm_head.weight`` in checkpoints
-        (runtime/merged_parameters.py), so a run resumes under another ``head_chunks``."""
+        (protocol/merges.py), so a run resumes under another ``head_chunks``."""
         return head_merges(self.head_index, self.config.vocab_size, self.config.head_chunks)
 
     @property

@@ -48,7 +48,7 @@ LM head with a bias is refused (none of the supported architectures has one).
 
 **Padding.** ``HFCausalLM(..., pad_token_id=p)`` treats tokens ``p`` as padding (Megatron derives
 its masks from a token id the same way): the embedding layer returns ``(h, keep)`` with
-``keep = ids != p`` (:class:`~lightning_dynmo.models.hf_layers.HFPaddedEmbedding`), the pair crosses
+``keep = ids != p`` (:class:`~lightning_dynmo.models.hf.layers.HFPaddedEmbedding`), the pair crosses
 stages as a tuple activation, and every decoder layer builds the mask the model's own forward
 builds for ``attention_mask=keep`` (left or right padding; positions stay ``0..T-1``, as that
 forward's without ``position_ids``). Pick an id that real text does not contain (GPT-2's usual
@@ -66,10 +66,10 @@ file headers, on every rank) and a mismatch is reported by name.
 Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``, ``mixtral``.
 Mixtral is Mistral with a sparse MoE block (``MixtralSparseMoeBlock``: top-k router + fused
 experts) in every decoder layer; its published files store the experts per expert, which
-:mod:`~lightning_dynmo.models.hf_checkpoint` fuses per layer on load and splits on save.
+:mod:`~lightning_dynmo.models.hf.checkpoint` fuses per layer on load and splits on save.
 
 **Mixtral's router loss under the pipeline**: per layer and per sequence, so pipeline training
-equals single-process training (:func:`~lightning_dynmo.models.hf_layers.router_balance_loss`
+equals single-process training (:func:`~lightning_dynmo.models.hf.layers.router_balance_loss`
 says how it relates to ``MixtralForCausalLM``'s pooled loss).
 
 Mixtral's block is dropless: every token goes through exactly ``k`` experts, so a layer's work
@@ -87,19 +87,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.models._aux_loss import configure_aux_loss, reset_aux_loss
-from lightning_dynmo.models._lm import CausalLMModule
-from lightning_dynmo.models.hf_arch import (  # noqa: F401  (_Arch: re-exported)
-    SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError, _Arch, _check_architecture, load_config)
-from lightning_dynmo.models import hf_export
-from lightning_dynmo.models.hf_checkpoint import DISK_LAYOUTS, CheckpointReader
-from lightning_dynmo.models.hf_layers import (  # noqa: F401  (_first, _mask_function: re-exported)
-    HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, HFPaddedDecoderLayer, HFPaddedEmbedding, HFPaddedFinalNorm,
-    _first, _mask_function, router_balance_loss)
-from lightning_dynmo.models.vocab_head import (
+from ...protocol import layer_seed, materialize_layer, run_layers
+from .._aux_loss import configure_aux_loss, reset_aux_loss
+from .._lm import CausalLMModule
+from ..vocab_head import (
     HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
-from lightning_dynmo.runtime.activations import run_layers
-from lightning_dynmo.runtime.materialize import layer_seed, materialize_layer
+from . import export
+from .arch import SUPPORTED_ARCHITECTURES, load_config
+from .checkpoint import DISK_LAYOUTS, CheckpointReader
+from .layers import (HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, HFPaddedDecoderLayer, HFPaddedEmbedding,
+                     HFPaddedFinalNorm)
 
 try:  # optional dependency: pip install -e ".[hf]"
     import transformers
@@ -108,8 +105,7 @@ except ImportError:  # pragma: no cover - exercised where transformers is missin
     transformers = None
     PretrainedConfig = Any  # type: ignore[misc,assignment]
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "HFCausalLM", "HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead",
-           "UnsupportedArchitectureError", "CheckpointMismatchError", "router_balance_loss"]
+__all__ = ["CheckpointMismatchError", "HFCausalLM"]
 
 
 class CheckpointMismatchError(ValueError):
@@ -386,7 +382,7 @@ class HFCausalLM(CausalLMModule):
 
     def pipeline_inputs(self, ids: torch.Tensor, targets: torch.Tensor):
         """What enters the first layer: the token ids, and with a chunked head also the targets
-        (carried past the other layers to the head chunks, see runtime/activations.py)."""
+        (carried past the other layers to the head chunks, see protocol/activations.py)."""
         return ids if self.head_chunks == 1 else (ids, targets)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -398,7 +394,7 @@ class HFCausalLM(CausalLMModule):
 
     def checkpoint_merges(self) -> dict[str, list[tuple[str, int]]]:
         """The chunked head's rows as one ``layers.<head_index>.lm_head.weight`` in checkpoints
-        (runtime/merged_parameters.py); none for one head layer."""
+        (protocol/merges.py); none for one head layer."""
         return head_merges(self.head_index, self.hf_config.vocab_size, self.head_chunks)
 
     def lm_loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -410,19 +406,19 @@ class HFCausalLM(CausalLMModule):
         """Logits ``[B, T, V]`` (with a chunked head built from its slices: inspection and sampling)."""
         return logits_through(self.layers, self.head_chunks, ids)
 
-    # ------------------------------------------------------------------ export (models/hf_export.py)
+    # ------------------------------------------------------------------ export (models/hf/export.py)
     def hf_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The weights under their Hugging Face names, from ``state_dict`` (this module's format,
         e.g. ``strategy.lightning_module_state_dict()`` on rank 0 or a Lightning checkpoint's
         ``state_dict``) or from this module, which must then hold every layer."""
-        return hf_export.hf_state_dict(self, state_dict)
+        return export.hf_state_dict(self, state_dict)
 
     def save_pretrained(self, directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the format ``from_pretrained`` (ours and
         ``transformers.AutoModelForCausalLM``'s) reads; Mixtral's experts per expert, as the published
         files and ``transformers``' own ``save_pretrained`` store them. An untied model is saved
         with ``tie_word_embeddings=False``."""
-        hf_export.save_pretrained(self, directory, state_dict)
+        export.save_pretrained(self, directory, state_dict)
 
 
 def _warn_untied(cfg) -> None:

@@ -4,7 +4,7 @@ A module trains with ``DynMoStrategy`` when it defines
 
 * ``pipeline_layers() -> nn.ModuleList``: the registered ModuleList (same object every call) of
   its ordered layers, embedding first and head last; each layer maps a tensor, or a tuple of
-  tensors of fixed arity, to the next (``runtime/activations.py``: called as ``layer(*tensors)``;
+  tensors of fixed arity, to the next (``protocol/activations.py``: called as ``layer(*tensors)``;
   tensors a layer's ``forward`` does not take pass through after its outputs);
 * ``pipeline_loss(output, target) -> Tensor``: a scalar (0-dim) mean loss of one micro-batch on
   the last layer's output (checked at the first step: a non-scalar fails on every rank).
@@ -12,7 +12,7 @@ A module trains with ``DynMoStrategy`` when it defines
 Batches are ``(inputs, targets)``. An optional ``pipeline_inputs(inputs, targets)`` returns what
 enters the first layer (default: ``inputs``), e.g. ``(inputs, targets)`` for a head that computes
 the loss inside the pipeline. An optional ``checkpoint_merges()`` names parameters the layers keep
-in pieces (``runtime/merged_parameters.py``) so checkpoints do not depend on the split. The strategy replaces the layers a rank does not own with
+in pieces (``protocol/merges.py``) so checkpoints do not depend on the split. The strategy replaces the layers a rank does not own with
 :class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
 A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
 user keeps a copy and the owners sum its gradient each step (see ``runtime/tied.py``); a buffer

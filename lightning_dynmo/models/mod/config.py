@@ -5,10 +5,11 @@ and validation need no model code; ``lightning_dynmo.models.mod`` re-exports eve
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
+
+from .._config import ModelConfig
 
 __all__ = ["GATES", "ROUTING_MODES", "MoDConfig", "check_capacity", "check_predictor_threshold"]
 
@@ -17,7 +18,7 @@ GATES = ("sigmoid", "raw")
 
 
 @dataclass
-class MoDConfig:
+class MoDConfig(ModelConfig):
     """Mixture-of-Depths settings (see :mod:`lightning_dynmo.models.mod`).
 
     Args:
@@ -44,6 +45,8 @@ class MoDConfig:
             within 0.01 of each other for hundreds of steps, so every token lands on one side of
             the threshold (all or none picked).
     """
+
+    argument: ClassVar[str] = "mod"
 
     capacity: float = 0.125
     every: int = 2
@@ -86,23 +89,6 @@ class MoDConfig:
 
     def is_mod_block(self, i: int) -> bool:
         return (i + 1) % self.every == 0
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_any(cls, config: "MoDConfig | Mapping | None") -> "MoDConfig":
-        if config is None:
-            return cls()
-        if isinstance(config, MoDConfig):
-            return dataclasses.replace(config)
-        if isinstance(config, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = set(config) - fields
-            if unknown:
-                raise ValueError(f"unknown MoDConfig keys {sorted(unknown)}; valid: {sorted(fields)}")
-            return cls(**{k: config[k] for k in config})
-        raise TypeError(f"mod must be a MoDConfig, a dict or None, got {type(config).__name__}")
 
 
 def check_predictor_threshold(value: str | float) -> str | float:

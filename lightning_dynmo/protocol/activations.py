@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..protocol import PipelineProtocolError
+from .module import PipelineProtocolError
 
 __all__ = ["as_acts", "call_layer", "consumed", "describe", "output_problem", "run_layers", "unpack"]
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_dynmo.models.gpt import GPTConfig
+    from .config import GPTConfig
 
 __all__ = ["Embedding", "CausalSelfAttention", "MLP", "Block", "FinalNorm", "Head"]
 

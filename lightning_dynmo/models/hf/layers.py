@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 from torch import nn
 
-from lightning_dynmo.models._aux_loss import attach_aux_loss
-from lightning_dynmo.models.moe_router import load_balancing_loss
+from .._aux_loss import attach_aux_loss
+from ..moe.router import load_balancing_loss
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

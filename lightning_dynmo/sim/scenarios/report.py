@@ -86,7 +86,7 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
         "embedding and LM head + loss included as pipeline layers"
         + (f" (head cost x {cfg['head_scale']})" if cfg["head_scale"] != 1.0 else "") + ". "
         "How each dynamism changes those costs over training is a synthetic model whose parameters and "
-        "sources are listed in `recipes/scenarios/__init__.py`. Schedule "
+        "sources are listed in `lightning_dynmo/sim/scenarios/__init__.py`. Schedule "
         f"`{sched}`, {cfg['microbatches_per_stage']} x stages micro-batches, data parallelism "
         f"{cfg['data_parallel']['replicas']}-way ({cfg['data_parallel']['moe_replicas']}-way for MoE/MoD, expert "
         f"parallel over it), {cfg['network']['gpus_per_node']} GPUs per node (NVLink inside, InfiniBand between), "

@@ -40,31 +40,15 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
-from .gpt import GPT, Block, GPTConfig
-from .granularity import AttentionHalf, MLPHalf
-from .moe_config import _DROP_POLICIES, _SCORE_FUNCS, MoEConfig  # noqa: F401  (re-exported: their old home)
-from .moe_experts import GroupedExperts, SwiGLU
-from .moe_load import MoELoad, RoutingCounts, RoutingStats, _records_routing, routed_tokens  # noqa: F401
-from .moe_router import Routing, TopKRouter, load_balancing_loss, router_z_loss
+from .._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
+from ..gpt import GPT, Block, GPTConfig
+from ..gpt.granularity import AttentionHalf, MLPHalf
+from .config import MoEConfig
+from .experts import GroupedExperts, SwiGLU
+from .load import MoELoad, RoutingCounts, RoutingStats, _records_routing, routed_tokens
+from .router import TopKRouter, load_balancing_loss, router_z_loss
 
-__all__ = [
-    "GroupedExperts",
-    "MoEBlock",
-    "MoEConfig",
-    "MoEGPT",
-    "MoEHalf",
-    "MoELayer",
-    "Routing",
-    "RoutingCounts",
-    "RoutingStats",
-    "SwiGLU",
-    "TopKRouter",
-    "has_moe_mlp",
-    "install_moe",
-    "load_balancing_loss",
-    "router_z_loss",
-]
+__all__ = ["MoEBlock", "MoEGPT", "MoEHalf", "MoELayer", "has_moe_mlp", "install_moe", "moe_block_ids"]
 
 
 class MoELayer(nn.Module):

@@ -4,7 +4,7 @@ data parallelism, all balancers and re-packing; a Markdown report, one PNG and a
 Driven by ``recipes/paper_scale.py`` (Hydra, ``conf/paper_scale.yaml``); :func:`project` takes a
 plain dict with the same keys, so tests run it on a tiny grid. Everything here is *simulated*: the
 per-layer costs are a measured H100 profile of the paper's GPT block changed by synthetic models
-of each case (:mod:`recipes.scenarios`, which lists every parameter's source).
+of each case (:mod:`lightning_dynmo.sim.scenarios`, which lists every parameter's source).
 
 Each cell is simulated at the headline ``granularity`` (``fine``, the default: five pieces per
 block; ``sublayer``: attention and MLP halves; both with the LM head + loss in ``head_chunks``
@@ -250,7 +250,7 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         "benchmark": "paper_scale",
         "simulated": True,
         "costs": f"per-layer costs {profile.source}; dynamism: synthetic models "
-                 "(recipes/scenarios/__init__.py lists every parameter and its source)",
+                 "(lightning_dynmo/sim/scenarios/__init__.py lists every parameter and its source)",
         "profile": profile.name,
         "head_scale": cfg["head_scale"],
         "schedule": cfg["schedule"],

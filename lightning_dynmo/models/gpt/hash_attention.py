@@ -1,6 +1,6 @@
 """GPT blocks with hash-based dynamic sparse attention (``GPTConfig(attention="hash_sparse")``):
 the attention, its block-density counters, and the block that reports its load to the strategy
-(the ReportsLoad protocol), apart from the dense layers in :mod:`~lightning_dynmo.models.gpt_layers`."""
+(the ReportsLoad protocol), apart from the dense layers in :mod:`~lightning_dynmo.models.gpt.layers`."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_dynmo.models.gpt_layers import Block, CausalSelfAttention
-from lightning_dynmo.models.granularity import AttentionHalf, MLPHalf
 from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_attention
 
+from .granularity import AttentionHalf, MLPHalf
+from .layers import Block, CausalSelfAttention
+
 if TYPE_CHECKING:
-    from lightning_dynmo.models.gpt import GPTConfig
+    from .config import GPTConfig
 
 __all__ = ["HashSparseSelfAttention", "SparseAttentionBlock", "SparseAttentionHalf", "SparseAttentionLoad", "set_hash_step"]
 

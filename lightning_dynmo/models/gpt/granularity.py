@@ -11,7 +11,7 @@ A balancer can only be as even as the pieces it moves. ``GPTConfig(pipeline_gran
 * ``"fine"``: five layers per (plain) block, cut inside the halves so a stage can end mid-attention
   or mid-MLP: LN 1 + QKV | attention core | output projection + residual | LN 2 + fc1 + GELU |
   fc2 + residual (:data:`FINE_PIECES`). A cut inside a half carries the intermediate *and* the
-  residual stream, a tuple of two tensors (runtime/activations.py); the wider boundary is the cost
+  residual stream, a tuple of two tensors (protocol/activations.py); the wider boundary is the cost
   model's to weigh (the simulator's ``granularity="fine"`` counts its bytes).
 
 The halves hold the block's own submodules (``ln_1``, ``attn`` | ``ln_2``, ``mlp``), so parameter
@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dynmo.models.gpt_layers import Block
+from .config import GRANULARITIES
+from .layers import Block
 
 __all__ = [
     "FINE_PIECES",
@@ -57,7 +58,6 @@ __all__ = [
     "state_dict_key",
 ]
 
-GRANULARITIES = ("block", "sublayer", "fine")
 _LAYERS = "layers"  # the GPT's layer list: the prefix of its state-dict keys
 
 

@@ -63,16 +63,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime.recompute import is_recomputing
-from ._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
-from ._packing import pack, packed_attention, unpack
-from .gpt import GPT, Block, GPTConfig
-from .granularity import check_block_granularity
-from .mod_config import (  # noqa: F401  (all re-exported: this was their module)
-    GATES, ROUTING_MODES, MoDConfig, check_capacity, check_predictor_threshold)
-from .moe import MoEConfig, RoutingCounts, has_moe_mlp, install_moe, moe_block_ids
+from ...protocol.services import is_recomputing
+from .._aux_loss import attach_aux_loss, configure_aux_loss, reset_aux_loss
+from .._packing import pack, packed_attention, unpack
+from ..gpt import GPT, Block, GPTConfig
+from ..gpt.granularity import check_block_granularity
+from ..moe import MoEConfig, RoutingCounts, has_moe_mlp, install_moe, moe_block_ids
+from .config import MoDConfig, check_capacity
 
-__all__ = ["MoDConfig", "MoDBlock", "MoDGPT", "ROUTING_MODES", "GATES"]
+__all__ = ["MoDBlock", "MoDGPT"]
 
 
 class MoDBlock(Block):
