@@ -1,6 +1,7 @@
 """lightning_dynmo: pipeline-parallel Lightning training that rebalances dynamic models live.
 
-``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``.
+``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``,
+and the Hydra structured config ``strategy/dynmo_options`` (made from ``PipelineOptions``).
 """
 from .plan.balancers import (
     BalanceProblem,
@@ -20,8 +21,11 @@ from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, Repor
 from .plan.schedules import available_schedules
 from .runtime.activations import run_layers
 from .strategy import DynMoStrategy
+from .strategy.hydra_config import register_strategy_config
 from .strategy.partial_batch import PartialBatchError
 from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError
+
+register_strategy_config()
 
 __all__ = [
     "BalanceProblem",

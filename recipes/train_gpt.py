@@ -40,6 +40,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.utils import instantiate, to_absolute_path  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+import lightning_dynmo  # noqa: E402,F401  (registers strategy="dynmo" and the config strategy/dynmo_options)
+
 LOGGER_CHOICES = ("csv", "tensorboard", "both", "none")
 MODEL_KEYS = ("preset", "overrides", "lr", "min_lr", "warmup_steps", "weight_decay")
 log = logging.getLogger("train_gpt")
@@ -405,8 +407,6 @@ def train(cfg: DictConfig) -> dict | None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    import lightning_dynmo  # noqa: F401  (registers the "dynmo" strategy name)
 
     if cfg.threads_per_rank is not None:
         n = int(cfg.threads_per_rank)
