@@ -35,7 +35,7 @@ from torch import nn
 from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
 from lightning_dynmo.models._lm import CausalLMModule, WarmupCosine
-from lightning_dynmo.models.granularity import GRANULARITIES, apply_granularity, skip_draws, state_dict_key
+from lightning_dynmo.models.granularity import apply_granularity, check_granularity, skip_draws, state_dict_key
 from lightning_dynmo.models.gpt_layers import MLP, Block, CausalSelfAttention, Embedding, FinalNorm, Head
 from lightning_dynmo.models.hash_attention import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.models.vocab_head import (
@@ -128,15 +128,11 @@ class GPTConfig:
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
-        if int(self.head_chunks) != self.head_chunks or not 1 <= self.head_chunks <= self.vocab_size:
-            raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={self.vocab_size}, "
-                             f"got {self.head_chunks!r}")
+        check_granularity(self.pipeline_granularity, self.head_chunks, self.vocab_size)
         if self.head_chunks > 1 and self.tie_embeddings:
             raise ValueError("tie_embeddings=True needs head_chunks=1: a chunked head splits the LM head's matrix "
                              "into one parameter per vocabulary slice, which cannot be the embedding's one matrix; "
                              "untie the embedding or use one head chunk")
-        if self.pipeline_granularity not in GRANULARITIES:
-            raise ValueError(f"pipeline_granularity must be one of {GRANULARITIES}, got {self.pipeline_granularity!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

@@ -39,10 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dynmo.models.gpt_layers import Block
+from lightning_dynmo.models.vocab_head import check_head_chunks
 
 __all__ = [
     "FINE_PIECES",
     "GRANULARITIES",
+    "check_granularity",
     "AttentionCore",
     "AttentionHalf",
     "AttentionIn",
@@ -58,6 +60,14 @@ __all__ = [
 ]
 
 GRANULARITIES = ("block", "sublayer", "fine")
+
+
+def check_granularity(pipeline_granularity: str, head_chunks: int, vocab_size: int | None = None) -> None:
+    """The one check of how finely a GPT is cut into pipeline layers, shared by ``GPTConfig`` and
+    the paper-scale simulator (``recipes/scenarios``) so both accept the same values."""
+    if pipeline_granularity not in GRANULARITIES:
+        raise ValueError(f"pipeline_granularity must be one of {', '.join(GRANULARITIES)}, got {pipeline_granularity!r}")
+    check_head_chunks(head_chunks, vocab_size)
 _LAYERS = "layers"  # the GPT's layer list: the prefix of its state-dict keys
 
 
