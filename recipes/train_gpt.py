@@ -341,6 +341,11 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
 
 
 def print_summary(s: dict) -> None:
+    print(summary_text(s), flush=True)
+
+
+def summary_text(s: dict) -> str:
+    """The end-of-run report of a ``summary.json`` dict (the README's sample is made by this)."""
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
@@ -380,7 +385,7 @@ def print_summary(s: dict) -> None:
         lines.append(f"  checkpoints  {s['checkpoint_dir']} (last: {s['last_checkpoint'] or 'none'})")
     lines.append(f"  summary      {Path(s['run_dir']) / 'summary.json'}")
     lines.append("=" * 72)
-    print("\n".join(lines), flush=True)
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- main
