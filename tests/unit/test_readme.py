@@ -49,3 +49,18 @@ def test_readme_is_short_and_links_stay_inside_the_repository():
                 continue
             path = (page.parent / target).resolve()
             assert path.exists() and ROOT in path.parents, f"{page.relative_to(ROOT)} links to missing {target}"
+
+
+def test_readme_option_defaults_are_the_dataclass_defaults():
+    """The README's short option table shows defaults too; they are PipelineOptions' own."""
+    import dataclasses
+
+    from lightning_dynmo.strategy.options import PipelineOptions
+    from lightning_dynmo.strategy.options_doc import default_text
+
+    defaults = {f.name: default_text(f.default) for f in dataclasses.fields(PipelineOptions)}
+    rows = re.findall(r"^\| `(\w+)` \| (`[^`]*`) \|", README.read_text(), re.M)
+    assert len(rows) >= 8
+    for name, shown in rows:
+        assert name in defaults, f"README.md's option table names {name!r}, which PipelineOptions does not have"
+        assert shown == defaults[name], f"README.md shows {name}={shown}, PipelineOptions has {defaults[name]}"
