@@ -1,7 +1,7 @@
 """lightning_dynmo: pipeline-parallel Lightning training that rebalances dynamic models live.
 
 ``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``,
-and the Hydra structured config ``strategy/dynmo_options`` (made from ``PipelineOptions``).
+and the Hydra structured config ``dynmo_options`` (made from ``PipelineOptions``).
 """
 from .plan.balancers import (
     BalanceProblem,

@@ -40,7 +40,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.utils import instantiate, to_absolute_path  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-import lightning_dynmo  # noqa: E402,F401  (registers strategy="dynmo" and the config strategy/dynmo_options)
+import lightning_dynmo  # noqa: E402,F401  (registers strategy="dynmo" and the config dynmo_options)
 
 LOGGER_CHOICES = ("csv", "tensorboard", "both", "none")
 MODEL_KEYS = ("preset", "overrides", "lr", "min_lr", "warmup_steps", "weight_decay")

@@ -1,7 +1,7 @@
 """The Hydra structured config of ``DynMoStrategy``, made from :class:`PipelineOptions` so that
 the recipe's ``strategy.*`` keys, their types and their defaults are the dataclass's own.
 
-``import lightning_dynmo`` registers it as ``strategy/dynmo_options``; ``conf/strategy/dynmo.yaml``
+``import lightning_dynmo`` registers it as ``dynmo_options``; ``conf/strategy/dynmo.yaml``
 extends it with the recipe's overrides only. OmegaConf types what it can hold (int, float, bool,
 str, Optional of one of them); the mode enums are typed ``str`` (OmegaConf would want the members'
 upper-case names, the dataclass takes the values users write), and an option that also takes a
@@ -57,6 +57,7 @@ def structured_config() -> type:
     return dataclasses.make_dataclass("DynMoStrategyConfig", specs)
 
 
-def register_strategy_config(group: str = "strategy", name: str = "dynmo_options") -> None:
-    """Store the structured config in Hydra's ConfigStore (idempotent)."""
-    ConfigStore.instance().store(group=group, name=name, node=structured_config())
+def register_strategy_config(name: str = "dynmo_options") -> None:
+    """Store the structured config in Hydra's ConfigStore (idempotent), outside any config group so
+    that it is no choice of the `strategy` group; `conf/strategy/dynmo.yaml` extends it."""
+    ConfigStore.instance().store(name=name, node=structured_config())

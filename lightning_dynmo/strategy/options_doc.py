@@ -18,7 +18,7 @@ HEADER = """# DynMoStrategy options
 Generated from `PipelineOptions` (`lightning_dynmo/strategy/options.py`) by
 `python -m lightning_dynmo.strategy.options_doc > docs/options.md`; do not edit by hand.
 Pass any of them to `DynMoStrategy(...)`, or in the Hydra recipe as `strategy.<name>=<value>`
-(the structured config `strategy/dynmo_options` is registered from the same dataclass; the
+(the structured config `dynmo_options` is registered from the same dataclass; the
 recipe's own overrides are in `conf/strategy/dynmo.yaml`). Lightning's own strategy arguments
 (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision_plugin`)
 are accepted too.

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import lightning_dynmo  # noqa: F401  (registers strategy/dynmo_options)
+import lightning_dynmo  # noqa: F401  (registers the structured config dynmo_options)
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.strategy.options import PipelineOptions
 from lightning_dynmo.strategy.options_doc import field_docs, markdown
@@ -51,7 +51,7 @@ def test_the_strategy_signature_repeats_no_option():
 def test_hydra_config_has_every_option_at_its_default():
     cfg = OmegaConf.to_container(_recipe_strategy())
     assert cfg.pop("_target_") == "lightning_dynmo.DynMoStrategy"
-    assert list(cfg) == FIELDS, "strategy/dynmo_options is not the dataclass's field list"
+    assert list(cfg) == FIELDS, "the structured config dynmo_options is not the dataclass's field list"
     for f in dataclasses.fields(PipelineOptions):
         default = f.default.value if isinstance(f.default, Enum) else f.default
         assert cfg[f.name] == RECIPE_OVERRIDES.get(f.name, default), f.name
