@@ -24,10 +24,8 @@ class adopts.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
