@@ -3,7 +3,7 @@
 Prints one JSON object as its last line with ``speedup`` (pipeline tokens/s over single-process
 tokens/s), ``ideal_speedup`` = m*p/(m+p-1) and ``fraction_of_ideal``. Target: >= 0.85.
 
-``--granularity sublayer``: the pipeline's layers are the blocks' attention and MLP halves
+``--pipeline-granularity sublayer``: the pipeline's layers are the blocks' attention and MLP halves
 (``GPTConfig(pipeline_granularity="sublayer")``; ``fine``: five pieces per block), split by the
 same static parameter balancer;
 the same invocation also measures block granularity, interleaved, and reports its figures under
@@ -12,7 +12,7 @@ the same invocation also measures block granularity, interleaved, and reports it
 ``--head-chunks K``: the LM head + loss as K vocabulary chunks (``GPTConfig(head_chunks=K)``); with
 a finer granularity or K > 1 the baseline beside it is whole blocks with one head.
 
-    python benchmarks/pipeline_throughput.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
+    python benchmarks/pipeline_throughput.py [--quick] [--pipeline-granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
 
 ``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
 compiled in place, inductor on CPU) and reports ``compile_speedup`` (compiled pipeline tokens/s
@@ -36,7 +36,7 @@ def model_and_data(args):
     from lightning_dynmo.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=256, block_size=args.block, n_layer=args.layers, n_head=4, n_embd=args.embd, dropout=0.0,
-                    head_chunks=args.head_chunks, pipeline_granularity=args.granularity)
+                    head_chunks=args.head_chunks, pipeline_granularity=args.pipeline_granularity)
     model = GPT(cfg, seed=0, warmup_steps=1)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
-    p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
+    p.add_argument("--pipeline-granularity", choices=["block", "sublayer", "fine"], default="block",
                    help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
                         "(finer than block: whole blocks with one head are measured too)")
     p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
@@ -100,19 +100,19 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
     # the configuration asked for, and (when it is finer) whole blocks with one head beside it
-    grains = [(args.granularity, args.head_chunks)] + ([("block", 1)] if (args.granularity, args.head_chunks) != ("block", 1) else [])
+    grains = [(args.pipeline_granularity, args.head_chunks)] + ([("block", 1)] if (args.pipeline_granularity, args.head_chunks) != ("block", 1) else [])
     single = {g: [] for g in grains}
     pipe = {g: [] for g in grains}
     compiled: list[dict] = []
     for r in range(repeats):  # interleaved so that load changes hit every variant alike
         for g in grains:
-            variant = [f"--granularity={g[0]}", f"--head-chunks={g[1]}"]
+            variant = [f"--pipeline-granularity={g[0]}", f"--head-chunks={g[1]}"]
             single[g].append(launch(Path(__file__), 1, fwd + ["--mode=single"] + variant))
             pipe[g].append(launch(Path(__file__), 2, fwd + ["--mode=pipeline"] + variant))
             print(f"repeat {r} ({g[0]}, head_chunks={g[1]}): single {single[g][-1]['tokens_per_sec']:.0f} tok/s, "
                   f"pipeline {pipe[g][-1]['tokens_per_sec']:.0f} tok/s", flush=True)
         if args.compile:  # the configuration asked for, compiled
-            compiled.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline", "--compile", f"--granularity={grains[0][0]}",
+            compiled.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline", "--compile", f"--pipeline-granularity={grains[0][0]}",
                                                             f"--head-chunks={grains[0][1]}"], timeout=1800))
             print(f"repeat {r}: compiled pipeline {compiled[-1]['tokens_per_sec']:.0f} tok/s", flush=True)
     m, pp = args.microbatches, 2
@@ -131,7 +131,7 @@ def main() -> None:
         extra = {"block": block, "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
     print(json.dumps({
         "benchmark": "pipeline_throughput", "schedule": args.schedule, "microbatches": m, "stages": pp,
-        "granularity": args.granularity,
+        "granularity": args.pipeline_granularity,
         "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch,
                   "head_chunks": args.head_chunks},
         "partition": out["partition"], "single_tokens_per_sec": out["single_tokens_per_sec"],

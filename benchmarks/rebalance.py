@@ -21,11 +21,11 @@ decision + migration of one rebalance, in training iterations).
 no layer's profiled cost covers, max over ranks, the worst profiled variant (target <= 0.03: what
 the time-based balancers cannot see, e.g. the loss before it was given to the head).
 
-``--granularity sublayer`` cuts every block into its attention and MLP halves
+``--pipeline-granularity sublayer`` cuts every block into its attention and MLP halves
 (``GPTConfig(pipeline_granularity="sublayer")``), ``fine`` into five pieces, for every variant,
 static ones included.
 
-    python benchmarks/rebalance.py [--quick] [--granularity {block,sublayer,fine}] [--head-chunks K]
+    python benchmarks/rebalance.py [--quick] [--pipeline-granularity {block,sublayer,fine}] [--head-chunks K]
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def worker(args) -> None:
         balancer = _agreed_faster(results) if name == "control" else name
         cfg = GPTConfig(vocab_size=VOCAB, block_size=args.block, n_layer=len(RATIOS), n_head=4, n_embd=args.embd,
                         dropout=0.0, mlp_ratios=tuple(RATIOS), head_chunks=args.head_chunks,
-                        pipeline_granularity=args.granularity)
+                        pipeline_granularity=args.pipeline_granularity)
         model = GPT(cfg, seed=0, warmup_steps=1)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, VOCAB, (args.batch * (args.steps + 2), args.block + 1), generator=g)
@@ -142,7 +142,7 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
-    p.add_argument("--granularity", choices=["block", "sublayer", "fine"], default="block",
+    p.add_argument("--pipeline-granularity", choices=["block", "sublayer", "fine"], default="block",
                    help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
                         "(static baselines alike)")
     args = p.parse_args()
@@ -151,9 +151,8 @@ def main() -> None:
         worker(args)
         return
     repeats = args.repeats or (1 if args.quick else 5)
-    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval",
-                                                 "granularity")]
-    fwd.append(f"--head-chunks={args.head_chunks}")
+    fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval")]
+    fwd += [f"--pipeline-granularity={args.pipeline_granularity}", f"--head-chunks={args.head_chunks}"]
     runs = []
     for r in range(repeats):
         runs.append(launch(Path(__file__), 2, fwd))
@@ -171,9 +170,9 @@ def main() -> None:
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
         "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
-        + (f" --granularity {args.granularity}" if args.granularity != "block" else "")
+        + (f" --pipeline-granularity {args.pipeline_granularity}" if args.pipeline_granularity != "block" else "")
         + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "stages": 2,
-        "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.granularity,
+        "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.pipeline_granularity,
         "head_chunks": args.head_chunks,
         "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg}, "partitions": {n: agg[n]["partition"] for n in agg},
         "best_dynamic": best_dyn, "best_static": best_static,

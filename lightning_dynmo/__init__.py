@@ -1,6 +1,7 @@
 """lightning_dynmo: pipeline-parallel Lightning training that rebalances dynamic models live.
 
-``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``.
+``import lightning_dynmo`` registers the Lightning strategy names ``"dynmo"`` and ``"dynmo_spawn"``,
+and the Hydra structured config ``dynmo_options`` (made from ``PipelineOptions``).
 """
 from .plan.balancers import (
     BalanceProblem,
@@ -19,8 +20,11 @@ from .plan.policy import Decision
 from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad, run_layers
 from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy
+from .strategy.hydra_config import register_strategy_config
 from .strategy.partial_batch import PartialBatchError
 from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError
+
+register_strategy_config()
 
 __all__ = [
     "BalanceProblem",

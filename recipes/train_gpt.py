@@ -35,6 +35,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.utils import instantiate, to_absolute_path  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+import lightning_dynmo  # noqa: E402,F401  (registers strategy="dynmo" and the config dynmo_options)
+
 LOGGER_CHOICES = ("csv", "tensorboard", "both", "none")
 MODEL_KEYS = ("preset", "overrides", "lr", "min_lr", "warmup_steps", "weight_decay")
 log = logging.getLogger("train_gpt")
@@ -334,6 +336,11 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
 
 
 def print_summary(s: dict) -> None:
+    print(summary_text(s), flush=True)
+
+
+def summary_text(s: dict) -> str:
+    """The end-of-run report of a ``summary.json`` dict (the README's sample is made by this)."""
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
@@ -373,7 +380,7 @@ def print_summary(s: dict) -> None:
         lines.append(f"  checkpoints  {s['checkpoint_dir']} (last: {s['last_checkpoint'] or 'none'})")
     lines.append(f"  summary      {Path(s['run_dir']) / 'summary.json'}")
     lines.append("=" * 72)
-    print("\n".join(lines), flush=True)
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -400,8 +407,6 @@ def train(cfg: DictConfig) -> dict | None:
     import lightning as L
     import torch
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-
-    import lightning_dynmo  # noqa: F401  (registers the "dynmo" strategy name)
 
     if cfg.threads_per_rank is not None:
         n = int(cfg.threads_per_rank)

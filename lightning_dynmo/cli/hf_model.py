@@ -16,7 +16,7 @@ from pathlib import Path
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-HF_KEYS = ("kind", "path", "config", "untie_embeddings", "router_aux_loss", "lr", "min_lr", "warmup_steps", "weight_decay")
+HF_KEYS = ("kind", "path", "config", "untie_embeddings", "router_aux_loss", "head_chunks", "lr", "min_lr", "warmup_steps", "weight_decay")
 
 
 def is_hf(cfg: DictConfig) -> bool:
@@ -53,6 +53,7 @@ def build_hf_model(cfg: DictConfig):
             warmup_steps=int(m.warmup_steps), weight_decay=float(m.weight_decay), seed=int(cfg.seed),
             untie_embeddings=bool(m.get("untie_embeddings", True)),
             router_aux_loss=m.get("router_aux_loss"),  # Mixtral: None follows config.output_router_logits
+            head_chunks=m.head_chunks,
         )
     hf = model.hf_config
     if hf.vocab_size < 256:

@@ -1,6 +1,6 @@
 """Dynamism mechanisms that transform an existing model's layers (the callbacks in
 :mod:`lightning_dynmo.callbacks` decide when; mechanisms that are architectures -- MoE, MoD,
-early exit -- live in :mod:`lightning_dynmo.models`, see the README's "Where dynamism lives").
+early exit -- live in :mod:`lightning_dynmo.models`, see "Where dynamism lives" in docs/architecture.md).
 
 * :mod:`.pruning` (with :mod:`.pruning_threshold`): ``global_magnitude_threshold`` (exact k-th
   |w| over pipeline ranks without gathering weights), the Zhu & Gupta cubic schedule,

@@ -44,10 +44,18 @@ __all__ = ["IGNORE_INDEX", "HeadChunk", "StreamingCrossEntropy", "chunk_bounds",
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets with this value count neither in the sum nor the mean
 
 
+def check_head_chunks(head_chunks: int, vocab_size: int | None = None) -> None:
+    """The one check of ``head_chunks`` (GPTConfig, the Hugging Face adapter, the paper-scale
+    simulator): an integer from 1 to the vocabulary size, where that is known."""
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1 or \
+            (vocab_size is not None and head_chunks > vocab_size):
+        span = f"between 1 and vocab_size={vocab_size}" if vocab_size is not None else ">= 1"
+        raise ValueError(f"head_chunks must be an integer {span} (the LM head's vocabulary chunks), got {head_chunks!r}")
+
+
 def chunk_bounds(vocab_size: int, chunks: int) -> list[tuple[int, int]]:
     """``chunks`` contiguous vocabulary slices, sizes differing by at most one (larger first)."""
-    if not 1 <= chunks <= vocab_size:
-        raise ValueError(f"head_chunks must be between 1 and vocab_size={vocab_size}, got {chunks}")
+    check_head_chunks(chunks, vocab_size)
     base, extra = divmod(vocab_size, chunks)
     bounds, start = [], 0
     for j in range(chunks):

@@ -7,7 +7,7 @@ the unprofiled steps'), decisions on a profile (gathering the costs, balancing, 
 check, recording) and decisions from load counters. Three rules follow:
 
 * **budget**: over the last ``window`` steps the optional work (what the ``auto`` policy starts
-  by itself) may cost at most ``fraction`` of the window's training time, plus the measured
+  by itself) may cost at most ``overhead_budget`` of the window's training time, plus the measured
   saving of the last applied decision over the window when it paid for itself;
 * **payback**: an applied decision is judged by the step time it left behind: the mean of
   ``payback_steps`` unprofiled steps after it against the same before it. Until measured, it
@@ -54,10 +54,10 @@ class Payback:
                 "cost_ms": round(self.cost * 1e3, 3), "paid": self.paid(window) if self.measured else None}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OverheadBudget:
-    fraction: float = 0.01  # of the window's training time (inf: no limit)
-    window: int = 100  # steps
+    overhead_budget: float  # the option of that name: share of the window's training time (inf: no limit)
+    window: int = 100  # steps (PipelineOptions.budget: max(100, rebalance_horizon))
     payback_steps: int = 5
     max_backoff: int = 128  # steps
     # state
@@ -72,9 +72,9 @@ class OverheadBudget:
     paybacks: list[Payback] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not self.fraction >= 0:
+        if isinstance(self.overhead_budget, bool) or not isinstance(self.overhead_budget, (int, float)) or not self.overhead_budget >= 0:
             raise ValueError(f"overhead_budget must be a fraction >= 0 of the training time (e.g. 0.01), "
-                             f"got {self.fraction!r}")
+                             f"got {self.overhead_budget!r}")
         for name in ("window", "payback_steps", "max_backoff"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -151,7 +151,7 @@ class OverheadBudget:
             return float("inf")
         if not self.walls:
             return float("inf")
-        allowed = self.fraction * self.window_seconds()  # what ran so far, not a full window's worth
+        allowed = self.overhead_budget * self.window_seconds()  # what ran so far, not a full window's worth
         if last is not None and last.paid(self.window):
             allowed += last.gain * self.window
         return allowed
@@ -169,7 +169,7 @@ class OverheadBudget:
         spent, need = self.spent(), self.estimate(action)
         if spent + need > allowed:
             return (f"skipped: overhead budget, {spent * 1e3:.1f} ms spent + {need * 1e3:.1f} ms for this {action} "
-                    f"> {allowed * 1e3:.1f} ms allowed over the last {self.window} steps ({self.fraction:.1%} of "
+                    f"> {allowed * 1e3:.1f} ms allowed over the last {self.window} steps ({self.overhead_budget:.1%} of "
                     "their training time, plus the saving of the last applied decision if it paid)")
         return None
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from .budget import OverheadBudget
 from .cost_model import LayerCosts
 from .measurements import loads_near_profile, scale_by_load, smooth_load
-from .policy import RebalancePolicy
+from .policy import Rebalance, RebalancePolicy
 
 #: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
 REPROFILE_STEPS = 200
@@ -48,9 +48,9 @@ class StepActions:
 
 
 class RebalanceController:
-    def __init__(self, policy: RebalancePolicy, budget: OverheadBudget | None = None, repack: int | str = "off") -> None:
+    def __init__(self, policy: RebalancePolicy, budget: OverheadBudget, repack: int | str) -> None:
         self.policy = policy
-        self.budget = budget if budget is not None else OverheadBudget(window=max(100, policy.horizon))
+        self.budget = budget
         self.repack = repack  # the configured re-pack target ("off", "auto" or a rank count)
         self.migration_cost: float | None = None  # measured seconds of the last rebalance's migration
         self.migration_seconds = 0.0  # all migrations of the run
@@ -76,7 +76,7 @@ class RebalanceController:
     @property
     def rebalancing(self) -> bool:
         """Whether the policy ever rebalances (``never`` keeps the partition; re-packing still runs)."""
-        return self.policy.mode != "never"
+        return self.policy.rebalances
 
     def request(self, reason: str, reprofile: bool = True) -> bool:
         """Note a rebalance request; ``False``: ignored (``rebalance="never"``)."""
@@ -122,7 +122,7 @@ class RebalanceController:
 
     def plan(self, step: int, decided: bool) -> StepActions:
         """What this step does besides a decision on a closed profile (``decided``)."""
-        if self.counter_requests and self.policy.mode == "never":
+        if self.counter_requests and not self.policy.rebalances:
             self.counter_requests.clear()
         reasons = []
         if self.counter_requests:
@@ -174,7 +174,7 @@ class RebalanceController:
     def _refusal(self, step: int, action: str) -> str | None:
         """Only what ``auto`` starts by itself is weighed against the budget and the back-off
         (an infinite budget: nothing is)."""
-        if self.policy.mode != "auto" or math.isinf(self.budget.fraction):
+        if self.policy.rebalance is not Rebalance.AUTO or math.isinf(self.budget.overhead_budget):
             return None
         return (self._unchanged_refusal() if action == "counters" else None) or self.budget.refusal(step, action)
 

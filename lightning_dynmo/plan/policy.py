@@ -4,17 +4,17 @@ Algorithm 1 of the DynMo paper: after a trigger, profile the next step per layer
 and migrate before the step after it. Triggers:
 
 * ``never``;
-* ``every_n``: every ``interval`` steps;
+* ``every_n``: every ``rebalance_interval`` steps;
 * ``on_event``: a callback called ``strategy.request_rebalance(reason)``;
 * ``auto``: the per-rank busy time (measured every step at no extra communication) shows an
-  imbalance ``(max - min) / mean`` above ``threshold``; the new partition is applied only if the
-  predicted saving over ``horizon`` steps exceeds the measured cost of migrating.
+  imbalance ``(max - min) / mean`` above ``imbalance_threshold``; the new partition is applied only
+  if the predicted saving over ``rebalance_horizon`` steps exceeds the measured cost of migrating.
 
-Every decision starts the ``cooldown`` (no ``auto`` profiling for that many steps), applied or
+Every decision starts the ``rebalance_cooldown`` (no ``auto`` profiling for that many steps), applied or
 not. A decision that changed nothing (refused by the cost/benefit check, or "already balanced")
 also disarms ``auto`` with hysteresis: it fires again only once the imbalance has grown beyond
-``(1 + hysteresis)`` x the level that was just judged not worth acting on, or after it has fallen
-below ``(1 - hysteresis)`` x ``threshold`` (the pipeline became balanced, then drifted again).
+``(1 + rebalance_hysteresis)`` x the level that was just judged not worth acting on, or after it has fallen
+below ``(1 - rebalance_hysteresis)`` x ``imbalance_threshold`` (the pipeline became balanced, then drifted again).
 An imbalance hovering at the threshold therefore costs one profiled decision, not one per cooldown.
 
 Everything here works on numbers every rank agrees on, so every rank decides the same.
@@ -26,14 +26,23 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
 from .cost_model import CostModel, LayerCosts, imbalance
 from .partition import Partition
-from .validation import non_negative_int, positive_int
+from .validation import enum_value, non_negative_int, positive_int
 
-MODES = ("never", "every_n", "on_event", "auto")
+
+
+class Rebalance(StrEnum):
+    """When to rebalance: the ``rebalance`` option (its values are the strings users write)."""
+
+    AUTO = "auto"
+    ON_EVENT = "on_event"
+    EVERY_N = "every_n"
+    NEVER = "never"
 
 
 @dataclass(frozen=True)
@@ -86,15 +95,18 @@ class Decision:
         return cls(**kw)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RebalancePolicy:
-    mode: str = "auto"
-    interval: int = 50
-    threshold: float = 0.1
-    horizon: int = 100
-    cooldown: int = 10
-    hysteresis: float = 0.5
-    profile_steps: int = 1  # consecutive steps one profile spans (per-layer means over them)
+    """The ``rebalance*`` options (named as in ``PipelineOptions``, which holds their defaults and
+    builds this with :meth:`PipelineOptions.policy`) plus the state that decides when to act."""
+
+    rebalance: Rebalance
+    rebalance_interval: int
+    imbalance_threshold: float
+    rebalance_horizon: int
+    rebalance_cooldown: int
+    rebalance_hysteresis: float
+    profile_steps: int  # consecutive steps one profile spans (per-layer means over them)
     ema_decay: float = 0.7  # smoothing of busy times (auto) and of layer load factors (counter decisions)
     # state
     last_rebalance_step: int = -(10**9)  # last applied decision
@@ -105,18 +117,23 @@ class RebalancePolicy:
     left_at: dict[Partition, int] = field(default_factory=dict)  # partitions applied decisions left, and when
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown rebalance mode {self.mode!r}; valid modes: {', '.join(MODES)}")
-        positive_int("rebalance interval", self.interval)
-        positive_int("rebalance horizon", self.horizon)
-        non_negative_int("rebalance cooldown", self.cooldown)
+        self.rebalance = enum_value("rebalance", Rebalance, self.rebalance)
+        positive_int("rebalance_interval", self.rebalance_interval)
+        positive_int("rebalance_horizon", self.rebalance_horizon)
+        non_negative_int("rebalance_cooldown", self.rebalance_cooldown)
         positive_int("profile_steps", self.profile_steps)
-        if not self.threshold >= 0:
-            raise ValueError(f"imbalance threshold must be >= 0, got {self.threshold!r}")
-        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, (int, float)) or not 0 <= self.hysteresis < 1:
-            raise ValueError(f"rebalance hysteresis must be in [0, 1), got {self.hysteresis!r}")
+        if not self.imbalance_threshold >= 0:
+            raise ValueError(f"imbalance_threshold must be >= 0, got {self.imbalance_threshold!r}")
+        h = self.rebalance_hysteresis
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h < 1:
+            raise ValueError(f"rebalance_hysteresis must be in [0, 1), got {h!r}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
+
+    @property
+    def rebalances(self) -> bool:
+        """Whether this policy ever moves layers (``never`` keeps the partition; re-packing still runs)."""
+        return self.rebalance is not Rebalance.NEVER
 
     def request(self, reason: str) -> None:
         self.pending_reasons.append(reason)
@@ -132,36 +149,36 @@ class RebalancePolicy:
 
     def profile_reason(self, step: int) -> str | None:
         """Why this step should be profiled per layer (None: it should not)."""
-        if self.mode == "never":
+        if not self.rebalances:
             self.pending_reasons.clear()
             return None
         if self.pending_reasons:
             reason = "event: " + "; ".join(dict.fromkeys(self.pending_reasons))
             self.pending_reasons.clear()
             return reason
-        if self.mode == "every_n" and step % self.interval == self.interval - 1:
-            return f"every {self.interval} steps"
-        if self.mode == "auto" and self.ema_busy:
+        if self.rebalance is Rebalance.EVERY_N and step % self.rebalance_interval == self.rebalance_interval - 1:
+            return f"every {self.rebalance_interval} steps"
+        if self.rebalance is Rebalance.AUTO and self.ema_busy:
             imb = imbalance(self.ema_busy)
-            if self.disarmed_at is not None and imb < self.threshold * (1 - self.hysteresis):
+            if self.disarmed_at is not None and imb < self.imbalance_threshold * (1 - self.rebalance_hysteresis):
                 self.disarmed_at = None  # balanced again: re-arm
-            if step - max(self.last_rebalance_step, self.last_decision_step) < self.cooldown:
+            if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
                 return None
             if self.disarmed_at is None:
-                if imb > self.threshold:
-                    return f"auto: busy-time imbalance {imb:.2f} > {self.threshold:.2f}"
-            elif imb > max(self.threshold, self.disarmed_at * (1 + self.hysteresis)):
-                return f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x {1 + self.hysteresis:.2f}"
+                if imb > self.imbalance_threshold:
+                    return f"auto: busy-time imbalance {imb:.2f} > {self.imbalance_threshold:.2f}"
+            elif imb > max(self.imbalance_threshold, self.disarmed_at * (1 + self.rebalance_hysteresis)):
+                return f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x {1 + self.rebalance_hysteresis:.2f}"
         return None
 
     def accept(self, predicted_now: float, predicted_new: float, migration_cost: float) -> tuple[bool, str]:
         """Whether to apply a new partition (only ``auto`` weighs gain against cost)."""
         gain = predicted_now - predicted_new
-        if self.mode != "auto":
-            return True, f"mode {self.mode}"
-        if gain * self.horizon > migration_cost:
-            return True, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} > cost {migration_cost * 1e3:.1f} ms"
-        return False, f"gain {gain * 1e3:.2f} ms/step x {self.horizon} <= cost {migration_cost * 1e3:.1f} ms"
+        if self.rebalance is not Rebalance.AUTO:
+            return True, f"mode {self.rebalance}"
+        if gain * self.rebalance_horizon > migration_cost:
+            return True, f"gain {gain * 1e3:.2f} ms/step x {self.rebalance_horizon} > cost {migration_cost * 1e3:.1f} ms"
+        return False, f"gain {gain * 1e3:.2f} ms/step x {self.rebalance_horizon} <= cost {migration_cost * 1e3:.1f} ms"
 
     def undo_refusal(self, step: int, new: Partition) -> str | None:
         """Why moving to ``new`` at ``step`` is refused (``auto`` only): an applied decision left
@@ -169,12 +186,12 @@ class RebalancePolicy:
         predicted over the horizon; coming back before the horizon is over says the loads it was
         judged on did not last (a per-step signal that flips: a router's or a predictor's noise),
         and the migrations pay for gains that lasted a few steps. ``None``: no recent partition."""
-        if self.mode != "auto" or new not in self.left_at:
+        if self.rebalance is not Rebalance.AUTO or new not in self.left_at:
             return None
         when = self.left_at[new]
-        if step - when >= self.horizon:
+        if step - when >= self.rebalance_horizon:
             return None
-        return (f"refused: would return to the partition left at step {when}, {step - when} of the {self.horizon} "
+        return (f"refused: would return to the partition left at step {when}, {step - when} of the {self.rebalance_horizon} "
                 "steps its replacement's saving was predicted over (the loads it was judged on did not last; raise "
                 "ema_decay to smooth them more, or lower rebalance_horizon)")
 
@@ -183,7 +200,7 @@ class RebalancePolicy:
         self.last_rebalance_step = self.last_decision_step = step
         self.disarmed_at = None
         self.ema_busy = None
-        self.left_at = {p: t for p, t in self.left_at.items() if step - t < self.horizon}
+        self.left_at = {p: t for p, t in self.left_at.items() if step - t < self.rebalance_horizon}
         if left is not None:
             self.left_at[left] = step
 
@@ -196,7 +213,7 @@ class RebalancePolicy:
             return
         self.last_decision_step = step
         if self.ema_busy:
-            self.disarmed_at = max(imbalance(self.ema_busy), self.threshold)
+            self.disarmed_at = max(imbalance(self.ema_busy), self.imbalance_threshold)
 
 
 def decide(
@@ -250,7 +267,7 @@ def decide(
     undo = policy.undo_refusal(step, new)
     if undo:
         return decision.with_(why=undo), None
-    unclear = refusal_unless_gain_clear(model, samples, current, new) if policy.mode == "auto" else None
+    unclear = refusal_unless_gain_clear(model, samples, current, new) if policy.rebalance is Rebalance.AUTO else None
     if unclear:
         return decision.with_(why=unclear), None
     accept, why = policy.accept(pred_now * runs_per_step, pred_new * runs_per_step, migration_cost)

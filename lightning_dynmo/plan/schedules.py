@@ -129,7 +129,9 @@ def multi_stage_schedules() -> list[str]:
     return sorted(n for n, s in _SCHEDULES.items() if s.multi)
 
 
-def get_schedule(name: str) -> ScheduleSpec:
+def get_schedule(name: str | ScheduleSpec) -> ScheduleSpec:
+    if isinstance(name, ScheduleSpec):
+        return name
     key = str(name).lower().replace("-", "_")
     if key not in _SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid schedules: {', '.join(available_schedules())}")

@@ -29,7 +29,7 @@ InputsFn = Callable[[torch.Tensor, torch.Tensor], object]
 
 
 class StageModule(nn.Sequential):
-    """A stage's layers in order, called with the pipeline's convention (``runtime/activations.py``).
+    """A stage's layers in order, called with the pipeline's convention (``protocol/activations.py``).
 
     Each layer's output is checked against the spec discovered for it (arity, shape, dtype: a
     cheap comparison). A mismatch is recorded in ``problems`` and replaced by zeros of the

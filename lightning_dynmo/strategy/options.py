@@ -1,14 +1,18 @@
-"""``DynMoStrategy``'s options, validated once, before any process starts; every consumer (the
-rebalancer, its policy, budget and recorder, the engine, the launcher) is built from
-:class:`PipelineOptions`."""
+"""``DynMoStrategy``'s options: :class:`PipelineOptions` is the one place where each option is
+named, typed, documented and given its default. Everything else is derived from it: the
+strategy's keyword arguments, the rebalance policy and overhead budget, the Hydra structured
+config (:mod:`lightning_dynmo.strategy.hydra_config`) and ``docs/options.md``
+(``python -m lightning_dynmo.strategy.options_doc > docs/options.md``)."""
 from __future__ import annotations
 
 import dis
+import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
+from enum import StrEnum
 from numbers import Real
-from typing import Literal
+from typing import Any, Literal
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -16,178 +20,182 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from ..plan.balancers import get_balancer
 from ..plan.budget import OverheadBudget
 from ..plan.partition import Partition
-from ..plan.policy import RebalancePolicy
+from ..plan.policy import Rebalance, RebalancePolicy
 from ..plan.repack import check_repack_target
 from ..plan.schedules import ScheduleSpec, get_schedule
-from ..plan.validation import positive_int
+from ..plan.validation import enum_value, positive_int
 from ..protocol import PipelineProtocolError, RemoteLayer, pipeline_layers_of
 from ..runtime.recompute import check_activation_checkpointing
 from ..runtime.expert_parallel import check_expert_parallel_model
+from .nonfinite import OnNonfinite
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
-NONFINITE_MODES = ("error", "skip", "ignore")
+
+class StartMethod(StrEnum):
+    """How Lightning starts the other ranks: the ``start_method`` option."""
+
+    POPEN = "popen"
+    SPAWN = "spawn"
+    FORK = "fork"
+    FORKSERVER = "forkserver"
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """Every ``DynMoStrategy`` option, validated (:meth:`validate`).
+    """Every ``DynMoStrategy`` option with its default, checked and normalised at construction
+    (before any process starts): ``schedule`` becomes its ``ScheduleSpec``, ``virtual_stages``
+    the schedule's count, ``timeout`` a ``timedelta``, the modes their enum members."""
 
-    Args:
-        pipeline_parallel: ranks per pipeline (``"auto"``: all processes form one pipeline).
-            Data-parallel replicas = devices x num_nodes / pipeline_parallel.
-        schedule: a ``torch.distributed.pipelining`` schedule by name (see
-            :func:`lightning_dynmo.available_schedules`).
-        microbatches: micro-batches per step; ``None`` picks the largest divisor of the batch
-            size that is at most 4 x stages (and at least the stage count where the schedule
-            needs it).
-        virtual_stages: stages per rank for interleaved schedules (default 2).
-        balancer: name of the balancer for the initial partition (from parameter counts, before
-            any step) and for rebalancing (on profiled per-layer times). Default
-            ``"partition_time"``: the exact min-max contiguous partition of stage time.
-        partition: explicit initial boundaries, overriding ``balancer`` for step 0.
-        rebalance: ``"auto"`` (default: after a dynamism callback's ``request_rebalance`` and
-            when the busy-time imbalance exceeds ``imbalance_threshold``, applied only when the
-            predicted saving over ``rebalance_horizon`` steps exceeds the measured migration
-            cost), ``"on_event"`` (after ``request_rebalance``), ``"every_n"`` (every
-            ``rebalance_interval`` steps) or ``"never"`` (a static partition; requests are
-            ignored with a warning).
-        rebalance_cooldown: steps without automatic profiling after any decision.
-        rebalance_hysteresis: after a decision that changed nothing, ``auto`` fires again only
-            once the imbalance has grown by this fraction, or fell below
-            ``imbalance_threshold x (1 - rebalance_hysteresis)`` first.
-        profile_steps: consecutive steps one per-layer profile spans; decisions use each layer's
-            mean over them (1: decide on one step, cheapest; 2-3 when step times are noisy, e.g.
-            a shared machine, where one step's measurement can flip a decision back and forth).
-        overhead_budget: under ``rebalance="auto"``, the share of the training time that the
-            profiling and decisions the policy starts by itself may cost over the last 100 steps
-            (more when the last applied decision measurably paid for itself); those that keep
-            changing nothing also back off exponentially (see :mod:`lightning_dynmo.plan.budget`).
-            ``float("inf")``: no limit. Events (freezing, pruning, re-packing) are always served.
-        memory_capacity: bytes a stage may hold (parameters, gradients, optimizer state and the
-            activations in flight); balancers never exceed it. ``None``: unlimited.
-        link_bandwidth: bytes/s of the links between pipeline ranks, so that the balancers charge
-            each stage the time to receive its input activation (and send its gradient back):
-            ``None`` (default) charges nothing; one number charges every stage boundary alike; a
-            pair ``(intra_node, inter_node)`` charges each boundary by whether its two ranks share a
-            node (ranks per node = the processes per node, ``devices``; a boundary that crosses
-            nodes in any data-parallel replica counts as inter-node), e.g. ``(3.6e11, 4.5e10)`` for
-            NVLink inside and InfiniBand between nodes of H100s.
-        repack: ``"off"``, a target number of pipeline ranks, or ``"auto"``: after a rebalance,
-            move the layers onto the fewest ranks whose balanced partition fits memory and whose
-            predicted step time stays within ``repack_tolerance`` of the current one; the other
-            ranks are released (they keep no layers and do no training compute).
-        plot: save a pipeline timeline and stage-load PNG next to the logs for applied
-            rebalances, at most one per ``plot_interval`` steps.
-        on_nonfinite: a step whose training loss is NaN/Inf: ``"error"`` (stop, naming the step),
-            ``"skip"`` (apply no update for that step, warn) or ``"ignore"``.
-        timeout: timeout of every collective; a dead or stuck rank makes the others fail.
-        start_method: ``"popen"`` (re-run the script, like torchrun) or ``"spawn"``/``"fork"``.
-        activation_checkpointing: ``True`` recomputes every layer's forward in backward
-            (``torch.utils.checkpoint`` per layer), ``"auto"`` only the layers needed for each stage
-            to fit ``memory_capacity``, ``False`` none (see :mod:`lightning_dynmo.runtime.recompute`).
-        expert_parallel: split each MoE layer's experts over this many data-parallel replicas
-            of its stage (must divide the replica count and every layer's ``num_experts``);
-            tokens travel to their expert's owner by ``all_to_all`` (see
-            :mod:`lightning_dynmo.runtime.expert_parallel`). 1: every replica holds every expert.
-        compile: ``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys
-            unchanged); a layer that arrives by migration is compiled on its new rank, the others
-            are not recompiled (see :mod:`lightning_dynmo.runtime.compile`).
-    """
-
-    pipeline_parallel: int | Literal["auto"]
-    schedule: ScheduleSpec
-    virtual_stages: int
-    microbatches: int | None
-    balancer: str
-    partition: Partition | None
-    memory_capacity: float | None
-    repack: int | str
-    repack_tolerance: float
-    plot: bool
-    plot_interval: int
-    on_nonfinite: str
-    timeout: timedelta
-    start_method: str
-    process_group_backend: str | None
-    activation_checkpointing: bool | str = False  # True, False or "auto" (runtime/recompute.py)
-    expert_parallel: int = 1  # replicas each stage's experts are split over (runtime/expert_parallel.py)
-    compile: bool = False  # torch.compile each local pipeline layer in place (runtime/compile.py)
-    rebalance: str = "auto"  # the RebalancePolicy's mode and settings (plan/policy.py)
+    pipeline_parallel: int | Literal["auto"] = "auto"
+    """Ranks per pipeline (``"auto"``: all processes form one pipeline); data-parallel replicas =
+    devices x num_nodes / pipeline_parallel."""
+    schedule: str | ScheduleSpec = "1f1b"
+    """A ``torch.distributed.pipelining`` schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``,
+    ``looped_bfs``, ``zero_bubble`` or ``zbv``."""
+    microbatches: int | None = None
+    """Micro-batches per step; ``None``: the largest divisor of the batch size that is at most
+    4 x stages (and at least the stage count where the schedule needs it). An epoch's last,
+    partial batch that the count does not divide runs as fewer equal micro-batches."""
+    virtual_stages: int | None = None
+    """Stages per rank for interleaved and looped schedules (``None``: 2; ZBV: 2; 1 for the others)."""
+    balancer: str = "partition_time"
+    """Balancer of the initial partition (from parameter counts, before any step) and of every
+    rebalance (on profiled per-layer times): ``partition_time`` (the exact min-max contiguous
+    partition of stage time), ``uniform``, ``param``, ``partition_param``, ``diffusion_time``,
+    ``diffusion_param``, or one registered with ``@register_balancer``."""
+    partition: tuple[int, ...] | Partition | None = None
+    """Explicit initial stage boundaries, e.g. ``[0, 5, 9]``, overriding ``balancer`` for step 0."""
+    rebalance: Rebalance = Rebalance.AUTO
+    """When to rebalance: ``auto`` (after a callback's ``request_rebalance`` and when the busy-time
+    imbalance exceeds ``imbalance_threshold``, applied only when the predicted saving over
+    ``rebalance_horizon`` steps exceeds the measured migration cost), ``on_event`` (after
+    ``request_rebalance``), ``every_n`` (every ``rebalance_interval`` steps) or ``never`` (a static
+    partition; requests are ignored with a warning)."""
     rebalance_interval: int = 50
+    """Steps between rebalances under ``rebalance="every_n"``."""
     imbalance_threshold: float = 0.1
+    """``auto`` profiles and decides when the busy-time imbalance (max - min) / mean exceeds this."""
     rebalance_horizon: int = 100
+    """``auto`` applies a move only when its predicted saving over this many steps exceeds the
+    measured migration cost; it also never returns within this many steps to a partition it left."""
     rebalance_cooldown: int = 10
+    """Steps without automatic profiling after any decision, applied or not."""
     rebalance_hysteresis: float = 0.5
+    """After a decision that changed nothing, ``auto`` fires again only once the imbalance has grown
+    by this fraction, or fell below ``imbalance_threshold x (1 - rebalance_hysteresis)`` first."""
     profile_steps: int = 1
-    overhead_budget: float = 0.01  # share of training time (plan/budget.py)
-    link_bandwidth: float | tuple[float, float] | None = None  # bytes/s (plan/layout.py boundary_bandwidth)
+    """Consecutive steps one per-layer profile spans; decisions use each layer's mean over them (2-3
+    where step times are noisy, e.g. a shared machine)."""
+    overhead_budget: float = 0.01
+    """Under ``auto``, the share of the training time that the profiling and decisions the policy
+    starts by itself may cost over the last ``max(100, rebalance_horizon)`` steps (more when the
+    last applied decision measurably paid for itself); ``inf``: no limit. Events are always served."""
+    memory_capacity: float | None = None
+    """Bytes a stage may hold (parameters, gradients, optimizer state, in-flight activations);
+    balancers never exceed it. ``None``: unlimited."""
+    link_bandwidth: float | tuple[float, float] | None = None
+    """Bytes/s of the links between pipeline ranks, so balancers charge each stage its input's
+    transfer: ``None`` charges nothing, one number every boundary alike, a pair
+    ``(intra_node, inter_node)`` each boundary by whether its ranks share a node, e.g.
+    ``(3.6e11, 4.5e10)`` for NVLink inside and InfiniBand between nodes of H100s."""
+    repack: int | str = "off"
+    """``off``, a target number of pipeline ranks, or ``auto``: after a rebalance, move the layers onto
+    the fewest ranks whose balanced partition fits memory and keeps the predicted step time within
+    ``repack_tolerance``; the other ranks are released."""
+    repack_tolerance: float = 0.05
+    """How much slower (predicted) a packed pipeline may be than the current one, in [0, 1)."""
+    plot: bool = True
+    """Save a pipeline-timeline and stage-load PNG next to the logs for applied rebalances."""
+    plot_interval: int = 50
+    """At most one plot per this many steps."""
+    on_nonfinite: OnNonfinite = OnNonfinite.ERROR
+    """A step whose training loss is NaN/Inf: ``error`` (stop, naming the step), ``skip`` (apply no
+    update for that step, warn) or ``ignore``."""
+    activation_checkpointing: bool | Literal["auto"] = False
+    """``True`` recomputes every layer's forward in backward, ``"auto"`` only the layers a stage needs
+    to fit ``memory_capacity``, ``False`` none."""
+    expert_parallel: int = 1
+    """Split each MoE layer's experts over this many data-parallel replicas of its stage (must
+    divide the replica count and every layer's ``num_experts``); 1: every replica holds every expert."""
+    compile: bool = False
+    """``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys unchanged); a
+    layer that arrives by migration is compiled on its new rank."""
+    timeout: float | timedelta = 600.0
+    """Seconds (or a ``timedelta``) every collective may wait; a dead or stuck rank makes the others fail."""
+    start_method: StartMethod = StartMethod.POPEN
+    """``popen`` (re-run the script, like torchrun) or ``spawn``/``fork``/``forkserver`` (notebooks)."""
+    process_group_backend: str | None = None
+    """``torch.distributed`` backend; ``None``: gloo on CPU, NCCL on GPU."""
 
     @classmethod
-    def validate(cls, *, pipeline_parallel="auto", schedule="1f1b", microbatches=None, virtual_stages=None,
-                 balancer="partition_time", partition=None, memory_capacity=None, repack="off", repack_tolerance=0.05,
-                 plot=True, timeout=DEFAULT_TIMEOUT, start_method="popen", process_group_backend=None,
-                 plot_interval=50, on_nonfinite="error", activation_checkpointing=False, expert_parallel=1,
-                 compile=False, rebalance="auto", rebalance_interval=50, imbalance_threshold=0.1,
-                 rebalance_horizon=100, rebalance_cooldown=10, rebalance_hysteresis=0.5, profile_steps=1,
-                 overhead_budget=0.01, link_bandwidth=None) -> "PipelineOptions":
-        pp = positive_int("pipeline_parallel", pipeline_parallel, allow=("auto",))
-        positive_int("expert_parallel", expert_parallel)
-        spec = get_schedule(schedule)
-        virtual = spec.virtual_stages(virtual_stages)
-        mb = positive_int("microbatches", microbatches, allow=(None,))
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> "PipelineOptions":
+        """``PipelineOptions(**kwargs)``, with unknown names refused naming the closest option."""
+        names = [f.name for f in fields(cls)]
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; options: {', '.join(names)}"
+                raise TypeError(f"DynMoStrategy got an unknown option {key!r}{hint}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        pp = positive_int("pipeline_parallel", self.pipeline_parallel, allow=("auto",))
+        positive_int("expert_parallel", self.expert_parallel)
+        spec = get_schedule(self.schedule)
+        put("schedule", spec)
+        put("virtual_stages", spec.virtual_stages(self.virtual_stages))
+        mb = positive_int("microbatches", self.microbatches, allow=(None,))
         if mb is not None and pp != "auto":
             spec.check_microbatches(mb, pp)
-        get_balancer(balancer)  # unknown names fail here, listing the valid ones
-        if memory_capacity is not None and not memory_capacity > 0:
-            raise ValueError(f"memory_capacity must be a positive number of bytes or None, got {memory_capacity!r}")
-        link_bandwidth = check_link_bandwidth(link_bandwidth)
-        if repack != "off":
+        get_balancer(self.balancer)  # unknown names fail here, listing the valid ones
+        if self.partition is not None:
+            put("partition", Partition(tuple(self.partition)))
+        if self.memory_capacity is not None and not self.memory_capacity > 0:
+            raise ValueError(f"memory_capacity must be a positive number of bytes or None, got {self.memory_capacity!r}")
+        put("link_bandwidth", check_link_bandwidth(self.link_bandwidth))
+        if self.repack != "off":
             try:
-                check_repack_target(repack)
+                check_repack_target(self.repack)
             except ValueError:
-                raise ValueError(f"repack must be 'off', 'auto' or a positive number of pipeline ranks, got {repack!r}") from None
-        if not 0 <= repack_tolerance < 1:
-            raise ValueError(f"repack_tolerance must be in [0, 1), got {repack_tolerance!r}")
-        positive_int("plot_interval", plot_interval)
-        if on_nonfinite not in NONFINITE_MODES:
-            raise ValueError(
-                f"on_nonfinite must be one of {', '.join(NONFINITE_MODES)} (what to do when a step's training loss "
-                f"is NaN/Inf), got {on_nonfinite!r}"
-            )
-        activation_checkpointing = check_activation_checkpointing(activation_checkpointing, memory_capacity)
-        if not isinstance(compile, bool):
-            raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {compile!r}")
-        if start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-        out = cls(
-            pipeline_parallel=pp, schedule=spec, virtual_stages=virtual, microbatches=mb, balancer=balancer,
-            partition=Partition(tuple(partition)) if partition is not None else None,
-            memory_capacity=memory_capacity, repack=repack, repack_tolerance=float(repack_tolerance),
-            plot=bool(plot), plot_interval=plot_interval, on_nonfinite=on_nonfinite, timeout=timeout or DEFAULT_TIMEOUT, start_method=start_method,
-            process_group_backend=process_group_backend, activation_checkpointing=activation_checkpointing,
-            expert_parallel=expert_parallel, compile=compile, rebalance=rebalance,
-            rebalance_interval=rebalance_interval, imbalance_threshold=imbalance_threshold,
-            rebalance_horizon=rebalance_horizon, rebalance_cooldown=rebalance_cooldown,
-            rebalance_hysteresis=rebalance_hysteresis, profile_steps=profile_steps, overhead_budget=overhead_budget,
-            link_bandwidth=link_bandwidth,
-        )
-        out.policy(), out.budget()  # the policy's and the budget's own checks, once, here
-        return out
+                raise ValueError(f"repack must be 'off', 'auto' or a positive number of pipeline ranks, "
+                                 f"got {self.repack!r}") from None
+        if not 0 <= self.repack_tolerance < 1:
+            raise ValueError(f"repack_tolerance must be in [0, 1), got {self.repack_tolerance!r}")
+        put("repack_tolerance", float(self.repack_tolerance))
+        put("plot", bool(self.plot))
+        positive_int("plot_interval", self.plot_interval)
+        put("on_nonfinite", enum_value("on_nonfinite (what to do when a step's training loss is NaN/Inf)",
+                                       OnNonfinite, self.on_nonfinite))
+        put("activation_checkpointing",
+            check_activation_checkpointing(self.activation_checkpointing, self.memory_capacity))
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {self.compile!r}")
+        put("start_method", enum_value("start_method", StartMethod, self.start_method))
+        put("timeout", check_timeout(self.timeout))
+        put("rebalance", enum_value("rebalance", Rebalance, self.rebalance))
+        self.policy(), self.budget()  # the policy's and the budget's own checks, once, here
 
     def policy(self) -> RebalancePolicy:
         """A fresh rebalance policy (its state starts empty) with these settings."""
-        return RebalancePolicy(mode=self.rebalance, interval=self.rebalance_interval, threshold=self.imbalance_threshold,
-                               horizon=self.rebalance_horizon, cooldown=self.rebalance_cooldown,
-                               hysteresis=self.rebalance_hysteresis, profile_steps=self.profile_steps)
+        return RebalancePolicy(rebalance=self.rebalance, rebalance_interval=self.rebalance_interval,
+                               imbalance_threshold=self.imbalance_threshold, rebalance_horizon=self.rebalance_horizon,
+                               rebalance_cooldown=self.rebalance_cooldown, rebalance_hysteresis=self.rebalance_hysteresis,
+                               profile_steps=self.profile_steps)
 
     def budget(self) -> OverheadBudget:
         """A fresh overhead budget over the last ``max(100, rebalance_horizon)`` steps."""
-        return OverheadBudget(fraction=self.overhead_budget, window=max(100, self.rebalance_horizon))
+        return OverheadBudget(overhead_budget=self.overhead_budget, window=max(100, self.rebalance_horizon))
+
+
+def check_timeout(value) -> timedelta:
+    """``timeout`` (seconds or a timedelta) as a positive timedelta."""
+    if isinstance(value, Real) and not isinstance(value, bool):
+        value = timedelta(seconds=float(value)) if math.isfinite(value) else value
+    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {value!r}")
+    return value
 
 
 def check_link_bandwidth(value) -> float | tuple[float, float] | None:

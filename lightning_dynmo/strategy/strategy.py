@@ -24,10 +24,8 @@ class adopts.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -63,7 +61,7 @@ from .collectives import WorldStrategy, agree_before_each_batch, explain_timeout
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
-from .options import DEFAULT_TIMEOUT, PipelineOptions, check_fit, check_module
+from .options import PipelineOptions, StartMethod, check_fit, check_module
 from .partial_batch import BatchSizes
 from .predict import predict_batch
 from .rebalancer import Rebalancer
@@ -83,26 +81,14 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
 
     strategy_name = "dynmo"
 
-    def __init__(
-        self,
-        pipeline_parallel: int | Literal["auto"] = "auto", schedule: str = "1f1b", microbatches: int | None = None,
-        virtual_stages: int | None = None, balancer: str = "partition_time", partition: Sequence[int] | None = None,
-        rebalance: str = "auto", rebalance_interval: int = 50, imbalance_threshold: float = 0.1,
-        rebalance_horizon: int = 100, rebalance_cooldown: int = 10, rebalance_hysteresis: float = 0.5,
-        profile_steps: int = 1, overhead_budget: float = 0.01, link_bandwidth: float | tuple[float, float] | None = None,
-        memory_capacity: float | None = None, repack: str | int = "off", repack_tolerance: float = 0.05,
-        plot: bool = True, plot_interval: int = 50, on_nonfinite: Literal["error", "skip", "ignore"] = "error",
-        activation_checkpointing: bool | Literal["auto"] = False, expert_parallel: int = 1, compile: bool = False,
-        accelerator=None, parallel_devices: list[torch.device] | None = None, cluster_environment=None,
-        checkpoint_io=None, precision_plugin=None, process_group_backend: str | None = None,
-        timeout: timedelta | float | None = DEFAULT_TIMEOUT,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-    ) -> None:
-        options = {k: v for k, v in locals().items() if k in PipelineOptions.__dataclass_fields__}
+    def __init__(self, accelerator=None, parallel_devices: list[torch.device] | None = None, cluster_environment=None,
+                 checkpoint_io=None, precision_plugin=None, **options: Any) -> None:
+        """Lightning's own arguments, then any :class:`PipelineOptions` field by name (its default,
+        type and meaning are written there, once); unknown names fail naming the closest option."""
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.options = PipelineOptions.validate(**options)  # every option but Lightning's own, checked once
+        self.options = PipelineOptions.from_kwargs(options)  # every option but Lightning's own, checked once
         self.rebalancer = Rebalancer(self.options)
         # this rank's pipeline (setup_environment / setup); only this class assigns these fields
         self.layout: PipelineLayout | None = None  # replaced (never changed in place) when layers move
@@ -176,7 +162,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._world_topology()  # fail in the launching process, before any worker starts
-        if self.options.start_method == "popen":
+        if self.options.start_method is StartMethod.POPEN:
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -212,7 +198,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
     def on_train_end(self) -> None:
         """The end-of-fit sanity check: what DynMo cost and what its applied decisions gained."""
         super().on_train_end()
-        if self.rebalancer.policy.mode != "never":
+        if self.rebalancer.policy.rebalances:
             rank_zero_info(dynmo_summary_text(self.dynmo_summary))
 
     def _adopt(self, change: Relayout | None) -> None:

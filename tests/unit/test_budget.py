@@ -6,9 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dynmo.plan import LayerCosts, RebalancePolicy
+from lightning_dynmo.plan import LayerCosts
 from lightning_dynmo.plan.budget import OverheadBudget
 from lightning_dynmo.plan.controller import RebalanceController
+from tests.support.options import make_budget, make_controller, make_policy
 
 STEP = 0.1  # seconds of an unprofiled step
 
@@ -52,14 +53,15 @@ def drive(ctrl: RebalanceController, steps: int, *, profiled_extra=0.05, decisio
 
 
 def auto(**kw) -> RebalanceController:
-    policy = RebalancePolicy("auto", threshold=0.1, cooldown=kw.pop("cooldown", 1), hysteresis=0.0, horizon=100)
-    return RebalanceController(policy, OverheadBudget(**kw))
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=kw.pop("cooldown", 1),
+                         rebalance_hysteresis=0.0, rebalance_horizon=100)
+    return make_controller(policy, make_budget(**kw))
 
 
 def test_a_sequence_that_never_moves_stops_paying_profiling():
     """An imbalance the balancer cannot fix (it stays above the threshold, every decision is
     'already balanced'): the decisions back off exponentially and the overhead stays in budget."""
-    ctrl = auto(fraction=0.01, window=100, max_backoff=128)
+    ctrl = auto(overhead_budget=0.01, window=100, max_backoff=128)
     out = drive(ctrl, 600)
     decisions = out["decisions"]
     gaps = [b - a for a, b in zip(decisions, decisions[1:])]
@@ -72,7 +74,7 @@ def test_a_sequence_that_never_moves_stops_paying_profiling():
 
 
 def test_back_off_doubles_and_is_capped():
-    b = OverheadBudget(max_backoff=16, fraction=float("inf"))
+    b = make_budget(max_backoff=16, overhead_budget=float("inf"))
     waits = []
     for _ in range(8):
         b.decided(100, applied=False)
@@ -83,7 +85,7 @@ def test_back_off_doubles_and_is_capped():
 
 
 def test_a_structural_event_rearms_the_back_off():
-    ctrl = auto(fraction=1.0, max_backoff=64)
+    ctrl = auto(overhead_budget=1.0, max_backoff=64)
     out = drive(ctrl, 200)
     assert ctrl.budget.noops >= 5 and ctrl.budget.next_allowed - out["decisions"][-1] >= 16  # backed off
     out = drive(ctrl, 6, start=200, events={200})  # a freeze: profiled and decided at once
@@ -93,7 +95,7 @@ def test_a_structural_event_rearms_the_back_off():
 
 
 def test_events_are_served_even_out_of_budget():
-    ctrl = auto(fraction=0.0)
+    ctrl = auto(overhead_budget=0.0)
     out = drive(ctrl, 40, events={10, 30})
     assert 10 in out["profiled"] and 30 in out["profiled"]
     assert [d for d in out["decisions"] if d > 5] == [11, 31]
@@ -103,7 +105,7 @@ def test_a_decision_that_paid_lifts_the_budget():
     """Same costs, same budget: when the applied decision made steps faster, the policy may spend
     its saving; when it did not pay, it may not."""
     def run(after: float) -> tuple[OverheadBudget, int]:
-        b = OverheadBudget(fraction=0.01, window=100, payback_steps=5)
+        b = make_budget(overhead_budget=0.01, window=100, payback_steps=5)
         for step in range(20):
             b.observe_step(step, 0.2, profiled=False)
         b.decided(20, applied=True, cost=0.05)
@@ -124,7 +126,7 @@ def test_a_decision_that_paid_lifts_the_budget():
 
 
 def test_profiled_steps_are_charged_their_excess():
-    b = OverheadBudget()
+    b = make_budget()
     for step in range(5):
         b.observe_step(step, 0.1, profiled=False)
     b.observe_step(5, 0.13, profiled=True)
@@ -139,7 +141,7 @@ def test_profiled_steps_are_charged_their_excess():
 def test_optional_overhead_stays_within_budget_plus_one_action(fraction, extra, decision, cooldown):
     """Whatever profiling and decisions cost, what auto starts by itself never pushes the window's
     overhead beyond the budget by more than one action (the first one, before anything is known)."""
-    ctrl = auto(fraction=fraction, window=50, cooldown=cooldown)
+    ctrl = auto(overhead_budget=fraction, window=50, cooldown=cooldown)
     drive(ctrl, 300, profiled_extra=extra, decision_s=decision)
     b = ctrl.budget
     one_action = extra * ctrl.policy.profile_steps + decision
@@ -149,7 +151,7 @@ def test_optional_overhead_stays_within_budget_plus_one_action(fraction, extra, 
 def test_counter_decisions_that_change_nothing_back_off():
     """Per-iteration decisions from load counters: a request every step, nothing moves: they back
     off too, and while backed off a request costs one comparison (no decision)."""
-    ctrl = auto(fraction=1.0)
+    ctrl = auto(overhead_budget=1.0)
     drive(ctrl, 3)  # one profile (auto) and its decision
     ctrl.profiled(2, LayerCosts.uniform(4))
     loads = [1.0, 0.5, 1.0, 0.5]
@@ -164,25 +166,25 @@ def test_counter_decisions_that_change_nothing_back_off():
 
 def test_other_modes_and_an_infinite_budget_are_not_gated():
     for mode in ("every_n", "on_event"):
-        policy = RebalancePolicy(mode, interval=2, hysteresis=0.0)
-        ctrl = RebalanceController(policy, OverheadBudget(fraction=0.0))
+        policy = make_policy(rebalance=mode, rebalance_interval=2, rebalance_hysteresis=0.0)
+        ctrl = make_controller(policy, make_budget(overhead_budget=0.0))
         out = drive(ctrl, 40, events=set(range(0, 40, 2)) if mode == "on_event" else ())
         assert len(out["decisions"]) >= 15 and not out["skipped"], (mode, out)
-    out = drive(auto(fraction=float("inf")), 100)
+    out = drive(auto(overhead_budget=float("inf")), 100)
     assert len(out["decisions"]) >= 40 and not out["skipped"]  # every trigger served, as before the budget
 
 
 def test_budget_rejects_nonsense():
     with pytest.raises(ValueError, match="overhead_budget"):
-        OverheadBudget(fraction=-1)
+        make_budget(overhead_budget=-1)
     with pytest.raises(ValueError, match="window"):
-        OverheadBudget(window=0)
+        make_budget(window=0)
     with pytest.raises(ValueError, match="source"):
-        OverheadBudget().charge(0, 1.0, "coffee")
+        make_budget().charge(0, 1.0, "coffee")
 
 
 def test_a_counter_decision_on_unchanged_loads_costs_one_comparison():
-    ctrl = auto(fraction=1.0)
+    ctrl = auto(overhead_budget=1.0)
     drive(ctrl, 3)
     ctrl.profiled(2, LayerCosts.uniform(4))
     loads = [1.0, 0.5, 1.0, 0.5]
@@ -205,7 +207,7 @@ def test_the_controller_owns_requests_under_never_the_repack_target_and_the_migr
     refused (the rebalancer only warns), the configured re-pack target stands in for a missing
     request, and ``auto`` weighs a move against one step's wall time until a migration was
     measured, then against that rebalance's migration (a re-pack's leaves it)."""
-    never = RebalanceController(RebalancePolicy("never"), repack="auto")
+    never = make_controller(make_policy(rebalance="never"), repack="auto")
     assert never.request("freeze") is False and never.request("moe", reprofile=False) is False
     assert not never.rebalancing and never.policy.pending_reasons == [] and never.counter_requests == []
     assert never.repack_target(None) == "auto" and never.repack_target(2) == 2

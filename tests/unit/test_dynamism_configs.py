@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import lightning_dynmo  # noqa: F401  (registers the structured config dynmo_options)
 from lightning_dynmo.cli.dynamism import build_callbacks, model_class
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")

@@ -5,6 +5,7 @@ import lightning as L
 import pytest
 
 from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.plan.policy import Rebalance
 from lightning_dynmo.protocol import PipelineProtocolError, pipeline_layers_of
 
 
@@ -54,9 +55,10 @@ def test_every_consumer_is_built_from_the_validated_options():
     o, r = s.options, s.rebalancer
     assert r.options is o and r.balancer == "diffusion_time" and r.controller.repack == "auto"
     p = r.policy
-    assert (p.mode, p.interval, p.threshold, p.horizon, p.cooldown, p.hysteresis, p.profile_steps) == \
-        ("every_n", 7, 0.2, 300, 3, 0.25, 2)
-    assert (r.controller.budget.fraction, r.controller.budget.window) == (0.5, 300)
+    assert (p.rebalance, p.rebalance_interval, p.imbalance_threshold, p.rebalance_horizon, p.rebalance_cooldown,
+            p.rebalance_hysteresis, p.profile_steps) == ("every_n", 7, 0.2, 300, 3, 0.25, 2)
+    assert p.rebalance is Rebalance.EVERY_N  # the option's string became the one enum member
+    assert (r.controller.budget.overhead_budget, r.controller.budget.window) == (0.5, 300)
     assert (r.recorder.plot, r.recorder.plot_interval) == (False, 9)
     with pytest.raises(ValueError, match="overhead_budget"):
         DynMoStrategy(overhead_budget=-1)

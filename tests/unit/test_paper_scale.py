@@ -73,7 +73,7 @@ def test_dense_reference_and_frozen_prefix():
 
 TINY = {"layers": [8], "stages": [2, 4], "headline": {"layers": 8, "stages": 4}, "snapshots": 3,
         "per_iteration_snapshots": 3, "dynamic": ["partition_time", "diffusion_time"], "head_chunks": 2,
-        "granularity": "sublayer",
+        "pipeline_granularity": "sublayer",
         "sensitivity_head_scale": [0.0], "repack": {"stages": 4, "cases": ["pruning"]}}
 
 
@@ -115,7 +115,7 @@ def test_config_checks_and_links():
     with pytest.raises(ValueError, match="unknown cases"):
         merged({"cases": ["nope"]})
     with pytest.raises(ValueError, match="granularity"):
-        merged({"granularity": "layer"})
+        merged({"pipeline_granularity": "layer"})
     with pytest.raises(ValueError, match="head_chunks"):
         merged({"head_chunks": 0})
     q = merged({"quick": True})
@@ -179,8 +179,8 @@ def test_static_time_is_the_first_snapshots_time_balanced_split():
 def test_fine_granularity_layouts():
     from lightning_dynmo.sim.scenarios.projection import layouts
 
-    lays = layouts(merged({"granularity": "fine", "head_chunks": 4}))
+    lays = layouts(merged({"pipeline_granularity": "fine", "head_chunks": 4}))
     assert list(lays) == ["fine", "sublayer", "block"] and lays["fine"]["head_chunks"] == 4
     assert lays["block"]["head_chunks"] == 1
-    assert list(layouts(merged({"granularity": "block"}))) == ["block"]
-    assert list(layouts(merged({"granularity": "fine", "compare_block": False}))) == ["fine"]
+    assert list(layouts(merged({"pipeline_granularity": "block"}))) == ["block"]
+    assert list(layouts(merged({"pipeline_granularity": "fine", "compare_block": False}))) == ["fine"]

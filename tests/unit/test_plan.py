@@ -19,7 +19,6 @@ from lightning_dynmo.plan import (
     LayerCosts,
     MigrationPlan,
     Partition,
-    RebalancePolicy,
     Topology,
     available_schedules,
     decide,
@@ -31,6 +30,7 @@ from lightning_dynmo.plan.measurements import loads_near_profile, scale_by_load,
 from lightning_dynmo.plan.policy import refusal_unless_gain_clear
 from lightning_dynmo.plan.schedules import choose_microbatches
 from lightning_dynmo.plan.validation import positive_int
+from tests.support.options import make_policy
 
 PLAN = Path(__file__).resolve().parents[2] / "lightning_dynmo" / "plan"
 
@@ -69,7 +69,7 @@ def lopsided() -> LayerCosts:
 def test_decide_moves_to_the_balanced_partition_and_says_why():
     model = CostModel(microbatches=4)
     decision, new = decide(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time",
-                           current=Partition((0, 2, 4)), policy=RebalancePolicy("on_event"), migration_cost=1.0)
+                           current=Partition((0, 2, 4)), policy=make_policy(rebalance="on_event"), migration_cost=1.0)
     assert new == Partition((0, 3, 4)) and decision.applied and decision.moved_layers == 1
     assert decision.predicted_step_after < decision.predicted_step_before
     assert decision.after == str(new) and decision.why == "mode on_event"
@@ -78,10 +78,10 @@ def test_decide_moves_to_the_balanced_partition_and_says_why():
 def test_decide_already_balanced_and_auto_refusal():
     model = CostModel(microbatches=4)
     common = dict(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time")
-    d, new = decide(current=Partition((0, 3, 4)), policy=RebalancePolicy("on_event"), migration_cost=0.0, **common)
+    d, new = decide(current=Partition((0, 3, 4)), policy=make_policy(rebalance="on_event"), migration_cost=0.0, **common)
     assert new is None and not d.applied and d.why == "already balanced"
     # auto: gain (27 - 21 s per step) x horizon 2 = 12 s <= a migration of 100 s
-    d, new = decide(current=Partition((0, 2, 4)), policy=RebalancePolicy("auto", horizon=2), migration_cost=100.0,
+    d, new = decide(current=Partition((0, 2, 4)), policy=make_policy(rebalance="auto", rebalance_horizon=2), migration_cost=100.0,
                     **common)
     assert new is None and not d.applied and "<= cost" in d.why
 
@@ -92,34 +92,34 @@ def test_auto_weighs_the_gain_of_every_pipeline_run_of_an_optimizer_step():
     20 s migration, accepted at k=2)."""
     common = dict(step=1, reason="r", costs=lopsided(), model=CostModel(microbatches=4), balancer="partition_time",
                   current=Partition((0, 2, 4)), migration_cost=20.0)
-    d, new = decide(policy=RebalancePolicy("auto", horizon=2), **common)
+    d, new = decide(policy=make_policy(rebalance="auto", rebalance_horizon=2), **common)
     assert new is None and "<= cost" in d.why
-    d, new = decide(policy=RebalancePolicy("auto", horizon=2), runs_per_step=2, **common)
+    d, new = decide(policy=make_policy(rebalance="auto", rebalance_horizon=2), runs_per_step=2, **common)
     assert new == Partition((0, 3, 4)) and d.applied and "> cost" in d.why
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="runs_per_step"):
-            decide(policy=RebalancePolicy("auto", horizon=2), runs_per_step=bad, **common)
+            decide(policy=make_policy(rebalance="auto", rebalance_horizon=2), runs_per_step=bad, **common)
 
 
 def test_decide_refuses_an_infeasible_capacity():
     model = CostModel(microbatches=4, capacity=0.5)
     d, new = decide(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time",
-                    current=Partition((0, 2, 4)), policy=RebalancePolicy("on_event"), migration_cost=0.0)
+                    current=Partition((0, 2, 4)), policy=make_policy(rebalance="on_event"), migration_cost=0.0)
     assert new is None and d.why.startswith("refused:") and "capacity" in d.why
 
 
 # ---------------------------------------------------------------- policy
 def test_policy_modes():
-    assert RebalancePolicy("never").profile_reason(0) is None
-    p = RebalancePolicy("every_n", interval=3)
+    assert make_policy(rebalance="never").profile_reason(0) is None
+    p = make_policy(rebalance="every_n", rebalance_interval=3)
     assert [p.profile_reason(s) is not None for s in range(6)] == [False, False, True, False, False, True]
-    p = RebalancePolicy("on_event")
+    p = make_policy(rebalance="on_event")
     p.request("a"), p.request("a"), p.request("b")
     assert p.profile_reason(0) == "event: a; b" and p.profile_reason(1) is None
 
 
 def test_auto_policy_threshold_and_cooldown():
-    p = RebalancePolicy("auto", threshold=0.1, cooldown=5)
+    p = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=5)
     p.observe_busy([1.0, 1.0])
     assert p.profile_reason(10) is None  # balanced
     p.observe_busy([1.0, 3.0]), p.observe_busy([1.0, 3.0])
@@ -130,11 +130,15 @@ def test_auto_policy_threshold_and_cooldown():
     assert p.profile_reason(15) is not None
 
 
-@pytest.mark.parametrize("kw", [{"mode": "sometimes"}, {"interval": 0}, {"horizon": True}, {"cooldown": -1},
-                                {"threshold": -0.1}, {"ema_decay": 1.0}])
+@pytest.mark.parametrize("kw", [{"rebalance": "sometimes"}, {"rebalance_interval": 0}, {"rebalance_horizon": True},
+                                {"rebalance_cooldown": -1}, {"imbalance_threshold": -0.1}])
 def test_policy_rejects_nonsense(kw):
-    with pytest.raises(ValueError):
-        RebalancePolicy(**kw)
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        make_policy(**kw)
+    with pytest.raises(ValueError, match=next(iter(kw))):  # the policy checks itself, also built alone
+        dataclasses.replace(make_policy(), **kw)
+    with pytest.raises(ValueError, match="ema_decay"):
+        dataclasses.replace(make_policy(), ema_decay=1.0)
 
 
 # ---------------------------------------------------------------- measurements
@@ -262,7 +266,7 @@ def test_auto_refuses_to_return_to_a_partition_left_within_the_horizon():
     before the horizon its replacement's saving was predicted over has passed, is refused and says
     why (also round a cycle through a third partition)."""
     model = CostModel(microbatches=4)
-    policy = RebalancePolicy("auto", horizon=10)
+    policy = make_policy(rebalance="auto", rebalance_horizon=10)
     heavy_last = lopsided()  # balanced at (0, 3, 4)
     heavy_first = LayerCosts(tuple(reversed(heavy_last.forward)), tuple(reversed(heavy_last.backward)),
                              (1,) * 4, (1.0,) * 4, (1.0,) * 4)  # balanced at (0, 1, 4)
@@ -288,7 +292,7 @@ def test_auto_refuses_to_return_to_a_partition_left_within_the_horizon():
     d, new = decide(step=13, costs=heavy_last, current=Partition((0, 2, 4)), policy=policy, **common)
     assert new is None and "left at step 12" in d.why
     # only auto weighs moves: on_event applies what its events ask for
-    on_event = RebalancePolicy("on_event", horizon=10)
+    on_event = make_policy(rebalance="on_event", rebalance_horizon=10)
     on_event.decided(11, applied=True, left=b)
     d, new = decide(step=12, costs=heavy_last, current=a, policy=on_event, **common)
     assert new == b
@@ -310,9 +314,9 @@ def test_a_move_from_load_counters_must_gain_clearly_over_the_recent_steps():
     assert why is not None and why.startswith("refused: gain") and "8 steps" in why
     common = dict(step=3, reason="r", costs=heavy_last, model=model, balancer="partition_time", current=a,
                   migration_cost=0.0)
-    d, new = decide(policy=RebalancePolicy("auto"), samples=flipping, **common)
+    d, new = decide(policy=make_policy(rebalance="auto"), samples=flipping, **common)
     assert new is None and d.why == why
-    d, new = decide(policy=RebalancePolicy("auto"), samples=[heavy_last] * 8, **common)
+    d, new = decide(policy=make_policy(rebalance="auto"), samples=[heavy_last] * 8, **common)
     assert new == b
-    d, new = decide(policy=RebalancePolicy("on_event"), samples=flipping, **common)  # events are not weighed
+    d, new = decide(policy=make_policy(rebalance="on_event"), samples=flipping, **common)  # events are not weighed
     assert new == b

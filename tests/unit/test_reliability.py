@@ -21,6 +21,7 @@ from lightning_dynmo.plan.balancers import get_balancer
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.plan.policy import Decision, RebalancePolicy
 from lightning_dynmo.protocol import PipelineProtocolError
+from tests.support.options import make_policy
 from tests.support.workers.common import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---------------------------------------------------------------------------------- item 0
 def test_defaults_are_dynamic():
     s = DynMoStrategy()
-    assert s.rebalancer.policy.mode == "auto"
+    assert s.rebalancer.policy.rebalance == "auto"
     assert s.rebalancer.balancer == "partition_time"
     assert s.options.on_nonfinite == "error"
 
@@ -67,36 +68,36 @@ def _simulate(policy: RebalancePolicy, imbalances, applied_when=lambda step: Fal
 def test_auto_near_the_threshold_decides_once_not_every_cooldown():
     rng = random.Random(0)
     hovering = [0.1 + rng.uniform(-0.02, 0.02) for _ in range(100)]
-    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=10)
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=10)
     decisions = _simulate(policy, hovering)
     assert 1 <= len(decisions) <= 2, decisions
 
 
 def test_a_refused_decision_starts_the_cooldown():
-    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=10, hysteresis=0.0)
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=10, rebalance_hysteresis=0.0)
     decisions = _simulate(policy, [0.5] * 40)
     assert decisions and all(b - a >= 10 for a, b in zip(decisions, decisions[1:])), decisions
 
 
 def test_auto_rearms_after_the_imbalance_falls_and_fires_when_it_grows():
-    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=2, hysteresis=0.5)
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=2, rebalance_hysteresis=0.5)
     trace = [0.12] * 20 + [0.01] * 20 + [0.12] * 20
     decisions = _simulate(policy, trace)
     assert len([d for d in decisions if d < 20]) == 1
     assert len([d for d in decisions if d >= 40]) == 1, decisions  # re-armed below threshold x (1 - h)
-    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=2, hysteresis=0.5)
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=2, rebalance_hysteresis=0.5)
     decisions = _simulate(policy, [0.12] * 20 + [0.4] * 20)
     assert 1 <= len([d for d in decisions if d >= 20]) <= 2, decisions  # grew beyond refused x (1 + h)
 
 
 def test_applied_decisions_keep_the_plain_cooldown():
-    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=5)
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=5)
     decisions = _simulate(policy, [0.5] * 30, applied_when=lambda step: True)
     assert len(decisions) >= 4 and all(b - a >= 5 for a, b in zip(decisions, decisions[1:])), decisions
 
 
 def test_events_still_trigger_at_once():
-    policy = RebalancePolicy(mode="auto", threshold=0.1, cooldown=50)
+    policy = make_policy(rebalance="auto", imbalance_threshold=0.1, rebalance_cooldown=50)
     policy.decided(3, applied=False)
     policy.request("freeze")
     assert policy.profile_reason(4).startswith("event")
@@ -104,7 +105,7 @@ def test_events_still_trigger_at_once():
 
 def test_hysteresis_is_validated():
     with pytest.raises(ValueError, match="hysteresis"):
-        RebalancePolicy(hysteresis=-0.1)
+        make_policy(rebalance_hysteresis=-0.1)
     with pytest.raises(ValueError, match="hysteresis"):
         DynMoStrategy(rebalance_hysteresis=1.5)
 

@@ -127,7 +127,7 @@ def test_lightning_mixed_precision_gradients_match_the_unchunked_head(precision,
 def test_chunk_bounds_cover_the_vocabulary_evenly():
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert chunk_bounds(5, 5) == [(j, j + 1) for j in range(5)]
-    with pytest.raises(ValueError, match="head_chunks must be between 1 and vocab_size=4"):
+    with pytest.raises(ValueError, match="head_chunks must be an integer between 1 and vocab_size=4"):
         chunk_bounds(4, 5)
 
 

@@ -12,14 +12,23 @@ from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
 
 from .._config import ModelConfig
+from ..vocab_head import check_head_chunks
 
-__all__ = ["ATTENTION_KINDS", "GRANULARITIES", "GPTConfig"]
+__all__ = ["ATTENTION_KINDS", "GRANULARITIES", "GPTConfig", "check_granularity"]
 
 # Attention per block: "dense" (SDPA, causal) or "hash_sparse" (hash-bucketed block-sparse
 # attention, lightning_dynmo.sparse.hash_layout: a token sees earlier tokens of its bucket).
 ATTENTION_KINDS = ("dense", "hash_sparse")
 # what the pipeline layers are made of (gpt/granularity.py)
 GRANULARITIES = ("block", "sublayer", "fine")
+
+
+def check_granularity(pipeline_granularity: str, head_chunks: int, vocab_size: int | None = None) -> None:
+    """The one check of how finely a GPT is cut into pipeline layers, shared by ``GPTConfig`` and
+    the paper-scale simulator (``sim/scenarios``) so both accept the same values."""
+    if pipeline_granularity not in GRANULARITIES:
+        raise ValueError(f"pipeline_granularity must be one of {', '.join(GRANULARITIES)}, got {pipeline_granularity!r}")
+    check_head_chunks(head_chunks, vocab_size)
 
 
 @dataclass
@@ -89,15 +98,11 @@ class GPTConfig(ModelConfig):
             raise ValueError(f"attention_block must be a positive integer, got {self.attention_block!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be True or False, got {self.tie_embeddings!r}")
-        if int(self.head_chunks) != self.head_chunks or not 1 <= self.head_chunks <= self.vocab_size:
-            raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={self.vocab_size}, "
-                             f"got {self.head_chunks!r}")
+        check_granularity(self.pipeline_granularity, self.head_chunks, self.vocab_size)
         if self.head_chunks > 1 and self.tie_embeddings:
             raise ValueError("tie_embeddings=True needs head_chunks=1: a chunked head splits the LM head's matrix "
                              "into one parameter per vocabulary slice, which cannot be the embedding's one matrix; "
                              "untie the embedding or use one head chunk")
-        if self.pipeline_granularity not in GRANULARITIES:
-            raise ValueError(f"pipeline_granularity must be one of {GRANULARITIES}, got {self.pipeline_granularity!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):

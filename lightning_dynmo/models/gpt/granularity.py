@@ -38,12 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import GRANULARITIES
+from .config import GRANULARITIES, check_granularity  # noqa: F401  (check_granularity: re-exported)
 from .layers import Block
 
 __all__ = [
     "FINE_PIECES",
     "GRANULARITIES",
+    "check_granularity",
     "AttentionCore",
     "AttentionHalf",
     "AttentionIn",

@@ -91,7 +91,7 @@ from ...protocol import layer_seed, materialize_layer, run_layers
 from .._aux_loss import configure_aux_loss, reset_aux_loss
 from .._lm import CausalLMModule
 from ..vocab_head import (
-    HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
+    HeadChunk, check_head_chunks, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
 from . import export
 from .arch import SUPPORTED_ARCHITECTURES, load_config
 from .checkpoint import DISK_LAYOUTS, CheckpointReader
@@ -190,10 +190,8 @@ class HFCausalLM(CausalLMModule):
         self.arch = arch
         self._init_seed = int(seed)
         self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
-        if isinstance(head_chunks, bool) or int(head_chunks) != head_chunks or not 1 <= head_chunks <= cfg.vocab_size:
-            raise ValueError(f"head_chunks must be an integer between 1 and vocab_size={cfg.vocab_size}, "
-                             f"got {head_chunks!r}")
-        self.head_chunks = int(head_chunks)
+        check_head_chunks(head_chunks, cfg.vocab_size)
+        self.head_chunks = head_chunks
         if pad_token_id is not None and (isinstance(pad_token_id, bool) or int(pad_token_id) != pad_token_id
                                          or not 0 <= pad_token_id < cfg.vocab_size):
             raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={cfg.vocab_size}) or None, "

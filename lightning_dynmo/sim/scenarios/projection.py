@@ -26,7 +26,7 @@ from pathlib import Path
 from .report import PAPER, plot, report
 from . import (CASES, PER_ITERATION, Profile, Snapshot, compare, dense, load_profile,
                         repack_projection)
-from .snapshot import check_granularity
+from lightning_dynmo.models.gpt.config import check_granularity
 from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
 from lightning_dynmo.plan.cost_model import CostModel
 from lightning_dynmo.sim.simulate import DataParallel, Link
@@ -41,7 +41,7 @@ DEFAULTS: dict = {
     "headline": {"layers": 48, "stages": 24},
     "schedule": "1f1b",
     "schedules": ["zbv", "zero_bubble"],
-    "granularity": "fine",
+    "pipeline_granularity": "fine",
     "head_chunks": 16,
     "compare_block": True,
     "microbatches_per_stage": 4,
@@ -74,7 +74,7 @@ def merged(cfg: dict | None) -> dict:
     bad = [c for c in out["cases"] if c not in CASES]
     if bad:
         raise ValueError(f"unknown cases {bad}; valid: {sorted(CASES)}")
-    check_granularity(out["granularity"], out["head_chunks"])
+    check_granularity(out["pipeline_granularity"], out["head_chunks"])
     if out["quick"]:
         h = out["headline"]
         out["layers"] = sorted({h["layers"]})
@@ -97,10 +97,10 @@ def links(stages: int, net: dict) -> list[Link]:
 def layouts(cfg: dict) -> dict[str, dict]:
     """The granularities simulated, headline first: name -> ``granularity`` / ``head_chunks``."""
     chunks = int(cfg["head_chunks"])
-    out = {cfg["granularity"]: {"granularity": cfg["granularity"],
-                                "head_chunks": chunks if cfg["granularity"] != "block" else 1}}
+    first = cfg["pipeline_granularity"]
+    out = {first: {"granularity": first, "head_chunks": chunks if first != "block" else 1}}
     if cfg["compare_block"]:  # the coarser granularities beside the headline one
-        for g in ("sublayer", "block")[("fine", "sublayer", "block").index(cfg["granularity"]):]:
+        for g in ("sublayer", "block")[("fine", "sublayer", "block").index(first):]:
             out.setdefault(g, {"granularity": g, "head_chunks": chunks if g != "block" else 1})
     return out
 

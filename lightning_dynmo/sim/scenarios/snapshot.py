@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from lightning_dynmo.models.gpt.config import check_granularity
 from lightning_dynmo.plan.cost_model import LayerCosts
 from .profile import Profile
 
 BYTES_PER_PARAM_STATE = 16.0  # bf16 weight + bf16 grad + fp32 master + 2 fp32 Adam moments
-GRANULARITIES = ("block", "sublayer", "fine")
 #: pipeline layers per transformer block
 PIECES = {"block": 1, "sublayer": 2, "fine": 5}
 #: Korthikanti et al. 2022 (flash attention, bf16): of a block's 34 s b h stored bytes, the
@@ -81,13 +81,6 @@ class Snapshot:
 def dense_block(profile: Profile, fraction: float = 1.0) -> Block:
     """A block on ``fraction`` of the tokens (packed): both halves see the same tokens."""
     return Block(profile.block(fraction), profile.mlp(fraction * profile.tokens))
-
-
-def check_granularity(granularity: str, head_chunks: int) -> None:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; valid: {', '.join(GRANULARITIES)}")
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"head_chunks must be an int >= 1, got {head_chunks!r}")
 
 
 def _fine_pieces(blk: Block, params: int, mlp_params: int, hidden: int) -> list[tuple[tuple[float, float], int, int]]:
