@@ -36,21 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..protocol.activations import run_layers
+from ..protocol.granularity import check_head_chunks
 from ..protocol.merges import merge_state, split_state
 
 __all__ = ["IGNORE_INDEX", "HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_chunk_layers", "head_logits",
            "head_merges", "logits_through", "merge_head_hook", "split_head_hook", "streaming_nll_mean"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets with this value count neither in the sum nor the mean
-
-
-def check_head_chunks(head_chunks: int, vocab_size: int | None = None) -> None:
-    """The one check of ``head_chunks`` (GPTConfig, the Hugging Face adapter, the paper-scale
-    simulator): an integer from 1 to the vocabulary size, where that is known."""
-    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1 or \
-            (vocab_size is not None and head_chunks > vocab_size):
-        span = f"between 1 and vocab_size={vocab_size}" if vocab_size is not None else ">= 1"
-        raise ValueError(f"head_chunks must be an integer {span} (the LM head's vocabulary chunks), got {head_chunks!r}")
 
 
 def chunk_bounds(vocab_size: int, chunks: int) -> list[tuple[int, int]]:

@@ -30,7 +30,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "protocol": set(),  # the contract between models and the pipeline: both sides import it
     "plan": set(),  # pure decisions on plain numbers
     "sparse": set(),
-    "sim": {"plan"},
+    "sim": {"plan", "protocol"},
     "runtime": {"plan", "protocol"},
     "models": {"protocol", "sparse"},
     "dynamic": {"models", "protocol", "sparse"},

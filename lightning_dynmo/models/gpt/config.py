@@ -12,7 +12,7 @@ from lightning_dynmo.sparse.attention import BACKENDS
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS
 
 from .._config import ModelConfig
-from ..vocab_head import check_head_chunks
+from ...protocol.granularity import GRANULARITIES, check_granularity
 
 __all__ = ["ATTENTION_KINDS", "GRANULARITIES", "GPTConfig", "check_granularity"]
 
@@ -20,15 +20,6 @@ __all__ = ["ATTENTION_KINDS", "GRANULARITIES", "GPTConfig", "check_granularity"]
 # attention, lightning_dynmo.sparse.hash_layout: a token sees earlier tokens of its bucket).
 ATTENTION_KINDS = ("dense", "hash_sparse")
 # what the pipeline layers are made of (gpt/granularity.py)
-GRANULARITIES = ("block", "sublayer", "fine")
-
-
-def check_granularity(pipeline_granularity: str, head_chunks: int, vocab_size: int | None = None) -> None:
-    """The one check of how finely a GPT is cut into pipeline layers, shared by ``GPTConfig`` and
-    the paper-scale simulator (``sim/scenarios``) so both accept the same values."""
-    if pipeline_granularity not in GRANULARITIES:
-        raise ValueError(f"pipeline_granularity must be one of {', '.join(GRANULARITIES)}, got {pipeline_granularity!r}")
-    check_head_chunks(head_chunks, vocab_size)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 from .report import PAPER, plot, report
 from . import (CASES, PER_ITERATION, Profile, Snapshot, compare, dense, load_profile,
                         repack_projection)
-from lightning_dynmo.models.gpt.config import check_granularity
+from lightning_dynmo.protocol.granularity import check_granularity
 from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
 from lightning_dynmo.plan.cost_model import CostModel
 from lightning_dynmo.sim.simulate import DataParallel, Link

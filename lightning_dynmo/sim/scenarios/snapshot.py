@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_dynmo.models.gpt.config import check_granularity
+from lightning_dynmo.protocol.granularity import check_granularity
 from lightning_dynmo.plan.cost_model import LayerCosts
 from .profile import Profile
 
