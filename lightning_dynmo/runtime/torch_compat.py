@@ -13,18 +13,21 @@ Both differences below made torch 2.11 fail on one rank while its peers waited (
 * **Receive buffers of integer activations.** torch <= 2.12 marks every receive buffer as needing
   a gradient, which an integer tensor cannot (targets carried to a chunked LM head, a padding
   mask): "only Tensors of floating point dtype can require gradients". Only floating-point
-  buffers are marked here; integer ones get the zero gradient of the first point.
+  buffers are marked here (also where a V schedule hands an activation to the next stage on the
+  same rank); integer ones get the zero gradient of the first point.
 * **Warm-up sends to one's own rank.** Before its first step a schedule exchanges a dummy tensor
   with each neighbouring stage. Under a V schedule (``zbv``) two neighbouring stages live on one
   rank; torch <= 2.12 sends that dummy to itself, which gloo refuses ("Pair is not connected").
   Stages on one rank pass activations by function call anyway, so the warm-up skips them.
 
-* **Split backward through a custom ``autograd.Function``.** Zero-bubble schedules split each
-  backward into an input pass (I) and a weight pass (W). torch <= 2.12's weight pass reads
-  ``node._input_metadata`` of every node between the stage's output and its weights, which a
-  custom ``autograd.Function`` node (the MoE/MoD aux-loss scaler) does not have. For a chunk
-  whose graph holds such a node, I runs the whole backward and W has nothing left to do: the
-  gradients are the same, that chunk's weight pass just does not fill a bubble.
+* **Split backward through a custom ``autograd.Function``, or of outputs that need no gradient.**
+  Zero-bubble schedules split each backward into an input pass (I) and a weight pass (W). torch
+  <= 2.12's weight pass reads ``node._input_metadata`` of every node between the stage's output
+  and its weights, which a custom ``autograd.Function`` node (the MoE/MoD aux-loss scaler) does
+  not have, and its input pass hands every stage output to ``autograd.grad``, which refuses one
+  that needs no gradient (targets carried to a chunked head, early exit's flag). For such a
+  chunk, I runs the whole backward and W has nothing left to do: the gradients are the same,
+  that chunk's weight pass just does not fill a bubble.
 
 All are detected by capability, not by version string, so a backport or a nightly is handled
 by what it does.
@@ -68,8 +71,16 @@ class PortablePipelineStage(PipelineStage):
                         info.buffer.requires_grad_(True)
         return out
 
+    def set_local_fwd_input(self, prev_stage_outputs, mb_index: int) -> None:
+        if not GRADIENT_SLOT_PER_INPUT:
+            return super().set_local_fwd_input(prev_stage_outputs, mb_index)
+        outputs = prev_stage_outputs if isinstance(prev_stage_outputs, (tuple, list)) else (prev_stage_outputs,)
+        for info, tensor in zip(self.args_recv_info[mb_index], outputs):
+            # what torch <= 2.12 does, but an integer tensor cannot require a gradient
+            info.buffer = tensor.detach().requires_grad_(tensor.is_floating_point())
+
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
-        if GRADIENT_SLOT_PER_INPUT and not full_backward and self._crosses_custom_function(bwd_chunk_id, loss):
+        if GRADIENT_SLOT_PER_INPUT and not full_backward and self._split_backward_fails(bwd_chunk_id, loss):
             full_backward = True
             self._whole_backward_chunks.add(bwd_chunk_id)
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
@@ -90,9 +101,12 @@ class PortablePipelineStage(PipelineStage):
             self._whole_chunks = set()
         return self._whole_chunks
 
-    def _crosses_custom_function(self, chunk: int, loss) -> bool:
+    def _split_backward_fails(self, chunk: int, loss) -> bool:
+        """Whether torch <= 2.12's split backward would fail on this chunk (the module docstring)."""
         outputs = loss if self.is_last else self.fwd_cache[chunk][0]
         tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+        if any(not t.requires_grad for t in tensors):
+            return True
         seen: set = set()
         stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
         while stack:

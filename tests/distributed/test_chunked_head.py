@@ -13,7 +13,7 @@ from tests.distributed.test_checkpoint import BASE, _continuation
 from tests.distributed.test_equivalence import base, check_against_reference, migrations
 from tests.support.multiproc import run_worker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 SCHEDULES = available_schedules()
 RUNS = {f"chunks_{s}": base(schedule=s, rebalance="every_n", balancer="test_cycle",
                             gpt={"head_chunks": 2 + i % 3})  # 3 chunks of a 64-token vocabulary: 22, 21, 21

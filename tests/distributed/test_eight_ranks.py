@@ -9,7 +9,7 @@ import pytest
 from tests.distributed.test_equivalence import base, check_against_reference, migrations
 from tests.support.multiproc import run_worker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 LAYERS = {"n_layer": 8, "mlp_ratios": [1, 4, 2, 8, 1, 3, 2, 4]}  # heterogeneous blocks: 11 pipeline layers
 RUNS = {
     # 8 stages: boundaries shift every 2 steps, then 8 -> 4 ranks after step 3

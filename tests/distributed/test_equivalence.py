@@ -28,7 +28,7 @@ from lightning_dynmo import available_balancers, available_schedules
 from lightning_dynmo.protocol.activations import run_layers
 from lightning_dynmo.protocol.merges import merge_optimizer_state, merges_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 SCHEDULES = available_schedules()
 RTOL = 1e-5
 STEPS = 5

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.multiproc import ROOT, worker_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 WORKER = ROOT / "tests" / "support" / "workers" / "fault_worker.py"
 TIMEOUT = 120.0  # the strategy's collective timeout in the worker
 

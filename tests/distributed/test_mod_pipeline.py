@@ -99,6 +99,7 @@ def test_mod_pp2_with_migrations_equals_single_process(results, routing):
     assert from_counters and len(from_counters) + len(reprofiled) == len(reasons) - 1, reasons
 
 
+@pytest.mark.compat  # torch <= 2.12's split backward through a custom autograd.Function (runtime/torch_compat.py)
 def test_predictor_loss_survives_the_split_backward_of_zero_bubble(results):
     pipe, ref = results
     assert ROUTING_MODES[1] == "predictor"

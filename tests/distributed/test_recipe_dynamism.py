@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.support.multiproc import worker_env
@@ -38,6 +39,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.compat  # early exit's recipe failed on torch 2.11 (issue 31): every case runs on the lowest torch too
 def test_every_dynamism_case_in_one_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(

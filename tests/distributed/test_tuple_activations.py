@@ -11,7 +11,7 @@ from tests.support.multiproc import ROOT, run_worker
 from tests.support.two_stream import TwoStreamLM
 from tests.support.workers.common import LossRecorder, two_stream_loader
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 WORKER = ROOT / "tests" / "support" / "workers" / "tuple_worker.py"
 STEPS, BATCH = 4, 8
 RUNS = {s: {"schedule": s, "steps": STEPS, "batch": BATCH} for s in available_schedules()}
