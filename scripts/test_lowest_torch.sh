@@ -23,7 +23,7 @@ PY="$ENV_DIR/bin/python"
 if ! "$PY" -c "import torch, lightning, pytest, hydra, transformers; assert torch.__version__.startswith('$LOWEST_TORCH')" 2>/dev/null; then
   echo "test_lowest_torch: creating $ENV_DIR with torch==$LOWEST_TORCH (once per machine)"
   python -m venv "$ENV_DIR"
-  "$PY" -m pip install -q "torch==$LOWEST_TORCH"
+  "$PY" -m pip install -q "torch==$LOWEST_TORCH" "setuptools>=70" wheel
   # setup.py's dependencies and the dev extra, without building the extension or re-resolving torch
   DYNMO_SKIP_EXTENSION=1 "$PY" -m pip install -q --no-build-isolation -e ".[dev]" "torch==$LOWEST_TORCH"
 fi
