@@ -271,19 +271,20 @@ class CollectiveLedger:
         self.device = device
         self.count = 0
 
-    def agree(self, name: str, group=None) -> None:
+    def agree(self, name: str, group=None, flag: float = 0.0) -> float:
         """Collective over ``group`` (default: the world): every rank names the call it is about to
-        make; if the names or counters differ, every rank raises :class:`CollectiveMismatchError`."""
+        make; if the names or counters differ, every rank raises :class:`CollectiveMismatchError`.
+        Returns the largest ``flag`` over the ranks (one value rides along for free)."""
         check_not_failed(name)
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return
+            return flag
         self.count += 1
         call = f"{name}#{self.count}"
         h = float(zlib.crc32(call.encode()))
-        v = torch.tensor([h, -h], dtype=torch.float64, device=self.device)
+        v = torch.tensor([h, -h, -float(flag)], dtype=torch.float64, device=self.device)
         dist.all_reduce(v, op=dist.ReduceOp.MIN, group=group)
         if v[0].item() == -v[1].item():
-            return
+            return -v[2].item()
         calls: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(calls, (self.rank, call), group=group)
         listing = "; ".join(f"rank {r}: {c}" for r, c in calls)

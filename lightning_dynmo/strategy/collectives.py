@@ -4,7 +4,7 @@ world group; and :func:`explain_timeout`, which makes a collective's timeout say
 rank must make."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -24,11 +24,13 @@ class WorldStrategy(ParallelStrategy):
     _num_nodes = 1
     ledger: CollectiveLedger | None = None  # set once the process group is up (setup_environment)
 
-    def agree(self, name: str) -> None:
+    def agree(self, name: str, flag: float = 0.0) -> float:
         """Every rank names the collective it is about to make (``runtime/fault.py``); a rank that
-        calls something else makes every rank raise at once instead of waiting out the timeout."""
+        calls something else makes every rank raise at once instead of waiting out the timeout.
+        Returns the largest ``flag`` over the ranks."""
         if self.ledger is not None and dist.is_available() and dist.is_initialized():
-            self.ledger.agree(name)
+            return self.ledger.agree(name, flag=flag)
+        return flag
 
     @property
     @override
@@ -105,20 +107,25 @@ def explain_timeout(hint: str, where: str = "a collective call"):
 
 
 def agree_before_each_batch(strategy: WorldStrategy, trainer) -> bool:
-    """Put the ledger's per-batch agreement in front of the first collective of every training
-    batch: Lightning's epoch loop broadcasts a SIGTERM flag with a plain ``dist.broadcast`` before
-    the batch's hooks run, so a rank still in the previous batch's hooks (a ``save_checkpoint`` on
-    rank 0 only) would meet it there and both would wait out the timeout. Returns False where this
-    Lightning has no such broadcast (``on_train_batch_start`` agrees then)."""
+    """Make the first collective of every training batch the ledger's agreement: Lightning's epoch
+    loop broadcasts a SIGTERM flag with a plain ``dist.broadcast`` before the batch's hooks run,
+    so a rank still in the previous batch's hooks (a ``save_checkpoint`` on rank 0 only) would
+    meet it there and both would wait out the timeout. The agreement carries the flag instead (any
+    rank's SIGTERM stops every rank, as Lightning's broadcast of rank 0's does), so the check costs
+    no extra collective. Returns False where this Lightning has no such broadcast
+    (``on_train_batch_start`` agrees then)."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    broadcast = getattr(type(loop), "_broadcast_sigterm_tensor", None)
-    if broadcast is None:
+    if getattr(type(loop), "_broadcast_sigterm_tensor", None) is None:
         return False
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    def agreed_then_broadcast() -> None:
+    def agree_and_share_sigterm() -> None:
         with step_region(f"step {trainer.global_step} (before the batch)"):
-            strategy.agree("next training batch")
-        broadcast(loop)
+            sigterm = strategy.agree("next training batch", flag=float(getattr(trainer, "received_sigterm", False)))
+        if sigterm:
+            with suppress(Exception):
+                dist.barrier()  # Lightning's own: every rank stops together
+            raise SIGTERMException()
 
-    loop._broadcast_sigterm_tensor = agreed_then_broadcast
+    loop._broadcast_sigterm_tensor = agree_and_share_sigterm
     return True

@@ -179,7 +179,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         connect(self.cluster_environment, self.root_device, self.local_rank, o.timeout, o.process_group_backend)
         install_failure_board(self.global_rank)  # a rank that fails names itself to its peers (runtime/fault.py)
         self.ledger = CollectiveLedger(self.global_rank, self.root_device)
-        self.agree("setup")
+        self.agree(f"setup with torch {torch.__version__}")  # a job mixing torch releases fails here, naming them
         self.groups = groups_of_layout(self.layout, self.global_rank, o.timeout)
         self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
 
