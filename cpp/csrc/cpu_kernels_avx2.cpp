@@ -6,4 +6,6 @@
 #pragma GCC target("avx2,fma")
 #endif
 #define LDSPARSE_ISA isa_avx2
+#define LDSPARSE_VBYTES 32
+#define LDSPARSE_VREGS 16
 #include "cpu_kernels_table.h"

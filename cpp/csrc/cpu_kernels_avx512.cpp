@@ -6,4 +6,6 @@
 #pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")
 #endif
 #define LDSPARSE_ISA isa_avx512
+#define LDSPARSE_VBYTES 64
+#define LDSPARSE_VREGS 32
 #include "cpu_kernels_table.h"

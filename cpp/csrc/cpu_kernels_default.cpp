@@ -1,3 +1,5 @@
 // Baseline (SSE2 on x86-64) build of the CPU kernels: always available.
 #define LDSPARSE_ISA isa_default
+#define LDSPARSE_VBYTES 16
+#define LDSPARSE_VREGS 16
 #include "cpu_kernels_table.h"
