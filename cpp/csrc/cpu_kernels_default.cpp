@@ -1,5 +1,4 @@
 // Baseline (SSE2 on x86-64) build of the CPU kernels: always available.
-#define LDSPARSE_ISA isa_default
-#define LDSPARSE_VBYTES 16
-#define LDSPARSE_VREGS 16
+#include "cpu_dispatch.h"  // (its <string> before the target pragma)
+#include "isa_default.h"
 #include "cpu_kernels_table.h"
