@@ -1,26 +1,31 @@
-"""Extension list for setup.py: the sparse-kernel extension `lightning_dynmo.sparse._C`.
+"""Extension list for setup.py: the sparse kernels as two modules,
+`lightning_dynmo.sparse._C_cpu` (op schemas + CPU kernels, g++ only) and
+`lightning_dynmo.sparse._C_cuda` (CUDA kernels, registered on the schemas of _C_cpu).
 
-Why the care: the build must never break `pip install -e .`.  If torch is missing the
-extension is skipped (the package falls back to a pure-torch path).  CUDA sources are
-compiled only with a CUDA torch and nvcc present (FORCE_CUDA=1 / TORCH_CUDA_ARCH_LIST
-honoured, as in torchvision).  Flags stay portable: -O3 + OpenMP, no -march=native;
+Why two: a failed or skipped CUDA build must never cost the CPU kernels (issue 32); each
+module builds, and may fail, on its own.  Why the care: the build must never break
+`pip install -e .`.  If torch is missing no module is built (the package falls back to a
+pure-torch path).  CUDA sources are compiled only with a CUDA torch and nvcc present
+(FORCE_CUDA=1 / TORCH_CUDA_ARCH_LIST honoured, as in torchvision).  Flags stay portable: -O3 + OpenMP, no -march=native;
 wider ISAs come from per-file `#pragma GCC target` plus run-time dispatch.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-EXT_NAME = "lightning_dynmo.sparse._C"
+CPU_EXT = "lightning_dynmo.sparse._C_cpu"
+CUDA_EXT = "lightning_dynmo.sparse._C_cuda"
 CPU_SOURCES = ["ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kernels_avx2.cpp",
                "cpu_kernels_avx512.cpp",
                # block-sparse causal attention (issue 12)
                "attention_cpu.cpp", "attention_kernels_default.cpp", "attention_kernels_avx2.cpp",
                "attention_kernels_avx512.cpp"]
-CUDA_SOURCES = ["cuda/sparse_cuda.cu", "cuda/attention_cuda.cu"]
+CUDA_SOURCES = ["cuda/module_cuda.cpp", "cuda/sparse_cuda.cu", "cuda/attention_cuda.cu"]
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr"]
 
@@ -52,15 +57,14 @@ def extension_modules() -> list:
     except ImportError:  # no torch at metadata time: package installs, extension is absent
         return []
     include = [str(CSRC)]
-    if want_cuda():
-        return [CUDAExtension(
-            EXT_NAME, [_rel(s) for s in CPU_SOURCES + CUDA_SOURCES], include_dirs=include,
-            define_macros=[("LDSPARSE_WITH_CUDA", None)],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
-            extra_link_args=["-fopenmp"])]
-    return [CppExtension(
-        EXT_NAME, [_rel(s) for s in CPU_SOURCES], include_dirs=include,
+    mods = [CppExtension(
+        CPU_EXT, [_rel(s) for s in CPU_SOURCES], include_dirs=include,
         extra_compile_args={"cxx": CXX_FLAGS}, extra_link_args=["-fopenmp"])]
+    if want_cuda():
+        mods.append(CUDAExtension(
+            CUDA_EXT, [_rel(s) for s in CUDA_SOURCES], include_dirs=include,
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS}))
+    return mods
 
 
 def build_ext_cmdclass() -> dict:
@@ -79,7 +83,13 @@ def build_ext_cmdclass() -> dict:
             except Exception as exc:  # CompileError, ninja's CalledProcessError, ...
                 if os.environ.get("LDSPARSE_STRICT_BUILD", "0") == "1":
                     raise
-                warnings.warn(f"building {ext.name} failed ({exc}); lightning_dynmo.sparse will "
-                              "use its slow pure-torch reference path")
+                what = ("the CUDA kernels (CUDA tensors take the slow reference path; the CPU "
+                        "kernels are unaffected)" if ext.name == CUDA_EXT else
+                        "the CPU kernels (lightning_dynmo.sparse uses its slow pure-torch reference path)")
+                msg = f"building {ext.name} failed, so {what}: {exc}"
+                # pip hides warnings of a successful build; stderr lines with this prefix show
+                # in its output with -v and in the build log.
+                print(f"lightning_dynmo: WARNING: {msg}", file=sys.stderr, flush=True)
+                warnings.warn(msg)
 
     return {"build_ext": OptionalBuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)}

@@ -22,7 +22,7 @@
 // output 0 and lse = -inf, which the backward reads as P = 0.
 //
 // All GEMMs are one micro-kernel: C[rows][cols] (+)= A B with A read as broadcast scalars
-// (optionally transposed) and B / C as rows of whole 64-byte vectors.  Register blocking
+// (optionally transposed) and B / C as rows of whole native vectors.  Register blocking
 // (MR rows x NC vectors of accumulators) is sized from the ISA's register file, so the
 // AVX2/SSE2 builds do not spill.
 #pragma once
@@ -38,7 +38,7 @@
 #include "cpu_kernels.h"  // Vec, vec_t, kLanes, load, store, slice
 
 #ifndef LDSPARSE_VREGS
-#error "define LDSPARSE_VREGS (64-byte vector registers of this ISA: 32 avx512, 8 avx2, 4 sse2)"
+#error "define LDSPARSE_VBYTES and LDSPARSE_VREGS (native vectors: 64 B x 32 avx512, 32 B x 16 avx2, 16 B x 16 sse2)"
 #endif
 
 namespace ldsparse {

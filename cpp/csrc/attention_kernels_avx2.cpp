@@ -11,9 +11,5 @@
 
 #include "attention_dispatch.h"
 #include "cpu_dispatch.h"
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC target("avx2,fma")
-#endif
-#define LDSPARSE_ISA isa_avx2
-#define LDSPARSE_VREGS 8
+#include "isa_avx2.h"
 #include "attention_kernels.h"

@@ -11,9 +11,5 @@
 
 #include "attention_dispatch.h"
 #include "cpu_dispatch.h"
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")
-#endif
-#define LDSPARSE_ISA isa_avx512
-#define LDSPARSE_VREGS 32
+#include "isa_avx512.h"
 #include "attention_kernels.h"

@@ -1,4 +1,3 @@
 // Baseline (SSE2 on x86-64) build of the attention kernels: always available.
-#define LDSPARSE_ISA isa_default
-#define LDSPARSE_VREGS 4
+#include "isa_default.h"
 #include "attention_kernels.h"

@@ -3,7 +3,10 @@
 // Torch-free and OpenMP-free on purpose: this header is compiled once per instruction set
 // (cpu_kernels_{default,avx2,avx512}.cpp, each under its own `#pragma GCC target`) and the
 // driver (sparse_cpu.cpp) picks the widest at run time, so no -march=native is needed.
-// GCC vector extensions (64-byte vectors) lower to zmm, 2x ymm or 4x xmm per ISA.
+// Vectors are GCC vector extensions of the ISA's native width (LDSPARSE_VBYTES: 16 sse2,
+// 32 avx2, 64 avx512).  Never wider: GCC has no machine mode for a 64-byte vector without
+// AVX-512, so it kept such vectors in memory (every broadcast 16 scalar stores, every
+// accumulator spilled) and the AVX2 build ran 5-15x slower than the AVX-512 one (issue 32).
 //
 // Layout: a token tile of TT tokens is packed feature-major, tile[f * TT + i] = feature f
 // of token i.  A CSR row is then broadcast-FMA over contiguous TT lanes (SpMM) or a
@@ -16,6 +19,9 @@
 #ifndef LDSPARSE_ISA
 #error "define LDSPARSE_ISA (the namespace for this instruction-set build) before including"
 #endif
+#if !defined(LDSPARSE_VBYTES) || !defined(LDSPARSE_VREGS)
+#error "define LDSPARSE_VBYTES (native vector bytes) and LDSPARSE_VREGS (vector registers)"
+#endif
 
 namespace ldsparse {
 namespace LDSPARSE_ISA {
@@ -25,7 +31,10 @@ struct Vec {
   typedef T type __attribute__((vector_size(N * sizeof(T))));
 };
 template <typename T>
-constexpr int kLanes = 64 / static_cast<int>(sizeof(T));
+constexpr int kLanes = LDSPARSE_VBYTES / static_cast<int>(sizeof(T));
+// Accumulator vectors a kernel keeps in flight: enough independent FMA chains to cover the
+// FMA latency (4 cycles x 2 pipes), few enough to leave registers for loads and broadcasts.
+constexpr int kAccVecs = 8;
 template <typename T>
 using vec_t = typename Vec<T, kLanes<T>>::type;
 
@@ -52,7 +61,9 @@ static inline typename Vec<T, N>::type slice(V v, std::index_sequence<I...>) {
 template <typename T, int N>
 static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typename Vec<T, N>::type b,
                                              typename Vec<T, N>::type c, typename Vec<T, N>::type d) {
-  if constexpr (N == 4) {
+  if constexpr (N == 2) {  // fp64 on SSE2
+    return typename Vec<T, 4>::type{a[0] + a[1], b[0] + b[1], c[0] + c[1], d[0] + d[1]};
+  } else if constexpr (N == 4) {
     using v4 = typename Vec<T, 4>::type;
     const v4 ab = __builtin_shufflevector(a, b, 0, 4, 1, 5) + __builtin_shufflevector(a, b, 2, 6, 3, 7);
     const v4 cd = __builtin_shufflevector(c, d, 0, 4, 1, 5) + __builtin_shufflevector(c, d, 2, 6, 3, 7);
@@ -78,40 +89,46 @@ static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typenam
 #endif
 
 // y[i * ldy + r] = bias[r] + sum_j val[j] * tile[col[j] * TT + i], rows r in [r0, r1), i < tt.
+// A tile row wider than kAccVecs vectors is done in panels of kAccVecs vectors (one pass over
+// the CSR row each), so the accumulators always stay in registers.
 template <typename T, int TT>
 static void spmm_rows(const int32_t* crow, const int32_t* col, const T* val, int64_t r0,
                       int64_t r1, const T* tile, const T* bias, T* y, int64_t ldy, int64_t tt) {
   using V = vec_t<T>;
-  constexpr int L = kLanes<T>, NV = TT / L, RB = 16, U = NV >= 4 ? 2 : (NV == 2 ? 4 : 8);
-  static_assert(TT % L == 0, "tile width must be a whole number of vectors");
+  constexpr int L = kLanes<T>, NV = TT / L, NP = NV < kAccVecs ? NV : kAccVecs;
+  constexpr int U = NP >= kAccVecs ? 1 : kAccVecs / NP, RB = 16;
+  static_assert(TT % L == 0 && NV % NP == 0, "tile width must be a whole number of panels");
   alignas(64) T buf[RB * TT];  // RB finished rows, written out transposed in one go
   for (int64_t rb = r0; rb < r1; rb += RB) {
     const int64_t re = rb + RB < r1 ? rb + RB : r1;
     for (int64_t r = rb; r < re; ++r) {
-      // U accumulator sets (>= 8 vectors in flight) so consecutive non-zeros do not
-      // serialise on FMA latency when the tile is only one or two vectors wide.
-      V acc[U][NV];
       const T b = bias ? bias[r] : T(0);
-      for (int u = 0; u < U; ++u)
-        for (int k = 0; k < NV; ++k) acc[u][k] = V{} + (u == 0 ? b : T(0));
-      int32_t j = crow[r];
-      const int32_t end = crow[r + 1];
-      for (; j + U - 1 < end; j += U) {
-        for (int u = 0; u < U; ++u) {
-          const T w = val[j + u];
-          const T* xr = tile + static_cast<int64_t>(col[j + u]) * TT;
-          for (int k = 0; k < NV; ++k) acc[u][k] += w * load<V>(xr + k * L);
+      const int32_t beg = crow[r], end = crow[r + 1];
+      for (int p = 0; p < NV; p += NP) {
+        // U accumulator sets (>= kAccVecs vectors in flight) so consecutive non-zeros do not
+        // serialise on FMA latency when the panel is only one or two vectors wide.
+        V acc[U][NP];
+        for (int u = 0; u < U; ++u)
+          for (int k = 0; k < NP; ++k) acc[u][k] = V{} + (u == 0 ? b : T(0));
+        const T* tp = tile + p * L;
+        int32_t j = beg;
+        for (; j + U - 1 < end; j += U) {
+          for (int u = 0; u < U; ++u) {
+            const T w = val[j + u];
+            const T* xr = tp + static_cast<int64_t>(col[j + u]) * TT;
+            for (int k = 0; k < NP; ++k) acc[u][k] += w * load<V>(xr + k * L);
+          }
         }
-      }
-      for (; j < end; ++j) {
-        const T w = val[j];
-        const T* xr = tile + static_cast<int64_t>(col[j]) * TT;
-        for (int k = 0; k < NV; ++k) acc[0][k] += w * load<V>(xr + k * L);
-      }
-      for (int k = 0; k < NV; ++k) {
-        V sum = acc[0][k];
-        for (int u = 1; u < U; ++u) sum += acc[u][k];
-        store(buf + (r - rb) * TT + k * L, sum);
+        for (; j < end; ++j) {
+          const T w = val[j];
+          const T* xr = tp + static_cast<int64_t>(col[j]) * TT;
+          for (int k = 0; k < NP; ++k) acc[0][k] += w * load<V>(xr + k * L);
+        }
+        for (int k = 0; k < NP; ++k) {
+          V sum = acc[0][k];
+          for (int u = 1; u < U; ++u) sum += acc[u][k];
+          store(buf + (r - rb) * TT + (p + k) * L, sum);
+        }
       }
     }
     const int64_t nr = re - rb;
@@ -132,9 +149,15 @@ static void sddmm_rows(const int32_t* crow, const int32_t* col, int64_t r0, int6
   using V4 = typename Vec<T, 4>::type;
   constexpr int L = kLanes<T>, NV = TT / L;
   static_assert(TT % L == 0, "tile width must be a whole number of vectors");
+  // g's row stays in registers while it leaves room for the 4 sums and their operands;
+  // wider rows (fp32 tiles of 128 on AVX2) read it from L1 with every FMA instead.
+  constexpr bool kGRegs = NV + 12 <= LDSPARSE_VREGS;
   for (int64_t r = r0; r < r1; ++r) {
-    V g[NV];
-    for (int k = 0; k < NV; ++k) g[k] = load<V>(gtile + (r - g0) * TT + k * L);
+    V g[kGRegs ? NV : 1];
+    const T* grow = gtile + (r - g0) * TT;
+    if constexpr (kGRegs)
+      for (int k = 0; k < NV; ++k) g[k] = load<V>(grow + k * L);
+    auto gv = [&](int k) { if constexpr (kGRegs) return g[k]; else return load<V>(grow + k * L); };
     int32_t j = crow[r];
     const int32_t end = crow[r + 1];
     for (; j + 3 < end; j += 4) {
@@ -142,19 +165,22 @@ static void sddmm_rows(const int32_t* crow, const int32_t* col, int64_t r0, int6
       const T* x1 = tile + static_cast<int64_t>(col[j + 1]) * TT;
       const T* x2 = tile + static_cast<int64_t>(col[j + 2]) * TT;
       const T* x3 = tile + static_cast<int64_t>(col[j + 3]) * TT;
-      V s0{}, s1{}, s2{}, s3{};
+      // Two sums per non-zero (even / odd vectors): 8 independent FMA chains.
+      V s[2][4] = {};
       for (int k = 0; k < NV; ++k) {
-        s0 += g[k] * load<V>(x0 + k * L);
-        s1 += g[k] * load<V>(x1 + k * L);
-        s2 += g[k] * load<V>(x2 + k * L);
-        s3 += g[k] * load<V>(x3 + k * L);
+        const V gk = gv(k);
+        s[k & 1][0] += gk * load<V>(x0 + k * L);
+        s[k & 1][1] += gk * load<V>(x1 + k * L);
+        s[k & 1][2] += gk * load<V>(x2 + k * L);
+        s[k & 1][3] += gk * load<V>(x3 + k * L);
       }
-      store(out + j, load<V4>(out + j) + hsum4<T, L>(s0, s1, s2, s3));
+      store(out + j, load<V4>(out + j) + hsum4<T, L>(s[0][0] + s[1][0], s[0][1] + s[1][1],
+                                                     s[0][2] + s[1][2], s[0][3] + s[1][3]));
     }
     for (; j < end; ++j) {
       const T* x0 = tile + static_cast<int64_t>(col[j]) * TT;
       V s0{};
-      for (int k = 0; k < NV; ++k) s0 += g[k] * load<V>(x0 + k * L);
+      for (int k = 0; k < NV; ++k) s0 += gv(k) * load<V>(x0 + k * L);
       const V z{};
       out[j] += hsum4<T, L>(s0, z, z, z)[0];
     }

@@ -2,8 +2,6 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC target("avx2,fma")
-#endif
-#define LDSPARSE_ISA isa_avx2
+#include "cpu_dispatch.h"  // (its <string> before the target pragma)
+#include "isa_avx2.h"
 #include "cpu_kernels_table.h"

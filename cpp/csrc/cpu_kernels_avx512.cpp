@@ -2,8 +2,6 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512")
-#endif
-#define LDSPARSE_ISA isa_avx512
+#include "cpu_dispatch.h"  // (its <string> before the target pragma)
+#include "isa_avx512.h"
 #include "cpu_kernels_table.h"

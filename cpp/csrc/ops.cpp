@@ -18,14 +18,7 @@ TORCH_LIBRARY(ldsparse, m) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "lightning_dynmo sparse kernels; ops live under torch.ops.ldsparse";
+  m.doc() = "lightning_dynmo sparse kernels (schemas + CPU); ops live under torch.ops.ldsparse";
   m.def("cpu_isa", &ldsparse::selected_isa, "Instruction set the CPU kernels dispatch to");
   m.def("set_cpu_isa", &ldsparse::set_cpu_isa, "Narrow the CPU kernels' ISA; False if unsupported");
-  m.def("has_cuda", [] {
-#ifdef LDSPARSE_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  });
 }

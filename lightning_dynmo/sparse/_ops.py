@@ -11,18 +11,49 @@ run upcast to fp32 (half types it lacks, e.g. fp16 under CUDA autocast), or the 
 """
 from __future__ import annotations
 
+import importlib
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-try:
-    from . import _C  # noqa: F401  (registers torch.ops.ldsparse kernels)
-    _EXT_ERROR: Optional[BaseException] = None
-except Exception as exc:  # ImportError, or OSError/undefined symbols from a stale build
-    _C = None
-    _EXT_ERROR = exc
+_PKG_DIR = Path(__file__).resolve().parent
+_FIX = "rebuild with `pip install --no-build-isolation -e .` (add FORCE_CUDA=1 for the CUDA kernels)"
+
+
+def import_failure_cause(module: str, exc: BaseException) -> str:
+    """One line naming why ``lightning_dynmo.sparse.<module>`` did not import, and the fix.
+
+    ``from . import _C`` inside the still-initialising package turns a missing module into
+    "cannot import name ... (most likely due to a circular import)"; the cause was almost always
+    that the module had not been built (issue 32), so it is told apart here.
+    """
+    built = sorted(p.name for p in _PKG_DIR.glob(f"{module}.*") if p.suffix in (".so", ".pyd"))
+    text = str(exc)
+    if not built:
+        return (f"{module} is not built (no {module}*.so in {_PKG_DIR}); {_FIX}")
+    if isinstance(exc, OSError) or "undefined symbol" in text or "cannot open shared object" in text:
+        return (f"{module} is built ({built[0]}) but does not load, most likely a stale build against "
+                f"another torch ({type(exc).__name__}: {text}); {_FIX}")
+    if "circular import" in text or "partially initialized" in text:
+        return (f"{module} is built ({built[0]}) but was imported while lightning_dynmo.sparse was still "
+                f"initialising (a real circular import: {text})")
+    return f"{module} is built ({built[0]}) but failed to import ({type(exc).__name__}: {text}); {_FIX}"
+
+
+def _load(module: str):
+    try:
+        return importlib.import_module(f"{__package__}.{module}"), None
+    except Exception as exc:  # ImportError, or OSError/undefined symbols from a stale build
+        return None, exc
+
+
+# _C_cpu defines the op schemas and the CPU kernels; _C_cuda registers the CUDA kernels on them
+# (separate modules: a failed or skipped CUDA build keeps the CPU kernels).
+_C, _EXT_ERROR = _load("_C_cpu")
+_C_CUDA, _CUDA_ERROR = _load("_C_cuda") if _C is not None else (None, None)
 
 
 def extension_available() -> bool:
@@ -36,7 +67,16 @@ def extension_error() -> Optional[BaseException]:
 
 
 def cuda_kernels_available() -> bool:
-    return _C is not None and bool(_C.has_cuda())
+    return _C is not None and _C_CUDA is not None
+
+
+def cuda_kernels_missing_reason() -> Optional[str]:
+    """Why CUDA tensors take the reference path (None when the CUDA kernels loaded)."""
+    if cuda_kernels_available():
+        return None
+    if _C is None:
+        return import_failure_cause("_C_cpu", _EXT_ERROR)
+    return import_failure_cause("_C_cuda", _CUDA_ERROR)
 
 
 # --------------------------------------------------------------------------- reference path
@@ -71,22 +111,47 @@ def ref_csr_transpose(crow: Tensor, col: Tensor, n_cols: int):
     return crow_t, rows[perm].to(torch.int32), perm.to(torch.int32)
 
 
+_WARNED: set = set()
+
+
+def warn_reference_on_cuda(what: str) -> None:
+    """Warn once per ``what`` (a layer or op name) that CUDA tensors run the densifying
+    reference path, naming the cause and the fix."""
+    if what in _WARNED:
+        return
+    _WARNED.add(what)
+    warnings.warn(f"lightning_dynmo.sparse: {what} runs on CUDA tensors through the densifying reference "
+                  f"path (slower than dense, O(out*in) memory) because the CUDA kernels are missing: "
+                  f"{cuda_kernels_missing_reason()}", RuntimeWarning, stacklevel=3)
+
+
 if _C is None:
     warnings.warn(
-        f"lightning_dynmo.sparse: compiled kernels unavailable ({_EXT_ERROR!r}); SparseLinear "
-        "uses the pure-torch reference path, which is SLOWER than dense. Rebuild with "
-        "`pip install --no-build-isolation -e .`.", RuntimeWarning, stacklevel=2)
+        f"lightning_dynmo.sparse: compiled kernels unavailable: {import_failure_cause('_C_cpu', _EXT_ERROR)}. "
+        "SparseLinear uses the pure-torch reference path, which is SLOWER than dense.",
+        RuntimeWarning, stacklevel=2)
     _lib = torch.library.Library("ldsparse", "DEF")
     _lib.define("spmm(Tensor crow, Tensor col, Tensor values, Tensor x, Tensor? bias) -> Tensor")
     _lib.define("sddmm(Tensor crow, Tensor col, Tensor g, Tensor x) -> Tensor")
     _lib.define("csr_transpose(Tensor crow, Tensor col, int n_cols) -> (Tensor, Tensor, Tensor)")
     for _name, _fn in (("spmm", ref_spmm), ("sddmm", ref_sddmm), ("csr_transpose", ref_csr_transpose)):
         _lib.impl(_name, _fn, "CompositeExplicitAutograd")
-elif not _C.has_cuda():
-    # CPU-only build: CUDA tensors still work, through the reference path.
+elif _C_CUDA is None:
+    # CPU-only build: CUDA tensors still work, through the reference path, which warns once.
+    if torch.cuda.is_available():
+        warnings.warn("lightning_dynmo.sparse: this is a GPU host but only the CPU kernels are built; "
+                      f"sparse ops on CUDA tensors will densify (slow): {cuda_kernels_missing_reason()}",
+                      RuntimeWarning, stacklevel=2)
+
+    def _ref_cuda(name, fn):
+        def run(*args):
+            warn_reference_on_cuda(f"ldsparse.{name}")
+            return fn(*args)
+        return run
+
     _lib = torch.library.Library("ldsparse", "IMPL")
-    _lib.impl("spmm", ref_spmm, "CUDA")
-    _lib.impl("sddmm", ref_sddmm, "CUDA")
+    _lib.impl("spmm", _ref_cuda("spmm", ref_spmm), "CUDA")
+    _lib.impl("sddmm", _ref_cuda("sddmm", ref_sddmm), "CUDA")
 
 
 # Dtypes each device's compiled kernels are instantiated for (cpp/csrc/sparse_cpu.cpp, cuda/).
@@ -117,7 +182,7 @@ def kernel_dtype(device_type: str, dtype: torch.dtype, kernels: dict) -> Optiona
 def _built_kernels() -> dict:
     if _C is None:
         return {}
-    return {d: KERNEL_DTYPES[d] for d in (("cpu", "cuda") if _C.has_cuda() else ("cpu",))}
+    return {d: KERNEL_DTYPES[d] for d in (("cpu", "cuda") if cuda_kernels_available() else ("cpu",))}
 
 
 _KERNELS = _built_kernels()

@@ -93,6 +93,9 @@ class SparseLinear(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, values = x.to(dtype), values.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
+        if x.device.type == "cuda" and not _ops.cuda_kernels_available():
+            _ops.warn_reference_on_cuda(f"SparseLinear(in_features={self.in_features}, "
+                                        f"out_features={self.out_features}, nnz={self.nnz})")
         y = _ops.sparse_linear(x.reshape(-1, self.in_features), values, bias,
                                self.crow_indices, self.col_indices, self.crow_indices_t,
                                self.col_indices_t, self.perm_t)

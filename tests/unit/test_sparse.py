@@ -219,7 +219,7 @@ def test_package_works_without_extension():
         "import sys, importlib.abc, warnings\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'lightning_dynmo.sparse._C': raise ImportError('blocked for test')\n"
+        "        if name == 'lightning_dynmo.sparse._C_cpu': raise ImportError('blocked for test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import torch; from torch import nn\n"
         "with warnings.catch_warnings(record=True) as w:\n"

@@ -288,7 +288,7 @@ def test_package_works_without_extension():
         "import sys, importlib.abc, warnings\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'lightning_dynmo.sparse._C': raise ImportError('blocked for test')\n"
+        "        if name == 'lightning_dynmo.sparse._C_cpu': raise ImportError('blocked for test')\n"
         "sys.meta_path.insert(0, Block())\n"
         "warnings.simplefilter('ignore')\n"
         "import torch, torch.nn.functional as F\n"
