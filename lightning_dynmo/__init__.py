@@ -21,6 +21,7 @@ from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, Repor
 from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy
 from .strategy.hydra_config import register_strategy_config
+from .runtime.fault import CollectiveMismatchError, RankFailedError
 from .strategy.partial_batch import PartialBatchError
 from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError
 
@@ -30,6 +31,7 @@ __all__ = [
     "BalanceProblem",
     "BalanceResult",
     "BalancerResultError",
+    "CollectiveMismatchError",
     "CostModel",
     "Decision",
     "DynMoStrategy",
@@ -46,6 +48,7 @@ __all__ = [
     "PipelineBatchMismatchError",
     "PipelineControl",
     "PipelineProtocolError",
+    "RankFailedError",
     "RemoteLayer",
     "ReportsLoad",
     "SparseAttentionMonitor",
