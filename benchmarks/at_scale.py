@@ -101,6 +101,10 @@ def _worker(args) -> None:
             try:
                 trainer.fit(model, DataLoader(ds, batch_size=plan["batch"], shuffle=False, drop_last=True))
             except Exception as e:  # a failing configuration is a result too: report it
+                from lightning_dynmo import RankFailedError
+
+                if isinstance(e, RankFailedError):  # the job lost a rank: no later configuration can run
+                    raise
                 rec["error"] = f"{type(e).__name__}: {e}"[:800]
             rec["wall_s"] = round(time.perf_counter() - t0, 1)
             a, b = plan["window"]

@@ -192,6 +192,10 @@ def _worker(args) -> None:
         try:
             trainer.fit(model, DataLoader(ds, batch_size=plan["batch"], shuffle=False, drop_last=True))
         except Exception as e:  # report, do not hide: a failing configuration is a result too
+            from lightning_dynmo import RankFailedError
+
+            if isinstance(e, RankFailedError):  # the job lost a rank: no later configuration can run
+                raise
             err = f"{type(e).__name__}: {e}"[:500]
         a, b = plan["window"]
         rec = {"balancer": options["balancer"], "rebalance": options["rebalance"], "error": err}

@@ -213,6 +213,10 @@ def _worker(args) -> None:
                 trainer.fit(EmulatedGPT(c["params"], c["reports_load"]),
                             DataLoader(ds, batch_size=m * MICRO_BATCH, shuffle=False, drop_last=True))
             except Exception as e:  # a failing configuration is a result too: report it
+                from lightning_dynmo import RankFailedError
+
+                if isinstance(e, RankFailedError):  # the job lost a rank: no later configuration can run
+                    raise
                 err = f"{type(e).__name__}: {e}"[:800]
             out[f"{case}/{name}"] = dict(
                 error=err, steps=rec.steps, profiles=rec.profiles, wall=time.perf_counter() - t0,
