@@ -29,6 +29,7 @@ raising, so the call it was stuck in shows without a debugger.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -153,6 +154,8 @@ class _JobState:
         self.failed: Failure | None = None  # some rank failed while others waited: no more collectives
         self.region: str | None = None
         self.region_since = 0.0
+        self.watchdog: FailureWatchdog | None = None
+        self.atexit_registered = False
 
 
 _job = _JobState()
@@ -164,9 +167,23 @@ def install(rank: int) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     if _job.board is None or _job.board.store is not store:
+        stop_watchdog()
         _job.board = FailureBoard(store, rank, dist.get_world_size())
         _job.epoch, _job.pending, _job.failed = 0, None, None
-        FailureWatchdog(_job).start()
+        _job.watchdog = FailureWatchdog(_job)
+        _job.watchdog.start()
+        if not _job.atexit_registered:  # runs before Lightning's process-group teardown (registered earlier)
+            atexit.register(stop_watchdog)
+            _job.atexit_registered = True
+
+
+def stop_watchdog() -> None:
+    """Stop the watchdog and wait for it: it must not be inside the store when the process group
+    (and its store) is torn down at exit."""
+    watchdog, _job.watchdog = _job.watchdog, None
+    if watchdog is not None and watchdog.is_alive():
+        watchdog.stopped.set()
+        watchdog.join(timeout=2.0)
 
 
 def check_not_failed(what: str) -> None:
@@ -242,21 +259,21 @@ class FailureWatchdog(threading.Thread):
         super().__init__(name="dynmo-failure-watchdog", daemon=True)
         self.job = job
         self.board = job.board
+        self.stopped = threading.Event()
 
     def run(self) -> None:
         job, board = self.job, self.board
-        while job.board is board:
+        while not self.stopped.wait(_POLL_SECONDS) and dist.is_initialized():
             epoch = job.epoch
             failure = board.first(epoch)
             if failure is None or failure.rank == board.rank or job.pending is not None:
-                time.sleep(_POLL_SECONDS)
                 continue
             seen = time.monotonic()
             while time.monotonic() - seen < STUCK_GRACE_SECONDS and job.region is not None and job.epoch == epoch:
-                time.sleep(_POLL_SECONDS)
+                if self.stopped.wait(_POLL_SECONDS):
+                    return
             if job.region is None or job.pending is not None or job.epoch != epoch:
-                time.sleep(_POLL_SECONDS)  # it left the step (it raised too, or finished it) or the epoch closed
-                continue
+                continue  # it left the step (it raised too, or finished it) or the epoch closed
             dump_stacks(f"dynmo: rank {board.rank} stops: {failure.describe()}\nrank {board.rank} was blocked "
                         f"in {job.region} for {time.monotonic() - job.region_since:.1f} s, waiting for "
                         "that rank; its stacks:")
