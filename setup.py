@@ -20,7 +20,7 @@ setup(
     install_requires=[
         # the lowest torch is tested by scripts/test_lowest_torch.sh (CI); install torch==2.13.0
         # first (the local CPU wheel): a satisfied range pulls nothing
-        "torch>=2.11",
+        "torch>=2.10",
         "lightning>=2.6,<2.7",
         "torchmetrics>=1.4",
         "hydra-core>=1.3",
