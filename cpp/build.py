@@ -25,7 +25,12 @@ CPU_SOURCES = ["ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kern
                # block-sparse causal attention (issue 12)
                "attention_cpu.cpp", "attention_kernels_default.cpp", "attention_kernels_avx2.cpp",
                "attention_kernels_avx512.cpp"]
-CUDA_SOURCES = ["cuda/module_cuda.cpp", "cuda/sparse_cuda.cu", "cuda/attention_cuda.cu"]
+# nvcc compiles only the torch-free kernels (*.cu, one per kernel family, direction and dtype, so
+# ninja runs them in parallel); the torch bindings are host-compiled .cpp (nvcc compiling ATen
+# headers was most of the build time, issue 32).
+CUDA_SOURCES = ["cuda/module_cuda.cpp", "cuda/sparse_binding.cpp", "cuda/attention_binding.cpp",
+                "cuda/sparse_kernels.cu", "cuda/attention_fwd_f32.cu", "cuda/attention_fwd_bf16.cu",
+                "cuda/attention_bwd_f32.cu", "cuda/attention_bwd_bf16.cu"]
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"]
 NVCC_FLAGS = ["-O3", "--expt-relaxed-constexpr"]
 

@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# One command for a GPU machine (one H100/H200, ~6 minutes): every check the CPU suite cannot make.
+# One command for a GPU machine (one H100/H200, <= 8 minutes): every check the CPU suite cannot make.
 #
 #   bash scripts/gpu_check.sh            # last line: one JSON object; exit 0 when every step passed
-#   GPU_CHECK_OUT=dir bash scripts/gpu_check.sh   # keep the logs and the measured profile in dir
+#   GPU_CHECK_OUT=dir bash scripts/gpu_check.sh        # keep logs, figures and the profile in dir
+#   GPU_CHECK_STEPS="build kernels spmm" bash scripts/gpu_check.sh   # a subset, in this order
 #
-# Steps (each under its own time limit, so one slow step cannot eat the others' time):
-#   build      the sparse extension with its CUDA kernels (FORCE_CUDA=1, strict: a failed
-#              kernel build fails the step instead of falling back to the reference path)
-#   cuda_tests pytest -m cuda over tests/unit (sparse kernels, FlexAttention route of hash-sparse
-#              attention forward + backward against the dense reference, > 2M tokens, fp16/bf16)
-#   sanitize   compute-sanitizer memcheck on the sparse CUDA tests (SANITIZER_TOOLS="memcheck
-#              racecheck initcheck" for all three; the >2M-token and graph tests are left out
-#              by cpp/sanitize_cuda.sh itself)
-#   train      scripts/gpu_train_check.py: a GPT-2-small training run in bf16, eager and
-#              torch.compile'd, same seed and batches: step times, compile speedup, loss agreement
-#   profile    benchmarks/block_profile.py --device cuda: the per-layer cost profile the simulator
-#              is built from, on this GPU
+# Steps (each under its own time limit, 3x its last measured time from scripts/gpu_check_budget.json,
+# so one slow step cannot eat the others' time):
+#   build      the sparse extension with its CUDA kernels (FORCE_CUDA=1, strict: a failed kernel build
+#              fails the step instead of falling back); the log ends with ninja's per-file times
+#   kernels    the CUDA module imports and registers its ops
+#   cuda_tests pytest -m cuda over tests/unit (sparse kernels, 2:4, FlexAttention route, > 2M tokens)
+#   sanitize   compute-sanitizer memcheck on the sparse CUDA tests (SANITIZER_TOOLS for more tools)
+#   train      scripts/gpu_train_check.py: GPT-2-small in bf16, eager and torch.compile'd
+#   profile    benchmarks/block_profile.py --device cuda: the per-layer cost profile on this GPU
+#   spmm       benchmarks/sparse_linear.py --device cuda --figure: the seed's SpMM figure (ours vs
+#              cuSPARSE vs cuBLAS, fp32) and SparseLinear forward+backward vs nn.Linear
+#   semi       benchmarks/semi_structured.py: 2:4 sparsity (bf16, tensor cores) vs dense
+#   attention  benchmarks/sparse_attention.py --device cuda --quick: block-sparse attention vs SDPA
 # Without a GPU it prints {"gpu": false, ...} and exits 0: nothing here can run on a CPU.
-# The machine needs torch (CUDA build), nvcc, lightning, pytest, hypothesis, hydra-core and omegaconf.
+# The machine needs torch (CUDA build), nvcc, ninja, lightning, pytest, hypothesis, hydra-core,
+# omegaconf and matplotlib.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -29,45 +32,78 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 out="${GPU_CHECK_OUT:-$(mktemp -d)}"; mkdir -p "$out"
 results="$out/steps.jsonl"; : > "$results"
+STEPS="${GPU_CHECK_STEPS:-build kernels cuda_tests sanitize train profile spmm semi attention}"
 
-step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, log to $out/NAME.log, record rc + seconds
-  local name="$1" limit="$2"; shift 2
+limit_of() {  # 3x the step's last measured seconds, at least 30
+  "$PY" -c "import json,sys; b=json.load(open('scripts/gpu_check_budget.json')); print(max(30, int(3*b.get(sys.argv[1], 60))))" "$1"
+}
+
+step() {  # step NAME CMD...: run CMD under NAME's limit, log to $out/NAME.log, record rc + seconds
+  local name="$1"; shift
+  [[ " $STEPS " == *" $name "* ]] || return 0
+  local limit; limit=$(limit_of "$name")
   local t0; t0=$(date +%s%N)
   echo "== $name (limit ${limit}s): $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   local dt_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  [[ $rc == 124 ]] && echo "   $name: stopped at its limit (${limit}s = 3x its measured time)" | tee -a "$out/$name.log"
   tail -n 3 "$out/$name.log"
-  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $dt_ms.0e-3}" >> "$results"
+  echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $dt_ms.0e-3, \"limit\": $limit}" >> "$results"
+}
+
+ninja_times() {  # per-file compile seconds of the last build, slowest first
+  local log; log=$(ls -t build/temp*/.ninja_log 2>/dev/null | head -1)
+  [[ -n "$log" ]] || { echo "(no ninja log)"; return; }
+  echo "== per-file build seconds ($log)"
+  awk -F'\t' 'NR > 1 { printf "%8.1f  %s\n", ($2 - $1) / 1000, $4 }' "$log" | sort -rn
 }
 
 arch="${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}"
-rm -f lightning_dynmo/sparse/_C*.so
-step build 150 env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" LDSPARSE_STRICT_BUILD=1 \
-  "$PY" setup.py -q build_ext --inplace
-step kernels 20 "$PY" -c "from lightning_dynmo.sparse._ops import cuda_kernels_available as a; assert a(), 'no CUDA kernels'; print('CUDA kernels built')"
-step cuda_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/unit
-step sanitize 90 env SANITIZER_TOOLS="${SANITIZER_TOOLS:-memcheck}" bash cpp/sanitize_cuda.sh
-step train 110 "$PY" scripts/gpu_train_check.py
-step profile 60 "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile.json"
+build() {
+  rm -f lightning_dynmo/sparse/_C*.so
+  env FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="$arch" MAX_JOBS="$(nproc)" LDSPARSE_STRICT_BUILD=1 \
+    "$PY" setup.py -q build_ext --inplace
+  local rc=$?
+  ninja_times
+  return $rc
+}
+export -f build ninja_times; export PY arch
+step build bash -c build
+step kernels "$PY" -c "from lightning_dynmo.sparse._ops import cuda_kernels_available as a, cuda_kernels_missing_reason as r; assert a(), r(); print('CUDA kernels built')"
+step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/unit
+step sanitize env SANITIZER_TOOLS="${SANITIZER_TOOLS:-memcheck}" bash cpp/sanitize_cuda.sh
+step train "$PY" scripts/gpu_train_check.py
+step profile "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile.json"
+step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out"
+if [[ -f benchmarks/semi_structured.py ]]; then step semi "$PY" benchmarks/semi_structured.py --quick; fi
+step attention "$PY" benchmarks/sparse_attention.py --device cuda --quick
 
-"$PY" - "$out" <<'EOF'
+"$PY" - "$out" <<'PYEOF'
 import json, re, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 steps = [json.loads(l) for l in (out / "steps.jsonl").read_text().splitlines()]
 res = {"gpu": None, "ok": all(s["rc"] == 0 for s in steps), "out": str(out),
-       "steps": {s["step"]: {"rc": s["rc"], "seconds": round(float(s["seconds"]), 1)} for s in steps}}
+       "steps": {s["step"]: {"rc": s["rc"], "seconds": round(float(s["seconds"]), 1), "limit": s["limit"]}
+                 for s in steps}}
+def log(name):
+    p = out / f"{name}.log"
+    return p.read_text() if p.exists() else ""
 def last_json(name):
-    try:
-        return json.loads((out / f"{name}.log").read_text().strip().splitlines()[-1])
-    except Exception:
-        return None
-tests = (out / "cuda_tests.log").read_text() if (out / "cuda_tests.log").exists() else ""
-m = [l for l in tests.splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
+    for line in reversed(log(name).strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                return None
+    return None
+build = log("build")
+res["build_seconds_by_file"] = {m.group(2).split("/")[-1]: float(m.group(1))
+                                for m in re.finditer(r"^\s+([\d.]+)  (\S+)$", build, re.M)}
+m = [l for l in log("cuda_tests").splitlines() if re.search(r"\d+ (passed|failed|error)", l)]
 res["cuda_tests"] = m[-1].strip("= ") if m else None
-san = (out / "sanitize.log").read_text() if (out / "sanitize.log").exists() else ""
-res["sanitize"] = [l for l in san.splitlines() if l.startswith("OK:") or "ERROR SUMMARY" in l][-4:]
+res["sanitize"] = [l for l in log("sanitize").splitlines() if l.startswith("OK:") or "ERROR SUMMARY" in l][-4:]
 train = last_json("train")
 if train:
     res["gpu"] = train.get("gpu")
@@ -75,10 +111,14 @@ if train:
 prof = last_json("profile")
 if prof:
     res["profile"] = {k: prof.get(k) for k in ("device", "torch", "matmul_8192_tflops", "seconds")}
-    blk, head = prof.get("block", {}), prof.get("head_loss", {})
-    if blk.get("forward_ms"):
-        res["profile"]["block_ms"] = {"forward": blk["forward_ms"][0], "backward": blk["backward_ms"][0]}
-    res["profile"]["head_loss_ms"] = {"forward": head.get("forward_ms"), "backward": head.get("backward_ms")}
+spmm = last_json("spmm")
+if spmm:
+    res["gpu"] = res["gpu"] or spmm.get("device")
+    res["spmm"] = {k: v for k, v in spmm.items() if k not in ("figure", "layers")}
+for name in ("semi", "attention"):
+    j = last_json(name)
+    if j:
+        res[name] = {k: v for k, v in j.items() if not isinstance(v, list)}
 print(json.dumps(res))
 sys.exit(0 if res["ok"] else 1)
-EOF
+PYEOF

@@ -1,6 +1,6 @@
 // Op schemas (namespace `ldsparse`) and the Python module entry point.
 //
-// Kernels register per device (sparse_cpu.cpp, cuda/sparse_cuda.cu); autograd and fake
+// Kernels register per device (sparse_cpu.cpp, cuda/*_binding.cpp); autograd and fake
 // (meta) implementations are registered from Python (lightning_dynmo/sparse/_ops.py) so
 // the ops compose with autograd and torch.compile.
 #include <torch/extension.h>

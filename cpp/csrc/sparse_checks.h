@@ -1,5 +1,5 @@
 // Input checks of the spmm/sddmm ops, shared by the CPU (sparse_cpu.cpp) and CUDA
-// (cuda/sparse_cuda.cu) bindings so both devices reject the same bad input with the same
+// (cuda/sparse_binding.cpp) bindings so both devices reject the same bad input with the same
 // message, instead of the GPU reading out of bounds where the CPU would have refused.
 // Only metadata is checked (shapes, dtypes, devices, int32 limits): nothing here reads device
 // memory, so the CUDA op stays sync-free and CUDA-graph capturable.

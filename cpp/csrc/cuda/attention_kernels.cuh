@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention_params.h"
+
 namespace ldsparse {
 namespace cuda {
 namespace attn {
@@ -43,50 +45,6 @@ __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float
 template <typename T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-
-// A [B, H, T, D] operand with arbitrary strides (elements) and contiguous rows.
-template <typename T>
-struct Src {
-  const T* p;
-  int64_t sb, sh, st;
-  __device__ __forceinline__ const T* row(int b, int h, int t) const {
-    return p + b * sb + h * sh + static_cast<int64_t>(t) * st;
-  }
-};
-
-struct Geom {
-  const int32_t* slot_token;  // [BH][S] slot -> token (-1: padding), or null: identity
-  int H, T, S, D, bs, nblk;
-  float scale;
-  // Token at slot s (-1: padding slot or past the end).
-  __device__ __forceinline__ int token(int bh, int s) const {
-    if (s >= S) return -1;
-    return slot_token ? slot_token[static_cast<int64_t>(bh) * S + s] : s;
-  }
-};
-
-template <typename T>
-struct FwdParams {
-  Geom g;
-  Src<T> q, k, v;
-  const int32_t* row_ptr;  // [BH][nblk + 1]
-  const int32_t* col_idx;
-  T* out;                  // [BH][T][D] token order
-  float* lse;              // [BH][S] slot order, natural log
-};
-
-template <typename T>
-struct BwdParams {
-  Geom g;
-  Src<T> q, k, v, dout;
-  const int32_t* col_ptr;  // transposed layout [BH][nblk + 1]
-  const int32_t* row_idx;
-  const float* lse;        // [BH][S]
-  const float* delta;      // [BH][T] token order: rowsum(dO * O)
-  T* dk;                   // [BH][T][D]
-  T* dv;                   // [BH][T][D]
-  float* dq_acc;           // [BH][S][D] slot order, zeroed, unscaled
-};
 
 // Rows of the TB slots whose tokens are toks[] into tile[TB][ld] (fp32, times scale); zero
 // rows for padding.  Consecutive threads read consecutive features: coalesced.
@@ -424,7 +382,6 @@ __global__ void dq_finish_kernel(const Geom g, int heads, const float* __restric
 // TB = min(BS, 64) for D <= 64, min(BS, 32) up to D = 128 (registers and shared memory).
 inline int pick_tile(int bs, int d) { return bs < 32 ? 16 : (bs < 64 || d > 64 ? 32 : 64); }
 inline int pick_dc(int d) { return d <= 32 ? 4 : (d <= 64 ? 8 : 16); }
-constexpr int kMaxHeadDim = 128;
 
 // Calls f(TB, DC) (as integral constants) for the instantiated combinations.
 template <typename F>

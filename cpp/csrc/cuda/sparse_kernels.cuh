@@ -1,15 +1,26 @@
-// Sputnik-style CUDA kernels for CSR SpMM and SDDMM (torch-free: CUDA runtime headers only,
-// so CI can compile-check them with plain nvcc; sparse_cuda.cu is the thin torch binding).
+// CUDA kernels of the sparse linear layer (torch-free: CUDA runtime headers only; compiled by
+// sparse_kernels.cu, bound to torch by sparse_binding.cpp).
 //
-// Operands are feature-major: xt[k * n + t] (the binding transposes token-major
-// activations), so a CSR row reads contiguous token strips.  Ideas taken from Sputnik
-// (Gale et al., SC'20):
-//   * 1-D tiling: a warp owns one output row and strips of 32 * VEC tokens;
-//   * row swizzle: warps take rows in `row_order` (sorted by decreasing nnz) so rows of
-//     similar length run together and the long ones start first;
-//   * vector memory access: VEC tokens per lane in one 16-byte load/store;
-//   * the row's (value, col) pairs are loaded cooperatively, one per lane, and broadcast
-//     with warp shuffles.
+// SpMM, y[t, r] = bias[r] + sum_p values[p] * x[t, col[p]] over the CSR row r, on token-major
+// activations x [n, K] and y [n, rows] (the layer's own layout: no transposes).
+//
+// Why this shape (issue 32): unstructured SpMM does one FMA per dense element it reads, so it
+// is bound by how fast the dense operand reaches the FMA units. Reading it from L2 per non-zero
+// (one warp per CSR row, the previous design) moves nnz * n * 4 bytes through L2: slower than
+// cuBLAS at every sparsity on Hopper. Here a block owns a 128-row x 128-token output tile and
+// walks K in chunks of 32 columns; each chunk of x (128 tokens x 32 columns) is staged in shared
+// memory once and serves every non-zero of the tile's 128 rows that falls in the chunk (as in
+// Sputnik, the sparse row's values are broadcast and the dense operand is what is tiled).
+//   * A warp owns 16 rows and walks each row's non-zeros of the chunk; every lane computes 4
+//     tokens, so a non-zero costs 4 shared loads + 4 FMAs per lane and no divergence (the whole
+//     warp is on one row).
+//   * The shared tile is [token][column] with pitch 33: lanes (consecutive tokens) reading one
+//     column hit 32 different banks, and the staging stores (consecutive columns) do too.
+//   * Double buffering: the next chunk's global loads are issued before the current chunk is
+//     computed and stored after it; one barrier per chunk.
+//   * Where each row's non-zeros of a chunk start comes from chunk_ptr (c-major, [chunks+1][rows]),
+//     built per call by a binary-search kernel (a few microseconds): no per-call sort.
+// Columns must be sorted within each row (csr_pattern and csr_transpose build them so).
 // Accumulation is fp32 for every storage type (fp32, bf16).
 #pragma once
 #include <cuda_bf16.h>
@@ -20,8 +31,18 @@ namespace ldsparse {
 namespace cuda {
 
 constexpr int kWarp = 32;
-constexpr int kRowsPerBlock = 4;  // warps per block, one row each
-constexpr unsigned kMaxGridY = 65535;  // CUDA's limit on gridDim.y
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kTileRows = 128;                           // output features per block
+constexpr int kTileTokens = 128;                         // tokens per block
+constexpr int kChunk = 32;                               // columns of x staged per step
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarp * kWarps;
+constexpr int kRowsPerWarp = kTileRows / kWarps;         // 16
+constexpr int kTokensPerLane = kTileTokens / kWarp;      // 4
+constexpr int kPitch = kChunk + 1;                       // shared row pitch (floats)
+constexpr int kStagePerThread = kTileTokens * kChunk / kThreads;  // 16
+constexpr unsigned kMaxGridY = 65535;
+static_assert(kRowsPerWarp <= kWarp, "one lane per row loads the row pointers");
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -31,121 +52,152 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16(v);
 }
 
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Packed {  // VEC elements moved by one vector instruction
-  T v[VEC];
-};
+inline int spmm_chunks(int64_t k) { return static_cast<int>((k + kChunk - 1) / kChunk); }
 
-// yt[r * n + t] = bias[r] + sum_j values[j] * xt[col[j] * n + t].
-// grid = (ceil(rows / kRowsPerBlock), min(strips, kMaxGridY)), block = (32, kRowsPerBlock), where
-// strips = ceil(n / (32 * VEC)); a block walks strips blockIdx.y, + gridDim.y, ... so any n
-// fits (grid.y alone stops at 65535 strips: 2M tokens on the scalar path).
-// n % VEC == 0 and 16-byte aligned bases are required when VEC > 1.
-template <typename T, int VEC>
-__global__ void spmm_kernel(const int32_t* __restrict__ crow, const int32_t* __restrict__ col,
-                            const T* __restrict__ values, const T* __restrict__ xt,
-                            const T* __restrict__ bias, const int32_t* __restrict__ row_order,
-                            T* __restrict__ yt, int rows, int n) {
-  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.y;
-  if (slot >= rows) return;
-  const int r = row_order ? row_order[slot] : static_cast<int>(slot);
-  const int lane = threadIdx.x;
-  const float b = bias ? to_float(bias[r]) : 0.f;
-  const int begin = crow[r], end = crow[r + 1];
-  const int64_t strips = (static_cast<int64_t>(n) + kWarp * VEC - 1) / (kWarp * VEC);
-  for (int64_t strip = blockIdx.y; strip < strips; strip += gridDim.y) {  // warp-uniform
-    const int64_t t = (strip * kWarp + lane) * VEC;
-    const bool active = t < n;
-    float acc[VEC];
+// chunk_ptr[c * rows + r] = first p in [crow[r], crow[r+1]) with col[p] >= c * kChunk.
+__global__ void chunk_ptr_kernel(const int32_t* __restrict__ crow, const int32_t* __restrict__ col,
+                                 int32_t* __restrict__ chunk_ptr, int rows, int chunks) {
+  const int64_t total = static_cast<int64_t>(chunks + 1) * rows;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = e / rows;
+    const int r = static_cast<int>(e - c * rows);
+    const int64_t key = c * kChunk;
+    int lo = crow[r], hi = crow[r + 1];
+    while (lo < hi) {
+      const int mid = lo + (hi - lo) / 2;
+      if (col[mid] < key) lo = mid + 1; else hi = mid;
+    }
+    chunk_ptr[e] = lo;
+  }
+}
+
+// grid = (ceil(n / kTileTokens), min(ceil(rows / kTileRows), kMaxGridY)), block = kThreads.
+// Row tiles beyond gridDim.y are looped over (any row count fits).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2)
+spmm_tiled_kernel(const int32_t* __restrict__ chunk_ptr, const int32_t* __restrict__ col,
+                  const T* __restrict__ values, const T* __restrict__ x, const T* __restrict__ bias,
+                  T* __restrict__ y, int rows, int K, int n, int chunks) {
+  __shared__ float tile[2][kTileTokens * kPitch];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
+  const int row_tiles = (rows + kTileRows - 1) / kTileRows;
+  float stage[kStagePerThread];
+  // Staging: lane = column within the chunk, tokens warp, warp + 8, ...: coalesced along K.
+  const auto fetch = [&](int c) {
+    const int64_t k = static_cast<int64_t>(c) * kChunk + lane;
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[v] = b;
-    for (int base = begin; base < end; base += kWarp) {
-      const int mine = base + lane;
-      const float w_l = mine < end ? to_float(values[mine]) : 0.f;
-      const int c_l = mine < end ? col[mine] : 0;
-      const int count = min(kWarp, end - base);
-      for (int i = 0; i < count; ++i) {
-        const float w = __shfl_sync(0xffffffffu, w_l, i);
-        const int c = __shfl_sync(0xffffffffu, c_l, i);
-        if (active) {
-          const Packed<T, VEC> x =
-              *reinterpret_cast<const Packed<T, VEC>*>(xt + static_cast<int64_t>(c) * n + t);
+    for (int i = 0; i < kStagePerThread; ++i) {
+      const int64_t t = t0 + warp + kWarps * i;
+      stage[i] = (t < n && k < K) ? to_float(x[t * K + k]) : 0.f;
+    }
+  };
+  const auto store = [&](float* buf) {
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[v] = fmaf(w, to_float(x.v[v]), acc[v]);
+    for (int i = 0; i < kStagePerThread; ++i) buf[(warp + kWarps * i) * kPitch + lane] = stage[i];
+  };
+
+  for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+    const int r0 = rt * kTileRows + warp * kRowsPerWarp;
+    const int my_row = r0 + lane % kRowsPerWarp;  // lanes 16..31 mirror lanes 0..15
+    const bool row_ok = my_row < rows;
+    int cur[kRowsPerWarp];
+    {
+      const int p = row_ok ? chunk_ptr[my_row] : 0;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) cur[i] = __shfl_sync(kFull, p, i);
+    }
+    int next_end = row_ok ? chunk_ptr[static_cast<int64_t>(rows) + my_row] : 0;
+    float acc[kRowsPerWarp][kTokensPerLane];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+      for (int j = 0; j < kTokensPerLane; ++j) acc[i][j] = 0.f;
+
+    fetch(0);
+    store(tile[0]);
+    __syncthreads();
+    for (int c = 0; c < chunks; ++c) {
+      const bool more = c + 1 < chunks;
+      if (more) fetch(c + 1);  // in flight while this chunk is computed
+      const int end_lane = next_end;
+      if (more) next_end = row_ok ? chunk_ptr[static_cast<int64_t>(c + 2) * rows + my_row] : 0;
+      // Lane's tokens are lane, lane + 32, ...; the non-zero's column selects the tile column.
+      const float* base = tile[c & 1] + lane * kPitch - c * kChunk;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int end = __shfl_sync(kFull, end_lane, i);
+#pragma unroll 2
+        for (int p = cur[i]; p < end; ++p) {
+          const float w = to_float(values[p]);
+          const float* b = base + col[p];
+#pragma unroll
+          for (int j = 0; j < kTokensPerLane; ++j) acc[i][j] = fmaf(w, b[j * kWarp * kPitch], acc[i][j]);
         }
+        cur[i] = end;
+      }
+      if (more) store(tile[(c + 1) & 1]);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < kTokensPerLane; ++j) {
+      const int64_t t = t0 + lane + j * kWarp;
+      if (t >= n) continue;
+      T* out = y + t * rows;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int r = r0 + i;
+        if (r < rows) out[r] = from_float<T>(acc[i][j] + (bias ? to_float(bias[r]) : 0.f));
       }
     }
-    if (active) {
-      Packed<T, VEC> out;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) out.v[v] = from_float<T>(acc[v]);
-      *reinterpret_cast<Packed<T, VEC>*>(yt + static_cast<int64_t>(r) * n + t) = out;
-    }
   }
 }
 
-// out[j] = sum_t gt[row(j) * n + t] * xt[col[j] * n + t]: one warp per row (swizzled),
-// lanes stride the token dimension with vector loads, warp-shuffle reduction per non-zero.
-// grid = ceil(rows / kRowsPerBlock), block = (32, kRowsPerBlock).
-template <typename T, int VEC>
-__global__ void sddmm_kernel(const int32_t* __restrict__ crow, const int32_t* __restrict__ col,
-                             const T* __restrict__ gt, const T* __restrict__ xt,
-                             const int32_t* __restrict__ row_order, T* __restrict__ out,
-                             int rows, int n) {
-  const int64_t slot = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.y;
-  if (slot >= rows) return;
-  const int r = row_order ? row_order[slot] : static_cast<int>(slot);
-  const int lane = threadIdx.x;
-  const T* g = gt + static_cast<int64_t>(r) * n;
-  for (int j = crow[r]; j < crow[r + 1]; ++j) {
-    const T* x = xt + static_cast<int64_t>(col[j]) * n;
-    float s = 0.f;
-    for (int64_t t = static_cast<int64_t>(lane) * VEC; t < n; t += kWarp * VEC) {
-      const Packed<T, VEC> gv = *reinterpret_cast<const Packed<T, VEC>*>(g + t);
-      const Packed<T, VEC> xv = *reinterpret_cast<const Packed<T, VEC>*>(x + t);
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) s = fmaf(to_float(gv.v[v]), to_float(xv.v[v]), s);
-    }
-#pragma unroll
-    for (int off = kWarp / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) out[j] = from_float<T>(s);
-  }
-}
-
-// Host launchers: pick the widest vector the token count and pointer alignment allow.
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
+// out[p] = dense[r * K + col[p]] for every non-zero p of row r: the weight gradient restricted
+// to the pattern, from the dense gradient cuBLAS computes. One warp per row.
 template <typename T>
-cudaError_t launch_spmm(const int32_t* crow, const int32_t* col, const T* values, const T* xt,
-                        const T* bias, const int32_t* row_order, T* yt, int rows, int n,
-                        cudaStream_t stream) {
-  if (rows == 0 || n == 0) return cudaSuccess;
-  constexpr int V = 16 / sizeof(T);
-  const dim3 block(kWarp, kRowsPerBlock);
-  const unsigned gx = static_cast<unsigned>((static_cast<int64_t>(rows) + kRowsPerBlock - 1) / kRowsPerBlock);
-  // Token strips beyond kMaxGridY are looped over inside the kernel.
-  const auto grid = [&](int vec) {
-    const int64_t strips = (static_cast<int64_t>(n) + kWarp * vec - 1) / (kWarp * vec);
-    return dim3(gx, static_cast<unsigned>(strips < kMaxGridY ? strips : kMaxGridY));
-  };
-  if (n % V == 0 && aligned16(xt) && aligned16(yt))
-    spmm_kernel<T, V><<<grid(V), block, 0, stream>>>(crow, col, values, xt, bias, row_order, yt, rows, n);
-  else
-    spmm_kernel<T, 1><<<grid(1), block, 0, stream>>>(crow, col, values, xt, bias, row_order, yt, rows, n);
+__global__ void csr_gather_kernel(const int32_t* __restrict__ crow, const int32_t* __restrict__ col,
+                                  const T* __restrict__ dense, T* __restrict__ out, int rows, int K) {
+  const int lane = threadIdx.x % kWarp;
+  for (int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp; r < rows;
+       r += (static_cast<int64_t>(gridDim.x) * blockDim.x) / kWarp) {
+    const T* src = dense + r * K;
+    for (int p = crow[r] + lane; p < crow[r + 1]; p += kWarp) out[p] = src[col[p]];
+  }
+}
+
+// ----------------------------------------------------------------------------- launchers
+inline unsigned blocks_for(int64_t threads, int per_block) {
+  const int64_t b = (threads + per_block - 1) / per_block;
+  return static_cast<unsigned>(b < 65535 * 16 ? (b > 0 ? b : 1) : 65535 * 16);
+}
+
+inline cudaError_t launch_chunk_ptr(const int32_t* crow, const int32_t* col, int32_t* chunk_ptr, int rows,
+                                    int chunks, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  chunk_ptr_kernel<<<blocks_for(static_cast<int64_t>(chunks + 1) * rows, 256), 256, 0, stream>>>(
+      crow, col, chunk_ptr, rows, chunks);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t launch_sddmm(const int32_t* crow, const int32_t* col, const T* gt, const T* xt,
-                         const int32_t* row_order, T* out, int rows, int n, cudaStream_t stream) {
+cudaError_t launch_spmm(const int32_t* chunk_ptr, const int32_t* col, const T* values, const T* x,
+                        const T* bias, T* y, int rows, int K, int n, int chunks, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  const int64_t row_tiles = (static_cast<int64_t>(rows) + kTileRows - 1) / kTileRows;
+  const dim3 grid(static_cast<unsigned>((static_cast<int64_t>(n) + kTileTokens - 1) / kTileTokens),
+                  static_cast<unsigned>(row_tiles < kMaxGridY ? row_tiles : kMaxGridY));
+  spmm_tiled_kernel<T><<<grid, kThreads, 0, stream>>>(chunk_ptr, col, values, x, bias, y, rows, K, n, chunks);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_csr_gather(const int32_t* crow, const int32_t* col, const T* dense, T* out, int rows,
+                              int K, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  constexpr int V = 16 / sizeof(T);
-  const dim3 block(kWarp, kRowsPerBlock);
-  const dim3 grid(static_cast<unsigned>((static_cast<int64_t>(rows) + kRowsPerBlock - 1) / kRowsPerBlock));
-  if (n % V == 0 && aligned16(gt) && aligned16(xt))
-    sddmm_kernel<T, V><<<grid, block, 0, stream>>>(crow, col, gt, xt, row_order, out, rows, n);
-  else
-    sddmm_kernel<T, 1><<<grid, block, 0, stream>>>(crow, col, gt, xt, row_order, out, rows, n);
+  csr_gather_kernel<T><<<blocks_for(static_cast<int64_t>(rows) * kWarp, 256), 256, 0, stream>>>(
+      crow, col, dense, out, rows, K);
   return cudaGetLastError();
 }
 

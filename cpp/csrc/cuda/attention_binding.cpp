@@ -1,5 +1,5 @@
-// Torch binding of the block-sparse attention CUDA kernels (attention_kernels.cuh), fp32 and
-// bf16.  Checks shapes and dtypes (the layout's contents are trusted on the GPU: validating
+// Torch binding of the block-sparse attention CUDA kernels (attention_kernels.cuh, compiled in
+// attention_{fwd,bwd}_{f32,bf16}.cu), fp32 and bf16; compiled by the host compiler.  Checks shapes and dtypes (the layout's contents are trusted on the GPU: validating
 // them would need a device sync; the CPU op checks them, and lightning_dynmo builds layouts
 // that are valid by construction).
 #include <ATen/ATen.h>
@@ -9,8 +9,8 @@
 
 #include <tuple>
 
-#include "attention_kernels.cuh"
 #include "check_format.h"
+#include "cuda/launchers.h"
 
 namespace ldsparse {
 namespace {
@@ -68,7 +68,7 @@ void fwd_typed(const Shape& s, const ak::Geom& g, const at::Tensor& q, const at:
                const at::Tensor& row_ptr, const at::Tensor& col_idx, at::Tensor& out, at::Tensor& lse) {
   const ak::FwdParams<T> p{g, src_of<T>(q), src_of<T>(k), src_of<T>(v), row_ptr.data_ptr<int32_t>(),
                            col_idx.data_ptr<int32_t>(), reinterpret_cast<T*>(out.data_ptr()), lse.data_ptr<float>()};
-  const cudaError_t err = ak::launch_fwd<T>(p, static_cast<int>(s.B * s.H), c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = cuda::attn_fwd(p, static_cast<int>(s.B * s.H), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "ldsparse.block_attn_fwd launch failed: ", cudaGetErrorString(err));
 }
 
@@ -80,7 +80,7 @@ void bwd_typed(const Shape& s, const ak::Geom& g, const at::Tensor& grad, const 
                            col_ptr.data_ptr<int32_t>(), row_idx.data_ptr<int32_t>(), lse.data_ptr<float>(),
                            delta.data_ptr<float>(), reinterpret_cast<T*>(dk.data_ptr()),
                            reinterpret_cast<T*>(dv.data_ptr()), dq_acc.data_ptr<float>()};
-  const cudaError_t err = ak::launch_bwd<T>(p, static_cast<int>(s.B * s.H), reinterpret_cast<T*>(dq.data_ptr()),
+  const cudaError_t err = cuda::attn_bwd(p, static_cast<int>(s.B * s.H), reinterpret_cast<T*>(dq.data_ptr()),
                                             c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "ldsparse.block_attn_bwd launch failed: ", cudaGetErrorString(err));
 }
