@@ -20,7 +20,7 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_EXT = "lightning_dynmo.sparse._C_cpu"
 CUDA_EXT = "lightning_dynmo.sparse._C_cuda"
-CPU_SOURCES = ["ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kernels_avx2.cpp",
+CPU_SOURCES = ["module_cpu.cpp", "ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kernels_avx2.cpp",
                "cpu_kernels_avx512.cpp",
                # block-sparse causal attention (issue 12)
                "attention_cpu.cpp", "attention_kernels_default.cpp", "attention_kernels_avx2.cpp",
