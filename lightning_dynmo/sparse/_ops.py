@@ -12,6 +12,7 @@ run upcast to fp32 (half types it lacks, e.g. fp16 under CUDA autocast), or the 
 from __future__ import annotations
 
 import importlib
+import json
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,16 @@ from torch import Tensor
 
 _PKG_DIR = Path(__file__).resolve().parent
 _FIX = "rebuild with `pip install --no-build-isolation -e .` (add FORCE_CUDA=1 for the CUDA kernels)"
+
+
+def build_record(module: str) -> Optional[str]:
+    """What the install recorded about building ``module`` (cpp/build.py writes
+    ``_build_record.json`` beside the modules: built, skipped and why, or the build error)."""
+    try:
+        entry = json.loads((_PKG_DIR / "_build_record.json").read_text()).get(module)
+    except (OSError, ValueError):
+        return None
+    return None if not entry or entry.get("built") else str(entry.get("why"))
 
 
 def import_failure_cause(module: str, exc: BaseException) -> str:
@@ -33,7 +44,9 @@ def import_failure_cause(module: str, exc: BaseException) -> str:
     built = sorted(p.name for p in _PKG_DIR.glob(f"{module}.*") if p.suffix in (".so", ".pyd"))
     text = str(exc)
     if not built:
-        return (f"{module} is not built (no {module}*.so in {_PKG_DIR}); {_FIX}")
+        recorded = build_record(module)
+        at_install = f": the install says {recorded}" if recorded else ""
+        return (f"{module} is not built (no {module}*.so in {_PKG_DIR}){at_install}; {_FIX}")
     if isinstance(exc, OSError) or "undefined symbol" in text or "cannot open shared object" in text:
         return (f"{module} is built ({built[0]}) but does not load, most likely a stale build against "
                 f"another torch ({type(exc).__name__}: {text}); {_FIX}")

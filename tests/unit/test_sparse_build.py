@@ -5,6 +5,7 @@ keeps the CPU kernels; the import messages name the real cause (not built / stal
 circular import) instead of Python's "circular import" guess; CUDA tensors on a CPU-only build
 warn once, naming the layer and the fix.  All of it runs on the CPU.
 """
+import json
 import subprocess
 import sys
 import warnings
@@ -33,7 +34,14 @@ def test_cpu_and_cuda_are_separate_modules(monkeypatch):
     assert [m.name for m in build.extension_modules()] == ["lightning_dynmo.sparse._C_cpu"]
 
 
-def test_failed_cuda_build_keeps_cpu_and_says_so(monkeypatch, capsys):
+def _builder(cls, tmp_path):
+    """The build command as setuptools drives it, writing into tmp_path (no real compiler)."""
+    inst = object.__new__(cls)
+    inst.get_ext_fullpath = lambda name: str(tmp_path / (name.replace(".", "/") + ".so"))
+    return inst
+
+
+def test_failed_cuda_build_keeps_cpu_and_says_so(monkeypatch, capsys, tmp_path):
     from torch.utils.cpp_extension import BuildExtension
     cls = build.build_ext_cmdclass()["build_ext"]
 
@@ -43,13 +51,37 @@ def test_failed_cuda_build_keeps_cpu_and_says_so(monkeypatch, capsys):
     monkeypatch.delenv("LDSPARSE_STRICT_BUILD", raising=False)
     ext = type("Ext", (), {"name": build.CUDA_EXT})()
     with pytest.warns(UserWarning, match="CPU kernels are unaffected"):
-        cls.build_extension(object.__new__(cls), ext)
+        cls.build_extension(_builder(cls, tmp_path), ext)
     err = capsys.readouterr().err
     assert "lightning_dynmo: WARNING: building lightning_dynmo.sparse._C_cuda failed" in err
     assert "nvcc exploded" in err
+    # pip hides that line on a successful install: the record beside the modules keeps it
+    pkg = tmp_path / "lightning_dynmo" / "sparse"
+    record = json.loads((pkg / build.BUILD_RECORD).read_text())
+    assert record["_C_cuda"] == {"built": False, "why": "the build failed: RuntimeError: nvcc exploded"}
+    monkeypatch.setattr(_ops, "_PKG_DIR", pkg)
+    cause = _ops.import_failure_cause("_C_cuda", ImportError("No module named '_C_cuda'"))
+    assert "the install says the build failed: RuntimeError: nvcc exploded" in cause
     monkeypatch.setenv("LDSPARSE_STRICT_BUILD", "1")
     with pytest.raises(RuntimeError, match="nvcc exploded"):
-        cls.build_extension(object.__new__(cls), ext)
+        cls.build_extension(_builder(cls, tmp_path), ext)
+
+
+def test_skipped_cuda_build_is_recorded_with_its_reason(monkeypatch, tmp_path):
+    """A CPU build (CPU torch, no nvcc or no GPU) records why the CUDA kernels were not built,
+    so a later `import lightning_dynmo.sparse` on a GPU host says why, not just "missing"."""
+    from torch.utils.cpp_extension import BuildExtension
+    cls = build.build_ext_cmdclass()["build_ext"]
+    monkeypatch.setattr(BuildExtension, "build_extension", lambda self, ext: None)
+    monkeypatch.setattr(build, "cuda_decision", lambda: (False, "torch 2.13.0+cpu is a CPU-only build"))
+    cls.build_extension(_builder(cls, tmp_path), type("Ext", (), {"name": build.CPU_EXT})())
+    pkg = tmp_path / "lightning_dynmo" / "sparse"
+    record = json.loads((pkg / build.BUILD_RECORD).read_text())
+    assert record == {"_C_cpu": {"built": True, "why": "built"},
+                      "_C_cuda": {"built": False, "why": "not built: torch 2.13.0+cpu is a CPU-only build"}}
+    monkeypatch.setattr(_ops, "_PKG_DIR", pkg)
+    cause = _ops.import_failure_cause("_C_cuda", ImportError("No module named '_C_cuda'"))
+    assert "the install says not built: torch 2.13.0+cpu is a CPU-only build" in cause
 
 
 def test_import_failure_cause_names_the_real_cause(tmp_path, monkeypatch):
