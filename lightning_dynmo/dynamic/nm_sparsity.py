@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["parse_nm", "nm_keep", "nm_droppable", "satisfies_nm", "nm_max_sparsity"]
+__all__ = ["parse_nm", "nm_keep", "nm_droppable", "satisfies_nm", "nm_max_sparsity", "transposable_2to4_keep"]
 
 
 def parse_nm(pattern: str | None) -> tuple[int, int] | None:
@@ -76,3 +76,26 @@ def satisfies_nm(mask: Tensor, n: int, m: int) -> bool:
     if mask.dim() != 2 or mask.shape[1] % m:
         return False
     return bool((_groups(mask.bool(), m).sum(-1) <= n).all())
+
+
+def _tile_patterns(device) -> Tensor:
+    """The 90 4x4 0/1 tiles with two ones in every row and every column, ``[16, 90]``, in a fixed order."""
+    from itertools import combinations, product
+
+    rows = [tuple(1 if c in pair else 0 for c in range(4)) for pair in combinations(range(4), 2)]
+    tiles = [t for t in product(rows, repeat=4) if all(sum(r[c] for r in t) == 2 for c in range(4))]
+    return torch.tensor(tiles, dtype=torch.float32, device=device).reshape(len(tiles), 16).t()
+
+
+def transposable_2to4_keep(scores: Tensor) -> Tensor:
+    """Bool ``[out, in]``: per 4x4 tile, the 2:4 pattern *in rows and in columns* with the largest
+    total score (exhaustive over the 90 such tiles; ties to the first in a fixed order). Its
+    transpose is 2:4 too, so both the forward and the input gradient can run on 2:4 kernels."""
+    out, inn = scores.shape
+    if out % 4 or inn % 4:
+        raise ValueError(f"a transposable 2:4 pattern needs both weight dims divisible by 4, got {tuple(scores.shape)}")
+    tiles = scores.float().reshape(out // 4, 4, inn // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    pats = _tile_patterns(scores.device)
+    best = (tiles @ pats).argmax(-1)  # argmax returns the first maximum
+    keep = pats.t()[best].bool().reshape(out // 4, inn // 4, 4, 4).permute(0, 2, 1, 3).reshape(out, inn)
+    return keep
