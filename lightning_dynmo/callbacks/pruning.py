@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
     pipeline_reduce_group, reduce_device, replica_group, request_rebalance
-from ..dynamic.nm_sparsity import nm_droppable, nm_max_sparsity, parse_nm, satisfies_nm
+from ..dynamic.nm_sparsity import nm_droppable, nm_max_sparsity, parse_nm, satisfies_nm, transposable_droppable
 from ..dynamic.pruning import ParamSwap, PrunableLinear, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
 from ..protocol import state_dict_key
@@ -60,6 +60,9 @@ class GradualPruning(Callback):
       exactly the N:M pattern. N:M layers stay dense-stored (``storage_density`` is not used):
       the 2:4 kernels compress the dense weight after every optimizer step. Prunable layers need
       ``in_features`` divisible by ``M`` (checked at ``on_train_start`` on every rank).
+      ``"2:4T"``: transposable 2:4 -- per 4x4 tile the best pattern with 2 kept in every row *and*
+      column (:func:`~lightning_dynmo.dynamic.nm_sparsity.transposable_2to4_keep`), so on CUDA
+      the input gradient runs on the 2:4 kernels too; both dims divisible by 4.
     * Kernels (``sparse_kernels``): ``"auto"`` picks per layer the fastest of dense, 2:4
       semi-structured (torch's tensor-core kernels: CUDA, bf16/fp16, a 2:4 mask) and the CSR kernel
       of :mod:`lightning_dynmo.sparse` (extension built, fp32/fp64), by measurement per device
@@ -106,7 +109,8 @@ class GradualPruning(Callback):
             raise ValueError(f"storage_density must be in [0, 1] or None, got {storage_density}")
         if repack is not None and not (repack == "auto" or (isinstance(repack, int) and repack >= 1)):
             raise ValueError(f"repack must be None, 'auto' or a rank count >= 1, got {repack!r}")
-        self.nm = parse_nm(pattern)
+        self.transposable = pattern == "2:4T"
+        self.nm = (2, 4) if self.transposable else parse_nm(pattern)
         if self.nm is not None:
             cap = nm_max_sparsity(*self.nm)
             for name, v in (("final_sparsity", final_sparsity), ("initial_sparsity", initial_sparsity)):
@@ -280,13 +284,14 @@ class GradualPruning(Callback):
     def _check_nm_shapes(self, trainer, pl_module) -> None:
         """Every rank of the pipeline learns of a Linear an N:M pattern cannot split (one all-reduce)."""
         m_ = self.nm[1]
-        bad = [f"L{i}.{n} (in_features={m.in_features})" for i, n, m in self._local_prunable(pl_module)
-               if m.in_features % m_]
+        bad = [f"L{i}.{n} (in_features={m.in_features}, out_features={m.out_features})"
+               for i, n, m in self._local_prunable(pl_module)
+               if m.in_features % m_ or (self.transposable and m.out_features % m_)]
         count = all_reduce_over_pipeline(
             trainer, torch.tensor([len(bad)], dtype=torch.int64, device=reduce_device(trainer, pl_module)))
         if int(count):
             raise ValueError(f"GradualPruning(pattern={self.pattern!r}): {int(count)} prunable Linear(s) have "
-                             f"in_features not divisible by {m_}" + (f", here: {', '.join(bad)}" if bad else
+                             f"in_features{' or out_features' if self.transposable else ''} not divisible by {m_}" + (f", here: {', '.join(bad)}" if bad else
                                                                       " on other pipeline ranks")
                              + "; exclude them with layer_filter or pick another pattern")
 
@@ -314,7 +319,8 @@ class GradualPruning(Callback):
         needs, group = pipeline_reduce_group(trainer)
         zeros = sum(m.in_features * m.out_features - m.nnz for _, _, m in mods)
         if self.nm is not None:  # only weights outside their group's top N compete (the rest rank as +inf)
-            droppable = [nm_droppable(m.weight, m.weight_mask, *self.nm) for _, _, m in mods]
+            droppable = [transposable_droppable(m.weight, m.weight_mask) if self.transposable
+                         else nm_droppable(m.weight, m.weight_mask, *self.nm) for _, _, m in mods]
             ranked = [torch.where(d, m.weight.detach().abs(), torch.full_like(m.weight, float("inf")))[m.weight_mask]
                       for (_, _, m), d in zip(mods, droppable)]
         else:

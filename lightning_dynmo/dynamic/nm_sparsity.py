@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["parse_nm", "nm_keep", "nm_droppable", "satisfies_nm", "nm_max_sparsity", "transposable_2to4_keep"]
+__all__ = ["parse_nm", "nm_keep", "nm_droppable", "satisfies_nm", "nm_max_sparsity", "transposable_2to4_keep",
+           "transposable_droppable"]
 
 
 def parse_nm(pattern: str | None) -> tuple[int, int] | None:
@@ -26,7 +27,7 @@ def parse_nm(pattern: str | None) -> tuple[int, int] | None:
     if pattern is None or pattern == "unstructured":
         return None
     if not isinstance(pattern, str) or pattern.count(":") != 1:
-        raise ValueError(f"pattern must be 'unstructured' or 'N:M' (e.g. '2:4'), got {pattern!r}")
+        raise ValueError(f"pattern must be 'unstructured', 'N:M' (e.g. '2:4') or '2:4T', got {pattern!r}")
     try:
         n, m = (int(p) for p in pattern.split(":"))
     except ValueError:
@@ -87,15 +88,32 @@ def _tile_patterns(device) -> Tensor:
     return torch.tensor(tiles, dtype=torch.float32, device=device).reshape(len(tiles), 16).t()
 
 
-def transposable_2to4_keep(scores: Tensor) -> Tensor:
+def _tiles(t: Tensor) -> Tensor:
+    out, inn = t.shape
+    return t.reshape(out // 4, 4, inn // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+
+
+def transposable_2to4_keep(scores: Tensor, excluded: Tensor | None = None) -> Tensor:
     """Bool ``[out, in]``: per 4x4 tile, the 2:4 pattern *in rows and in columns* with the largest
     total score (exhaustive over the 90 such tiles; ties to the first in a fixed order). Its
-    transpose is 2:4 too, so both the forward and the input gradient can run on 2:4 kernels."""
+    transpose is 2:4 too, so both the forward and the input gradient can run on 2:4 kernels.
+    ``excluded`` (bool ``[out, in]``): positions no chosen tile may keep (already pruned weights)."""
+    if scores.dim() != 2:
+        raise ValueError(f"2:4 patterns apply to 2-D weights [out, in], got shape {tuple(scores.shape)}")
     out, inn = scores.shape
     if out % 4 or inn % 4:
         raise ValueError(f"a transposable 2:4 pattern needs both weight dims divisible by 4, got {tuple(scores.shape)}")
-    tiles = scores.float().reshape(out // 4, 4, inn // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
     pats = _tile_patterns(scores.device)
-    best = (tiles @ pats).argmax(-1)  # argmax returns the first maximum
+    score = _tiles(scores.float()) @ pats
+    if excluded is not None:  # a tile keeping an excluded position is not a candidate
+        score = score.masked_fill((_tiles(excluded.float()) @ pats) > 0, float("-inf"))
+    best = score.argmax(-1)  # argmax returns the first maximum
     keep = pats.t()[best].bool().reshape(out // 4, inn // 4, 4, 4).permute(0, 2, 1, 3).reshape(out, inn)
     return keep
+
+
+def transposable_droppable(weight: Tensor, mask: Tensor) -> Tensor:
+    """Kept weights outside the best transposable 2:4 tile pattern that avoids every pruned
+    weight (one always exists: the pattern chosen at the previous pruning step)."""
+    mag = torch.nan_to_num(weight.detach().abs().float(), nan=0.0)
+    return mask.bool() & ~transposable_2to4_keep(mag, excluded=~mask.bool())

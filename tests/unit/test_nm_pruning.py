@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynmo.callbacks import GradualPruning
 from lightning_dynmo.dynamic import PrunableLinear
-from lightning_dynmo.dynamic.nm_sparsity import nm_droppable, nm_keep, parse_nm, satisfies_nm
+from lightning_dynmo.dynamic.nm_sparsity import nm_droppable, nm_keep, parse_nm, satisfies_nm, \
+    transposable_2to4_keep, transposable_droppable
 from lightning_dynmo.models import GPT
 from lightning_dynmo.models.gpt import Block
 from lightning_dynmo.sparse.dispatch import choose_linear_kernel, linear_kernel_candidates
@@ -63,12 +64,53 @@ def test_droppable_never_leaves_the_pattern_and_masks_only_shrink(case, seed):
     assert not bool(nm_droppable(w, mask, n, m).any())  # at 1 - N/M nothing more is prunable
 
 
+def _all_transposable_tiles() -> list:
+    """Brute force over all 2^16 4x4 0/1 tiles (independent of the rule's own enumeration)."""
+    from itertools import product
+
+    return [bits for bits in product((0, 1), repeat=16)
+            if all(sum(bits[4 * r:4 * r + 4]) == 2 for r in range(4)) and all(sum(bits[c::4]) == 2 for c in range(4))]
+
+
+TILES = _all_transposable_tiles()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5]), min_size=16, max_size=16))
+def test_transposable_tile_is_the_best_of_all_90(vals):
+    assert len(TILES) == 90
+    scores = torch.tensor(vals).reshape(4, 4)
+    keep = transposable_2to4_keep(scores)
+    assert satisfies_nm(keep, 2, 4) and satisfies_nm(keep.t().contiguous(), 2, 4)
+    best = max(sum(v for v, b in zip(vals, bits) if b) for bits in TILES)
+    assert float(scores[keep].sum()) == best
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**16))
+def test_transposable_droppable_only_shrinks_and_ends_transposable(rt, ct, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(4 * rt, 4 * ct, generator=gen)
+    mask = torch.ones_like(w, dtype=torch.bool)
+    for _ in range(3):  # prune a random part of the droppable weights, then train (perturb), again
+        drop = transposable_droppable(w, mask)
+        assert not bool((drop & ~mask).any())
+        mask &= ~(drop & (torch.rand(w.shape, generator=gen) < 0.5))
+        w = (w + torch.randn(w.shape, generator=gen)) * mask
+    mask &= ~transposable_droppable(w, mask)
+    assert mask.float().mean() == 0.5
+    assert satisfies_nm(mask, 2, 4) and satisfies_nm(mask.t().contiguous(), 2, 4)
+
+
 def test_pattern_parsing_and_cap():
     assert parse_nm("2:4") == (2, 4) and parse_nm("unstructured") is None and parse_nm(None) is None
     for bad in ("4:2", "2:2", "0:4", "two:four", "2-4", "1:2:4"):
         with pytest.raises(ValueError, match="pattern"):
             parse_nm(bad)
     GradualPruning(final_sparsity=0.5, pattern="2:4")
+    GradualPruning(final_sparsity=0.5, pattern="2:4T")
+    with pytest.raises(ValueError, match="capped"):
+        GradualPruning(final_sparsity=0.51, pattern="2:4T")
     with pytest.raises(ValueError, match=r"capped at 1 - N/M = 0.5"):
         GradualPruning(final_sparsity=0.6, pattern="2:4")
     with pytest.raises(ValueError, match="divisible by 4"):
@@ -162,6 +204,20 @@ def test_two_four_training_equals_hand_written_masked_dense(tmp_path):
     torch.testing.assert_close(torch.tensor(rec.losses), torch.tensor(ref_losses), rtol=1e-6, atol=0)
     assert len(set(rec.losses)) == STEPS  # training moved
     assert cb.history[1]["sparsity"] == pytest.approx(0.4375, abs=1e-3)  # the gradual step pruned, not N:M yet
+
+
+def test_transposable_pattern_trains_to_an_exact_transposable_mask(tmp_path):
+    cb = GradualPruning(pattern="2:4T", **PRUNE)
+    model = GPT(CFG, seed=0, warmup_steps=1, max_steps=12)
+    tr = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                   default_root_dir=tmp_path, callbacks=[cb])
+    tr.fit(model, batches())
+    mods = [m for m in model.modules() if isinstance(m, PrunableLinear)]
+    assert len(mods) == 8 and cb.sparsity == 0.5
+    for m in mods:
+        assert m.density == 0.5 and is_2to4(m.weight_mask) and is_2to4(m.weight_mask.t().contiguous())
+        assert bool((m.weight[~m.weight_mask] == 0).all())
 
 
 def test_gpt_with_indivisible_linears_fails_early(tmp_path):
