@@ -81,3 +81,17 @@ def invalidate_pipeline(trainer) -> None:
 def reduce_device(trainer, pl_module) -> torch.device:
     strategy = trainer.strategy
     return getattr(strategy, "root_device", None) or pl_module.device
+
+
+def replica_group(trainer) -> tuple[object, bool]:
+    """``(group, replicated)``: the data-parallel replicas of this rank's layers (``None``: the
+    world) and whether there is more than one. A pipeline strategy names the group
+    (``data_parallel_group``); otherwise every rank of an initialised process group holds a
+    replica of the whole model (DDP, FSDP)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, False
+    strategy = trainer.strategy
+    if is_pipeline_strategy(strategy):
+        group = getattr(strategy, "data_parallel_group", None)
+        return group, group is not None and dist.get_world_size(group) > 1
+    return None, dist.get_world_size() > 1

@@ -9,8 +9,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+import torch.distributed as dist
+
 from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
-    pipeline_reduce_group, reduce_device, request_rebalance
+    pipeline_reduce_group, reduce_device, replica_group, request_rebalance
+from ..dynamic.nm_sparsity import nm_droppable, nm_max_sparsity, parse_nm, satisfies_nm, transposable_droppable
 from ..dynamic.pruning import ParamSwap, PrunableLinear, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
 from ..protocol import state_dict_key
@@ -49,11 +52,28 @@ class GradualPruning(Callback):
       strategy. Other strategies (e.g. DDP, which registers parameters once) keep dense storage.
       ``None`` keeps every layer dense-stored (masked dense). Dense-stored layers zero the
       pruned weights and their optimizer state, and re-apply masks after every optimizer step.
-    * Kernels (``sparse_kernels``): ``"auto"`` computes a layer with the CSR kernel of
-      :mod:`lightning_dynmo.sparse` when its extension is built and the measured crossover
-      density (``crossover_density``) says sparse is faster at the layer's density; ``True``
-      forces the kernel wherever the extension exists; ``False`` never. A CSR-stored layer whose
-      kernel is off scatters its values into a dense weight for the matmul.
+    * Pattern (``pattern``): ``"unstructured"`` (default) prunes any weight. ``"N:M"`` (e.g.
+      ``"2:4"``) keeps the ``N`` largest ``|w|`` of every group of ``M`` consecutive input weights
+      (:mod:`lightning_dynmo.dynamic.nm_sparsity`): inside the same global magnitude schedule only
+      weights outside their group's top ``N`` are pruned, so the N:M part caps sparsity at
+      ``1 - N/M`` (50 % for 2:4; a schedule asking for more is an error) and that sparsity is
+      exactly the N:M pattern. N:M layers stay dense-stored (``storage_density`` is not used):
+      the 2:4 kernels compress the dense weight after every optimizer step. Prunable layers need
+      ``in_features`` divisible by ``M`` (checked at ``on_train_start`` on every rank).
+      ``"2:4T"``: transposable 2:4 -- per 4x4 tile the best pattern with 2 kept in every row *and*
+      column (:func:`~lightning_dynmo.dynamic.nm_sparsity.transposable_2to4_keep`), so on CUDA
+      the input gradient runs on the 2:4 kernels too; both dims divisible by 4.
+    * Kernels (``sparse_kernels``): ``"auto"`` picks per layer the fastest of dense, 2:4
+      semi-structured (torch's tensor-core kernels: CUDA, bf16/fp16, a 2:4 mask) and the CSR kernel
+      of :mod:`lightning_dynmo.sparse` (extension built, fp32/fp64), by measurement per device
+      type, compute dtype and token bucket (``kernel_tokens``;
+      :func:`~lightning_dynmo.sparse.dispatch.choose_linear_kernel`). The data-parallel replicas
+      of a stage then adopt their first replica's choice (one broadcast per pruning step), so
+      rank-local timing noise can never make replicas compute differently. ``True`` forces 2:4
+      where it can run, else CSR wherever the extension exists; ``False`` never leaves dense.
+      On CPU the 2:4 route does not exist: a layer asked for it computes masked dense, the same
+      math. A CSR-stored layer whose kernel is off scatters its values into a dense weight.
+      ``kernels`` holds the agreed choice per local layer, ``local_kernels`` this rank's own.
     * Checkpoints stay in the dense single-process format: ``PrunableLinear`` densifies its state
       dict and :meth:`on_save_checkpoint` densifies the optimizer state of CSR-stored weights. On
       resume the layers are compressed again at ``on_train_start``.
@@ -76,6 +96,7 @@ class GradualPruning(Callback):
         kernel_tokens: int = 2048,
         storage_density: float | None = 0.5,
         repack: int | str | None = None,
+        pattern: str = "unstructured",
     ) -> None:
         for name, v in (("final_sparsity", final_sparsity), ("initial_sparsity", initial_sparsity)):
             if not 0.0 <= float(v) < 1.0:
@@ -88,6 +109,15 @@ class GradualPruning(Callback):
             raise ValueError(f"storage_density must be in [0, 1] or None, got {storage_density}")
         if repack is not None and not (repack == "auto" or (isinstance(repack, int) and repack >= 1)):
             raise ValueError(f"repack must be None, 'auto' or a rank count >= 1, got {repack!r}")
+        self.transposable = pattern == "2:4T"
+        self.nm = (2, 4) if self.transposable else parse_nm(pattern)
+        if self.nm is not None:
+            cap = nm_max_sparsity(*self.nm)
+            for name, v in (("final_sparsity", final_sparsity), ("initial_sparsity", initial_sparsity)):
+                if float(v) > cap + 1e-9:
+                    raise ValueError(f"{name}={v} exceeds what pattern {pattern!r} reaches: an N:M pattern keeps "
+                                     f"N of every M weights, so sparsity is capped at 1 - N/M = {cap:g}")
+        self.pattern = pattern
         self.final_sparsity = float(final_sparsity)
         self.initial_sparsity = float(initial_sparsity)
         self.start_step = int(start_step)
@@ -105,6 +135,8 @@ class GradualPruning(Callback):
         self.history: list[dict] = []
         self._prunable: set[int] = set()
         self._warned_storage = False
+        self.kernels: dict[str, str] = {}  # agreed kernel per local prunable Linear (qualified name)
+        self.local_kernels: dict[str, str] = {}  # what this rank measured, before the agreement
 
     # ------------------------------------------------------------------ schedule
     def sparsity_at(self, step: int) -> float:
@@ -142,26 +174,65 @@ class GradualPruning(Callback):
                 for n, m in prunable_modules(layer)]
 
     # ------------------------------------------------------------------ kernels and storage
-    def _choose_kernel(self, m: PrunableLinear) -> bool:
-        if self.sparse_kernels is False or not sparse_kernels_available():
-            return False
-        density = m.density
-        if density >= 1.0:
-            return False
+    def _compute_dtype(self, trainer, m: PrunableLinear) -> torch.dtype:
+        precision = str(getattr(trainer, "precision", ""))
+        if "bf16" in precision:
+            return torch.bfloat16
+        if precision.startswith("16"):
+            return torch.float16
+        return m.weight.dtype
+
+    def _choose_kernel(self, trainer, m: PrunableLinear) -> str:
+        """This rank's choice among ``dense``, ``2:4`` and ``csr`` for ``m`` (see the class docstring)."""
+        from ..sparse.dispatch import choose_linear_kernel, linear_kernel_candidates
+
+        if self.sparse_kernels is False or m.density >= 1.0:
+            return "dense"
+        device, dtype = m.weight.device, self._compute_dtype(trainer, m)
+        two_four = not m.compressed and self.nm == (2, 4) and satisfies_nm(m.weight_mask, 2, 4)
         if self.sparse_kernels is True:
-            return True
-        from ..sparse import crossover_density
+            cands = linear_kernel_candidates(m.in_features, m.out_features, device, dtype, m.density, two_four)
+            if "2:4" in cands:
+                return "2:4"
+            return "csr" if sparse_kernels_available() else "dense"
+        return choose_linear_kernel(m.in_features, m.out_features, self.kernel_tokens, device, dtype, m.density,
+                                    two_four)
 
-        return density < crossover_density(m.in_features, m.out_features, self.kernel_tokens, m.weight.device)
+    def _agree(self, trainer, pl_module, choices: list[str]) -> list[str]:
+        """The data-parallel replicas of this stage adopt their first replica's choices: ONE
+        broadcast over the replica group (its length is checked, replicas hold the same layers)."""
+        from ..sparse.dispatch import LINEAR_KERNELS
 
-    def _refresh_kernels(self, pl_module) -> None:
-        if self.sparse_kernels is True and not sparse_kernels_available():
+        group, replicated = replica_group(trainer)
+        if not replicated or self.sparse_kernels != "auto":  # True and False decide without measuring
+            return choices
+        codes = torch.tensor([len(choices)] + [LINEAR_KERNELS.index(c) for c in choices], dtype=torch.int64,
+                             device=reduce_device(trainer, pl_module))
+        dist.broadcast(codes, group=group, group_src=0)
+        codes = codes.cpu().tolist()
+        if codes[0] != len(choices):
+            raise RuntimeError(f"GradualPruning: this replica holds {len(choices)} prunable Linears, the first "
+                               f"replica of its stage {codes[0]}; replicas of a stage must hold the same layers")
+        return [LINEAR_KERNELS[c] for c in codes[1:]]
+
+    def _refresh_kernels(self, trainer, pl_module) -> None:
+        if self.sparse_kernels is True and not sparse_kernels_available() and self.nm != (2, 4):
             warnings.warn("GradualPruning(sparse_kernels=True): the sparse extension is not available; "
                           "pruned layers stay masked dense (their cost does not drop)")
-        for _, _, m in self._local_prunable(pl_module):
-            want = self._choose_kernel(m)
-            if want or m.sparse_kernel:
-                m.set_sparse_kernel(want)
+        names = {id(m): n for n, m in pl_module.named_modules()}
+        mods = [m for _, _, m in self._local_prunable(pl_module)]
+        local = [self._choose_kernel(trainer, m) for m in mods]
+        agreed = self._agree(trainer, pl_module, local)
+        self.local_kernels = {names[id(m)]: k for m, k in zip(mods, local)}
+        self.kernels = {names[id(m)]: k for m, k in zip(mods, agreed)}
+        for m, kernel in zip(mods, agreed):
+            if kernel == "csr" and not sparse_kernels_available():
+                raise RuntimeError("GradualPruning: the replicas agreed on the CSR kernel, but this rank has no "
+                                   "sparse extension; build it on every rank or use sparse_kernels=False")
+            if (kernel == "csr") != m.sparse_kernel:
+                m.set_sparse_kernel(kernel == "csr")
+            if not m.compressed and (kernel == "2:4") != m.semi_structured:
+                m.set_semi_structured(kernel == "2:4")
 
     def _can_swap_parameters(self, trainer) -> bool:
         """Parameter swaps need a strategy whose optimizers can be re-mapped in place: DynMo's
@@ -195,18 +266,34 @@ class GradualPruning(Callback):
 
     def _refresh_storage(self, trainer, pl_module) -> list[tuple[PrunableLinear, ParamSwap]]:
         """Compress every dense-stored layer whose density reached ``storage_density``."""
-        if self.storage_density is None or not self._can_swap_parameters(trainer):
+        if self.storage_density is None or self.nm is not None or not self._can_swap_parameters(trainer):
             return []
         return [(m, m.compress()) for _, _, m in self._local_prunable(pl_module)
                 if not m.compressed and m.density <= self.storage_density and m.density < 1.0]
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
+        if self.nm is not None:
+            self._check_nm_shapes(trainer, pl_module)
         # resumed masks came with the (dense) model state; make weights, storage and kernels follow
         for _, _, m in self._local_prunable(pl_module):
             m.apply_mask()
         self._apply_swaps(trainer, pl_module, self._refresh_storage(trainer, pl_module))
-        self._refresh_kernels(pl_module)
+        self._refresh_kernels(trainer, pl_module)
+
+    def _check_nm_shapes(self, trainer, pl_module) -> None:
+        """Every rank of the pipeline learns of a Linear an N:M pattern cannot split (one all-reduce)."""
+        m_ = self.nm[1]
+        bad = [f"L{i}.{n} (in_features={m.in_features}, out_features={m.out_features})"
+               for i, n, m in self._local_prunable(pl_module)
+               if m.in_features % m_ or (self.transposable and m.out_features % m_)]
+        count = all_reduce_over_pipeline(
+            trainer, torch.tensor([len(bad)], dtype=torch.int64, device=reduce_device(trainer, pl_module)))
+        if int(count):
+            raise ValueError(f"GradualPruning(pattern={self.pattern!r}): {int(count)} prunable Linear(s) have "
+                             f"in_features{' or out_features' if self.transposable else ''} not divisible by {m_}" + (f", here: {', '.join(bad)}" if bad else
+                                                                      " on other pipeline ranks")
+                             + "; exclude them with layer_filter or pick another pattern")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -231,11 +318,21 @@ class GradualPruning(Callback):
         before = self.sparsity
         needs, group = pipeline_reduce_group(trainer)
         zeros = sum(m.in_features * m.out_features - m.nnz for _, _, m in mods)
-        thr = global_magnitude_threshold([m.kept_values() for _, _, m in mods], sparsity, group=group,
-                                         distributed=needs, zeros=zeros)
+        if self.nm is not None:  # only weights outside their group's top N compete (the rest rank as +inf)
+            droppable = [transposable_droppable(m.weight, m.weight_mask) if self.transposable
+                         else nm_droppable(m.weight, m.weight_mask, *self.nm) for _, _, m in mods]
+            ranked = [torch.where(d, m.weight.detach().abs(), torch.full_like(m.weight, float("inf")))[m.weight_mask]
+                      for (_, _, m), d in zip(mods, droppable)]
+        else:
+            ranked = [m.kept_values() for _, _, m in mods]
+        thr = global_magnitude_threshold(ranked, sparsity, group=group, distributed=needs, zeros=zeros)
         swaps = []
-        for _, _, m in mods:
-            swap = m.prune_magnitude(thr)
+        for k, (_, _, m) in enumerate(mods):
+            if self.nm is not None:
+                m.set_mask(m.weight_mask & ~(droppable[k] & (m.weight.detach().abs() <= thr)))
+                swap = None
+            else:
+                swap = m.prune_magnitude(thr)
             if swap is not None:
                 swaps.append((m, swap))
             elif not m.compressed:  # dense storage: pruned weights' optimizer state is zeroed
@@ -246,7 +343,7 @@ class GradualPruning(Callback):
                             v.mul_(m.weight_mask)
         swaps += self._refresh_storage(trainer, pl_module)
         self._apply_swaps(trainer, pl_module, swaps)
-        self._refresh_kernels(pl_module)
+        self._refresh_kernels(trainer, pl_module)
         self.target_sparsity = float(sparsity)
         dens = self.layer_densities(trainer, pl_module)
         kept, total = dens.pop("__kept__"), dens.pop("__total__")

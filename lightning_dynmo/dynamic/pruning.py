@@ -96,8 +96,15 @@ class PrunableLinear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.register_buffer("weight_mask", torch.ones_like(self.weight, dtype=torch.bool))
         self.sparse_kernel = False
+        self.semi_structured = False
+        self._semi_cache = None
+        self._semi_check: tuple = (None, None)
         self.storage = "dense"
         self._empty_csr()
+
+    def __getstate__(self):
+        state = dict(self.__dict__, _semi_cache=None, _semi_check=(None, None))  # derived GPU state: rebuilt on use
+        return state
 
     def _empty_csr(self) -> None:
         dev = self.weight.device
@@ -114,6 +121,7 @@ class PrunableLinear(nn.Linear):
         new.bias = linear.bias
         new.weight_mask = torch.ones_like(linear.weight, dtype=torch.bool)
         new.sparse_kernel = False
+        new.semi_structured = False
         new.storage = "dense"
         new._empty_csr()
         new.train(linear.training)
@@ -299,9 +307,52 @@ class PrunableLinear(nn.Linear):
         self.csr_index = mask.reshape(-1).nonzero(as_tuple=True)[0]
         self.csr_crow_t, self.csr_col_t, self.csr_perm_t = _ops.csr_transpose(self.csr_crow, self.csr_col, self.in_features)
 
+    # ------------------------------------------------------------------ 2:4 semi-structured
+    def set_semi_structured(self, enabled: bool) -> None:
+        """Compute with torch's 2:4 semi-structured kernels where they can run (CUDA, bf16/fp16,
+        a 2:4 mask, dense storage); elsewhere the forward stays masked dense, the same math
+        (:meth:`semi_structured_unavailable` says why)."""
+        if enabled and self.compressed:
+            raise RuntimeError("2:4 semi-structured kernels compress the dense weight; this layer is CSR-stored")
+        self.semi_structured = bool(enabled)
+        self._semi_cache = None
+
+    def compute_dtype(self, x: Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return self.weight.dtype
+
+    def semi_structured_unavailable(self, device, dtype: torch.dtype) -> str | None:
+        """None when the 2:4 route runs this layer on ``device`` in ``dtype``; else why not."""
+        from ..sparse.semi_structured import is_2to4, semi_structured_unavailable
+
+        if self.compressed:
+            return "the layer is CSR-stored"
+        key = (self.weight_mask._version, self.weight_mask.data_ptr(), str(device), dtype)
+        if self._semi_check[0] != key:
+            why = semi_structured_unavailable(device, dtype, self.out_features, self.in_features)
+            if why is None and not is_2to4(self.weight_mask):
+                why = "the mask is not 2:4 (more than 2 kept in some group of 4 input weights)"
+            self._semi_check = (key, why)
+        return self._semi_check[1]
+
+    def _forward_semi_structured(self, x: Tensor) -> Tensor | None:
+        dtype = self.compute_dtype(x)
+        if self.semi_structured_unavailable(x.device, dtype) is not None:
+            return None
+        from ..sparse.semi_structured import SemiStructuredCache, semi_structured_linear
+
+        if self._semi_cache is None:
+            self._semi_cache = SemiStructuredCache()
+        return semi_structured_linear(x, self.weight, self.weight_mask, self.bias, self._semi_cache, dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.compressed:
             return self._forward_csr(x)
+        if self.semi_structured:
+            y = self._forward_semi_structured(x)
+            if y is not None:
+                return y
         if self.sparse_kernel and self.csr_crow.numel() and x.dtype in (torch.float32, torch.float64) \
                 and x.dtype == self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
             from ..sparse import _ops
@@ -368,7 +419,8 @@ class PrunableLinear(nn.Linear):
             missing_keys.remove(wkey)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", storage={self.storage}, sparse_kernel={self.sparse_kernel}"
+        return super().extra_repr() + (f", storage={self.storage}, sparse_kernel={self.sparse_kernel}, "
+                                       f"semi_structured={self.semi_structured}")
 
 
 def make_prunable(module: nn.Module) -> int:

@@ -4,6 +4,12 @@ Pruning must never slow a layer down, so the choice is measured rather than assu
 first request for a (device, threads, shape bucket) times dense vs SparseLinear
 forward+backward at decreasing densities, and caches the density below which sparse wins.
 Set ``LDSPARSE_CROSSOVER=<density>`` to skip the measurement (e.g. in CI).
+
+:func:`choose_linear_kernel` widens the choice to dense, 2:4 semi-structured (torch's tensor-core
+kernels, :mod:`.semi_structured`) and CSR, per (device type, dtype, token bucket, shape bucket),
+again by measurement; ``LDSPARSE_KERNEL=dense|2:4|csr`` overrides it where that kernel can run.
+The choice is local to a process: callers whose replicas must compute alike agree on it with one
+collective (``GradualPruning`` broadcasts the data-parallel group's first rank's choice).
 """
 from __future__ import annotations
 
@@ -16,6 +22,11 @@ from torch import Tensor, nn
 
 from . import _ops
 from .linear import MaskedLinear, SparseLinear
+from .semi_structured import SemiStructuredCache, semi_structured_linear, semi_structured_unavailable
+
+#: the kernels a pruned linear layer can run with (their index is the code replicas agree on)
+LINEAR_KERNELS = ("dense", "2:4", "csr")
+_KERNEL_CACHE: Dict[Tuple, float] = {}
 
 _DENSITIES = (0.5, 0.35, 0.25, 0.18, 0.12, 0.08, 0.05, 0.02, 0.01)
 _CACHE: Dict[Tuple, float] = {}
@@ -100,3 +111,69 @@ def maybe_sparsify(linear: nn.Linear, mask: Tensor, tokens: int = 2048) -> nn.Mo
     if density < threshold:
         return SparseLinear.from_dense(linear, mask)
     return MaskedLinear.from_dense(linear, mask)
+
+
+def linear_kernel_candidates(in_features: int, out_features: int, device, dtype: torch.dtype, density: float,
+                             two_four: bool) -> list:
+    """The kernels that can run this layer here: dense always; ``"2:4"`` where torch's
+    semi-structured kernels take the device, dtype and shape and the mask (``two_four``) is 2:4;
+    ``"csr"`` where the extension is built and the layer is pruned at all (its crossover is
+    measured in fp32; a dense-stored layer runs the kernel in fp32/fp64 only)."""
+    device = torch.device(device)
+    out = ["dense"]
+    if two_four and semi_structured_unavailable(device, dtype, out_features, in_features) is None:
+        out.append("2:4")
+    if density < 1.0 and _ops.extension_available():
+        out.append("csr")
+    return out
+
+
+def _measure_2to4(in_f: int, out_f: int, tokens: int, device: torch.device, dtype: torch.dtype,
+                  repeats: int = 5) -> float:
+    """Dense time / 2:4 time, forward+backward (> 1: 2:4 is faster). The 2:4 side compresses its
+    weight on every call, as training does once per optimizer step."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    weight = torch.randn(out_f, in_f, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    mask = (torch.rand(out_f, in_f // 4, 4, generator=gen).argsort(-1) < 2).reshape(out_f, in_f).to(device)
+    x = torch.randn(tokens, in_f, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    cache = SemiStructuredCache()
+
+    def dense():
+        weight.grad = x.grad = None
+        torch.nn.functional.linear(x, weight).sum().backward()
+
+    def two_four():
+        weight.grad = x.grad = None
+        cache.key = None  # an optimizer step changed the weight: compress again
+        semi_structured_linear(x, weight, mask, None, cache).sum().backward()
+
+    t_dense = _time(dense, device, repeats)
+    t_sparse = _time(two_four, device, repeats)
+    return t_dense / max(t_sparse, 1e-12)
+
+
+def choose_linear_kernel(in_features: int, out_features: int, tokens: int, device, dtype: torch.dtype,
+                         density: float, two_four: bool = False) -> str:
+    """The fastest of :data:`LINEAR_KERNELS` for a pruned layer of this shape and ``density``
+    computing ``tokens`` rows in ``dtype`` on ``device``: 2:4 when its measured forward+backward
+    beats dense, else CSR below the measured crossover density, else dense. Measured once per
+    (device, dtype, power-of-two shape and token bucket); ``LDSPARSE_KERNEL`` overrides (a kernel
+    that cannot run here falls back to dense)."""
+    device = torch.device(device)
+    candidates = linear_kernel_candidates(in_features, out_features, device, dtype, density, two_four)
+    override = os.environ.get("LDSPARSE_KERNEL", "").strip()
+    if override:
+        if override not in LINEAR_KERNELS:
+            raise ValueError(f"LDSPARSE_KERNEL must be one of {LINEAR_KERNELS}, got {override!r}")
+        return override if override in candidates else "dense"
+    if "2:4" in candidates:
+        key = (device.type, device.index, dtype, _bucket(in_features), _bucket(out_features), _bucket(tokens))
+        if key not in _KERNEL_CACHE:
+            with torch.enable_grad():
+                _KERNEL_CACHE[key] = _measure_2to4(in_features, out_features, max(1, min(tokens, 8192)),
+                                                   device, dtype)
+        if _KERNEL_CACHE[key] > 1.0:
+            return "2:4"
+    if "csr" in candidates and density < crossover_density(in_features, out_features, tokens, device):
+        return "csr"
+    return "dense"

@@ -190,8 +190,9 @@ def test_gradual_pruning_schedule_masks_and_threshold(tmp_path, sparse_kernels):
     assert min(densities) < max(densities)  # global, not per-layer: layers keep different amounts
     # t0 (s_i = 0) prunes nothing and requests nothing; steps 3, 5, 7 request a rebalance
     assert len(strategy.requests) == 3 and all(r.startswith("pruning:") for r in strategy.requests)
-    if sparse_kernels and cb._choose_kernel(mods[0]):
+    if sparse_kernels and cb._choose_kernel(tr, mods[0]) == "csr":
         assert all(m.sparse_kernel for m in mods)
+        assert set(cb.kernels.values()) == {"csr"}
 
 
 # ---------------------------------------------------------------------------------- early exit

@@ -1,0 +1,170 @@
+"""2:4 semi-structured (torch's cuSPARSELt/CUTLASS kernels) vs dense ``nn.Linear``, bf16, forward
+and forward+backward, at GPT-2-medium's MLP shapes (1024->4096 and 4096->1024, 8192 tokens).
+
+Variants per shape, timed with CUDA events round-robin (every variant once per round, the order
+rotated each round; ratios paired within rounds, median over rounds):
+
+* ``dense``       ``nn.Linear`` in bf16;
+* ``dense_twin``  the same again: the control, whose ratio to ``dense`` is the noise floor;
+* ``2:4``         ``PrunableLinear`` with the 2:4 mask of ``GradualPruning(pattern="2:4")`` and the
+                  semi-structured route on: sparse forward, dense input and weight gradients;
+                  the weight is **compressed again on every call**, as training does once per
+                  optimizer step (``2:4_cached`` reuses it: what micro-batches after the first pay);
+* ``2:4T``        a transposable 2:4 mask (2:4 in rows and columns of each 4x4 tile), so the
+                  input gradient runs on the sparse kernels too (compressed every call).
+
+Correctness: outputs and gradients of each 2:4 variant against the masked dense layer in bf16
+(relative error by norm); a failure exits 1. Without CUDA it prints ``{"gpu": false}`` and
+exits 0. Prints one JSON object as the last line; ``speedup_fwd_bwd_2to4`` is per shape.
+
+    python benchmarks/semi_structured.py [--rounds 50] [--tokens 8192]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
+
+SHAPES = ((1024, 4096), (4096, 1024))  # (in_features, out_features): GPT-2-medium's MLP
+TARGET = 1.1
+
+
+def _layer(in_f: int, out_f: int, mask_rule: str, seed: int):
+    from lightning_dynmo.dynamic import PrunableLinear
+    from lightning_dynmo.dynamic.nm_sparsity import nm_keep, transposable_2to4_keep
+
+    torch.manual_seed(seed)
+    layer = PrunableLinear(in_f, out_f, device="cuda", dtype=torch.bfloat16)
+    if mask_rule == "2:4":
+        layer.set_mask(nm_keep(layer.weight.detach().abs(), 2, 4))
+    else:
+        layer.set_mask(transposable_2to4_keep(layer.weight.detach().abs()))
+    layer.set_semi_structured(True)
+    return layer
+
+
+def _check(layer, x, g) -> dict:
+    """Relative errors (by norm) of the 2:4 route against masked dense in the same dtype."""
+    why = layer.semi_structured_unavailable(x.device, x.dtype)
+    if why is not None:
+        raise RuntimeError(f"the 2:4 route cannot run here: {why}")
+    xs = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = layer(xs)
+    y.backward(g)
+    w = layer.weight.detach().clone().requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    b = layer.bias.detach().clone().requires_grad_()
+    yr = F.linear(xr, w * layer.weight_mask, b)
+    yr.backward(g)
+    rel = lambda a, r: float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))  # noqa: E731
+    return {"y": rel(y, yr), "grad_x": rel(xs.grad, xr.grad), "grad_w": rel(layer.weight.grad, w.grad),
+            "grad_b": rel(layer.bias.grad, b.grad),
+            "grad_w_zero_where_pruned": bool((layer.weight.grad[~layer.weight_mask] == 0).all()),
+            "sparse_input_grad": layer._semi_cache.sparse_t is not None}
+
+
+def _step(layer, x, g, backward: bool, recompress: bool):
+    def run():
+        if recompress and getattr(layer, "_semi_cache", None) is not None:
+            layer._semi_cache.key = None  # an optimizer step changed the weight
+        if not backward:
+            with torch.no_grad():
+                layer(x)
+            return
+        layer.weight.grad = None
+        if layer.bias is not None:
+            layer.bias.grad = None
+        x.grad = None
+        layer(x).backward(g)
+    return run
+
+
+def _time_round_robin(fns: dict, rounds: int) -> dict:
+    """Milliseconds per call of each variant per round (CUDA events; order rotated per round)."""
+    names = list(fns)
+    for fn in fns.values():  # warm-up: cuSPARSELt plans, cuBLAS handles, allocator
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    events = {k: [] for k in names}
+    for r in range(rounds):
+        for k in rotated(names, r):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[k]()
+            end.record()
+            events[k].append((start, end))
+    torch.cuda.synchronize()
+    return {k: [s.elapsed_time(e) for s, e in v] for k, v in events.items()}
+
+
+def bench_shape(in_f: int, out_f: int, tokens: int, rounds: int) -> dict:
+    dt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, in_f, device="cuda", dtype=dt, generator=gen).requires_grad_()
+    g = torch.randn(tokens, out_f, device="cuda", dtype=dt, generator=gen)
+    torch.manual_seed(1)
+    dense = torch.nn.Linear(in_f, out_f, device="cuda", dtype=dt)
+    twin = torch.nn.Linear(in_f, out_f, device="cuda", dtype=dt)
+    rowwise, transposable = _layer(in_f, out_f, "2:4", 1), _layer(in_f, out_f, "2:4T", 1)
+    checks = {"2:4": _check(rowwise, x, g), "2:4T": _check(transposable, x, g)}
+    out = {"checks": checks, "backend": type(rowwise._semi_cache.sparse).__name__}
+    for backward in (False, True):
+        fns = {"dense": _step(dense, x, g, backward, False), "dense_twin": _step(twin, x, g, backward, False),
+               "2:4": _step(rowwise, x, g, backward, True), "2:4_cached": _step(rowwise, x, g, backward, False),
+               "2:4T": _step(transposable, x, g, backward, True)}
+        ms = _time_round_robin(fns, rounds)
+        tag = "fwd_bwd" if backward else "fwd"
+        out[f"ms_{tag}"] = {k: round(statistics.median(v), 4) for k, v in ms.items()}
+        # speedup = dense time / variant time, paired per round (speedup() takes rates: invert ms)
+        rate = {k: [1.0 / t for t in v] for k, v in ms.items()}
+        out[f"speedup_{tag}"] = {k: round(speedup(rate[k], [rate["dense"]]), 4) for k in ("2:4", "2:4_cached", "2:4T")}
+        out[f"speedup_{tag}_ci95"] = {k: bootstrap_ratio(rate[k], [rate["dense"]]) for k in ("2:4", "2:4T")}
+        out[f"noise_floor_{tag}"] = round(resolution(rate["dense_twin"], rate["dense"]), 4)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--tokens", type=int, default=8192)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"gpu": False, "skipped": "no CUDA GPU: 2:4 semi-structured kernels need one",
+                          "torch": torch.__version__}))
+        return 0
+    t0 = time.perf_counter()
+    result = {"gpu": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "tokens": args.tokens, "dtype": "bfloat16", "rounds": args.rounds, "target": TARGET, "shapes": {}}
+    for in_f, out_f in SHAPES:
+        result["shapes"][f"{in_f}x{out_f}"] = bench_shape(in_f, out_f, args.tokens, args.rounds)
+    shapes = result["shapes"]
+    result["speedup_fwd_bwd_2to4"] = {k: v["speedup_fwd_bwd"]["2:4"] for k, v in shapes.items()}
+    result["speedup_fwd_bwd_2to4_transposable"] = {k: v["speedup_fwd_bwd"]["2:4T"] for k, v in shapes.items()}
+    result["speedup_fwd_2to4"] = {k: v["speedup_fwd"]["2:4"] for k, v in shapes.items()}
+    result["noise_floor_fwd_bwd"] = {k: v["noise_floor_fwd_bwd"] for k, v in shapes.items()}
+    tol = 2e-2  # bf16 products summed in a different order
+    correct = all(c["y"] < tol and c["grad_x"] < tol and c["grad_w"] < tol and c["grad_b"] < tol
+                  and c["grad_w_zero_where_pruned"] for v in shapes.values() for c in v["checks"].values())
+    transposed_sparse = all(v["checks"]["2:4T"]["sparse_input_grad"] for v in shapes.values())
+    result["correct"] = correct and transposed_sparse
+    result["meets_target"] = all(s >= TARGET for s in result["speedup_fwd_bwd_2to4"].values())
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result))
+    return 0 if result["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
