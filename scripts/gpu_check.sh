@@ -76,7 +76,7 @@ step sanitize env SANITIZER_TOOLS="${SANITIZER_TOOLS:-memcheck}" bash cpp/saniti
 step train "$PY" scripts/gpu_train_check.py
 step profile "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile.json"
 step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out"
-if [[ -f benchmarks/semi_structured.py ]]; then step semi "$PY" benchmarks/semi_structured.py --quick; fi
+step semi "$PY" benchmarks/semi_structured.py --rounds 20
 step attention "$PY" benchmarks/sparse_attention.py --device cuda --quick
 
 "$PY" - "$out" <<'PYEOF'
