@@ -10,6 +10,7 @@ import math
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 torch.set_num_threads(1)
@@ -96,8 +97,14 @@ def _pipeline_grad_norm(trainer) -> float:
     if s.released:
         return math.nan
     grads = [p.grad for p in trainer.lightning_module.parameters() if p.grad is not None]
+    shards = [g for g in grads if isinstance(g, DTensor)]  # dp_sharding="fsdp": whole from the replicas' shards
+    grads = [g for g in grads if not isinstance(g, DTensor)]
     local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
     sq = local.double().square().reshape(1)
+    if shards:
+        part = sum(g.to_local().double().square().sum() for g in shards).reshape(1)
+        dist.all_reduce(part, group=s.data_parallel_group)
+        sq = sq + part
     dist.all_reduce(sq, group=s.pipeline_group)
     return float(sq.sqrt())
 
@@ -175,6 +182,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
+        dp_sharding=cfg.get("dp_sharding", "replicate"),
     )
     averages = count_replica_averages()
     rec = LossRecorder()
