@@ -22,6 +22,13 @@ Two things are ours, because our stages are not fixed:
   every tensor to this rank's ``Shard(0)`` piece locally (every replica received the same layer).
   Migration itself (``runtime/migration.py``) is unchanged.
 
+Layers keep their parameters gathered from their forward to the step's end
+(``reshard_after_forward=False``, torchtitan's choice under PP: one all-gather per layer and step
+instead of one per micro-batch). Zero-bubble schedules need it: their input-gradient pass looks up
+the weights' autograd nodes from ``submod.parameters()``, which after a reshard would be the
+sharded parameters, not the gathered ones the graph used (gradients were lost). The schedule
+reshards after the last backward (``perform_reduce_grad`` / its RESHARD actions).
+
 The optimizer keeps its groups and positions: each parameter is swapped in place
 (:func:`~lightning_dynmo.runtime.optimizer_layout.replace_param`), so Adam's ``exp_avg`` becomes
 a DTensor shard of the same values, and ``step`` is kept.
@@ -88,7 +95,7 @@ class ShardedLayers:
                 continue
             before = dict(layer.named_parameters())
             self._plain[i] = _meta_skeleton(layer)
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=True)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
             for name, p in layer.named_parameters():
                 old = before[name]
                 if old.grad is not None:
