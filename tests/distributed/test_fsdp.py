@@ -23,6 +23,7 @@ import pytest
 from tests.distributed.test_accumulation import assert_close_tied, base, check_accumulation, migrations
 from tests.distributed.test_equivalence import assert_close
 from tests.support.multiproc import run_worker
+from tests.support.workers.common import make_model
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -63,3 +64,15 @@ def test_fsdp_without_accumulation_matches_single_process_strictly(four_rank):
     cfg, res = four_rank["1f1b_no_accumulation"]
     assert res["dp"] == 2 and migrations(res) == STEPS - 1
     check_accumulation(res, cfg, replica_averages=0, close=assert_close)
+
+
+def test_each_replica_holds_its_shard_only(four_rank):
+    """After the migrations, the four ranks' local parameter pieces add up to the model once
+    (replicated: twice), and each stage's two replicas hold about half of it each."""
+    cfg, res = four_rank["1f1b"]
+    total = sum(p.numel() for p in make_model(cfg).parameters())
+    local = res["local_param_numel_per_rank"]  # global ranks: replica 0 = [0, 1], replica 1 = [2, 3]
+    assert sum(local) == total, (local, total)
+    for stage in (0, 1):
+        a, b = local[stage], local[2 + stage]
+        assert abs(a - b) <= 0.1 * (a + b), local
