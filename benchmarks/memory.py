@@ -20,6 +20,13 @@
    over 1; target <= 0.35). The chunks stream an online softmax, so only one vocabulary slice's
    logits exist at a time (models/vocab_head.py); the weight gradient counts in both.
 
+4. **Sharded stages (``dp_sharding="fsdp"``).** A GPT of 24 blocks (width 256, or 512 without
+   ``--quick``) trains one step on a pp2 x dp2 pipeline (4 ranks, gloo) with ``replicate`` and
+   with ``fsdp``, and with ``replicate`` once more as the control (noise floor of the RSS figures).
+   ``fsdp_state_ratio_dp2``: the largest per-rank parameter + gradient + Adam-state bytes after the
+   step (a DTensor counts its local shard), fsdp over replicate (target <= 0.55). Also the peak RSS
+   above the pre-build baseline of setup and of the step (HWM reset between them), per mode.
+
 Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
 """
 from __future__ import annotations
@@ -112,6 +119,96 @@ def worker(args) -> None:
     write_result(args.out, {"ranks": per_rank, "hwm_reset": stop.reset})
 
 
+def state_bytes(module, optimizers) -> tuple[int, int, int]:
+    """This rank's (parameter, gradient, optimizer-state) bytes; a DTensor counts its local shard."""
+    from lightning_dynmo.runtime.profiler import local_nbytes
+
+    params = list(module.parameters())
+    grads = sum(local_nbytes(p.grad) for p in params if p.grad is not None)
+    optim = sum(local_nbytes(v) for opt in optimizers for st in opt.state.values() for v in st.values()
+                if torch.is_tensor(v))
+    return sum(local_nbytes(p) for p in params), grads, optim
+
+
+def sharding_worker(args) -> None:
+    """One training step on pp2 x dp2 with ``dp_sharding=args.sharding``: state bytes after the
+    step, peak RSS of setup and of the step (each above the pre-build RSS)."""
+    torch.set_num_threads(1)
+    import gc
+
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_dynmo import DynMoStrategy
+    from lightning_dynmo.models import GPT
+
+    class Probe(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            self.setup_kb = _rss_kb("VmHWM")
+            self.reset = _reset_peak()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.step_kb = _rss_kb("VmHWM")
+            self.state = state_bytes(pl_module, trainer.optimizers)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    probe = Probe()
+    logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")
+    trainer = L.Trainer(
+        strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, plot=False, timeout=600, dp_sharding=args.sharding),
+        accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe],
+        default_root_dir=logs.name,
+    )
+    gc.collect()
+    baseline_kb = _rss_kb("VmRSS")
+    reset = _reset_peak()
+    with trainer.init_module(empty_init=True):
+        model = GPT(model_config(args.width, 16), seed=0)
+    data = torch.randint(0, 256, (8 * world, 17), generator=torch.Generator().manual_seed(0))  # same on every rank
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8)
+    trainer.fit(model, train_dataloaders=loader)
+    local = {"setup_kb": probe.setup_kb - baseline_kb, "step_kb": probe.step_kb - baseline_kb,
+             "param_bytes": probe.state[0], "grad_bytes": probe.state[1], "optim_bytes": probe.state[2]}
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, local)
+    logs.cleanup()
+    write_result(args.out, {"ranks": per_rank, "hwm_reset": reset and probe.reset})
+
+
+def sharding_runs(width: int) -> dict:
+    """Replicate, fsdp and the replicate control, each on 4 ranks; the figures and ratios."""
+    runs = {}
+    for name, mode in (("replicate", "replicate"), ("fsdp", "fsdp"), ("replicate_control", "replicate")):
+        res = launch(Path(__file__), 4, ["--sharding", mode, "--width", str(width)])
+        for r in res["ranks"]:
+            r["state_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+        runs[name] = res
+        print(f"{name}: per-rank parameter+gradient+optimizer MiB "
+              f"{[round(r['state_bytes'] / 2**20, 1) for r in res['ranks']]}, setup peak RSS MiB "
+              f"{[round(r['setup_kb'] / 1024, 1) for r in res['ranks']]}, step peak RSS MiB "
+              f"{[round(r['step_kb'] / 1024, 1) for r in res['ranks']]}", flush=True)
+
+    def worst(name: str, key: str) -> float:
+        return max(r[key] for r in runs[name]["ranks"])
+
+    return {
+        "fsdp_width": width,
+        "fsdp_state_ratio_dp2": round(worst("fsdp", "state_bytes") / worst("replicate", "state_bytes"), 4),
+        "fsdp_state_mib_per_rank": {n: [round(r["state_bytes"] / 2**20, 2) for r in runs[n]["ranks"]]
+                                    for n in ("replicate", "fsdp")},
+        "fsdp_grads_present": all(r["grad_bytes"] > 0 for n in runs for r in runs[n]["ranks"]),
+        "fsdp_setup_peak_mib": {n: [round(r["setup_kb"] / 1024, 1) for r in runs[n]["ranks"]] for n in runs},
+        "fsdp_step_peak_mib": {n: [round(r["step_kb"] / 1024, 1) for r in runs[n]["ranks"]] for n in runs},
+        "fsdp_setup_peak_ratio": round(worst("fsdp", "setup_kb") / worst("replicate", "setup_kb"), 3),
+        "fsdp_step_peak_ratio": round(worst("fsdp", "step_kb") / worst("replicate", "step_kb"), 3),
+        # the noise floor: the same replicate configuration twice
+        "fsdp_control_setup_peak_ratio": round(worst("replicate_control", "setup_kb") / worst("replicate", "setup_kb"), 3),
+        "fsdp_control_step_peak_ratio": round(worst("replicate_control", "step_kb") / worst("replicate", "step_kb"), 3),
+        "fsdp_peak_reset": all(runs[n]["hwm_reset"] for n in runs),
+    }
+
+
 def activation_bytes(width: int, block: int, microbatch: int) -> tuple[int, int]:
     """Saved-activation bytes of one micro-batch through every pipeline layer, plain and with
     every layer checkpointed."""
@@ -173,9 +270,16 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--meta", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=768, help=argparse.SUPPRESS)
+    parser.add_argument("--sharding", help=argparse.SUPPRESS)
+    parser.add_argument("--only-sharding", action="store_true", help="only part 4 (dp_sharding replicate vs fsdp)")
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        sharding_worker(args) if args.sharding else worker(args)
+        return
+    if args.only_sharding:
+        sharding = sharding_runs(256 if args.quick else 512)
+        print(json.dumps({"benchmark": "memory", "quick": bool(args.quick), **sharding,
+                          "targets": {"fsdp_state_ratio_dp2": 0.55}}))
         return
     width = 512 if args.quick else 768
     runs = {}
@@ -193,6 +297,7 @@ def main() -> None:
     print(f"activations of one micro-batch ({microbatch} x {block} tokens) through {BLOCKS + 3} layers: "
           f"{plain / 2**20:.1f} MiB plain, {ckpt / 2**20:.1f} MiB with every layer checkpointed", flush=True)
     vocab, head_block, head_mb = (8192, 512, 4) if args.quick else (50304, 1024, 4)
+    sharding = sharding_runs(256 if args.quick else 512)
     head_peak = {k: head_activation_peak(k, width, vocab, head_block, head_mb) for k in (1, 2, 4)}
     print(f"head + loss peak over one micro-batch ({head_mb} x {head_block} tokens, vocabulary {vocab}): "
           + ", ".join(f"{k} chunk(s) {b / 2**20:.1f} MiB" for k, b in head_peak.items()), flush=True)
@@ -206,7 +311,8 @@ def main() -> None:
         "setup_peak_rss_ratio_pp2": round(ratio["pp2"], 3),
         "setup_peak_rss_ratio_pp4": round(ratio["pp4"], 3),
         "setup_peak_rss_ratio_pp2_full_build": round(ratio["pp2_full_build"], 3),
-        "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4, "head_activation_ratio_4": 0.35},
+        "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4, "head_activation_ratio_4": 0.35,
+                    "fsdp_state_ratio_dp2": 0.55},
         "activation_bytes_plain": plain,
         "activation_bytes_checkpointed": ckpt,
         "activation_bytes_ratio": round(ckpt / plain, 4),
@@ -215,6 +321,7 @@ def main() -> None:
         "head_activation_ratio_2": round(head_peak[2] / head_peak[1], 4),
         "head_activation_ratio_4": round(head_peak[4] / head_peak[1], 4),
         "peak_reset": all(res["hwm_reset"] for res in runs.values()),
+        **sharding,
     }
     print(json.dumps(result))
 

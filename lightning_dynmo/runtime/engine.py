@@ -284,6 +284,7 @@ class PipelineEngine:
         profiler: PipelineProfiler,
         recompute: frozenset[int] = frozenset(),
         inputs_fn: InputsFn | None = None,
+        wrap_stage: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         layers, partition, spec = placement.layers, placement.partition, placement.spec
         pp_rank, pp_size, group, device = placement.pp_rank, placement.pp_size, placement.group, placement.device
@@ -301,6 +302,8 @@ class PipelineEngine:
             rng = partition.layers_of(s)
             submod = StageModule([CheckpointedLayer(layers[i], i) if i in self.recompute else layers[i] for i in rng],
                                  rng, layer_specs, self.problems)
+            if wrap_stage is not None:  # dp_sharding="fsdp": the stage is its layers' FSDP root (runtime/fsdp.py)
+                submod = wrap_stage(submod)
             in_spec = input_spec if s == 0 else layer_specs[rng.start - 1]
             out_spec = layer_specs[rng.stop - 1]
             profiler.register_stage(s, rng)
@@ -375,9 +378,11 @@ class EngineCache:
     move (:meth:`clear_engines`); the specs stay valid until a layer changes structure
     (:meth:`clear`)."""
 
-    def __init__(self, profiler: PipelineProfiler, checkpointing: ActivationCheckpointing | None = None) -> None:
+    def __init__(self, profiler: PipelineProfiler, checkpointing: ActivationCheckpointing | None = None,
+                 wrap_stage: Callable[[nn.Module], nn.Module] | None = None) -> None:
         self.profiler = profiler
         self.checkpointing = checkpointing  # which layers training engines recompute (None: none)
+        self.wrap_stage = wrap_stage  # what each stage module becomes (dp_sharding="fsdp": an FSDP root)
         self._engines: dict[tuple, PipelineEngine] = {}
         self._layer_specs: dict[tuple, list[TensorSpec]] = {}
 
@@ -399,7 +404,8 @@ class EngineCache:
                     placement.layers, placement.partition, placement.spec, placement.pp_rank, placement.pp_size,
                     self._layer_specs[spec_key], first, microbatches)
             engine = PipelineEngine(placement, microbatches, loss_fn, act_spec(first, (False,) * len(first)),
-                                    self._layer_specs[spec_key], self.profiler, recompute, inputs_fn)
+                                    self._layer_specs[spec_key], self.profiler, recompute, inputs_fn,
+                                    self.wrap_stage)
             self._engines[key] = engine
         return engine
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .expert_parallel import ExpertShards
 
@@ -108,6 +109,24 @@ def _whole_expert_norms(slots: list, local: list[torch.Tensor], experts: ExpertS
     return local
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t`` (a DTensor shard under ``dp_sharding="fsdp"``; it shares storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm; a DTensor shard's is made whole from its shards' (one all-reduce of
+    the squares over the data-parallel group: every replica of the stage holds the same tensors)."""
+    local = list(torch._foreach_norm([_local(g) for g in grads], 2.0))
+    which = [k for k, g in enumerate(grads) if isinstance(g, DTensor)]
+    if which:
+        squares = torch.stack([local[k].double() for k in which]).square()
+        dist.all_reduce(squares, group=grads[which[0]].device_mesh.get_group())
+        for k, sq in zip(which, squares.sqrt()):
+            local[k] = sq.to(local[k].dtype)
+    return local
+
+
 def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, group,
                         experts: ExpertShards | None = None) -> None:
     """Scale this rank's gradients of ``optimizer`` so the whole model's norm is <= ``clip_val``
@@ -122,7 +141,7 @@ def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, grou
     norms = torch.zeros(total, dtype=torch.float32, device=device)
     present = torch.zeros(total, dtype=torch.float32, device=device)
     if grads:
-        local = _whole_expert_norms(slots, torch._foreach_norm(grads, 2.0), experts)
+        local = _whole_expert_norms(slots, _whole_norms(grads), experts)
         idx = torch.tensor([i for i, _ in slots], device=device)
         norms[idx] = torch.stack([n.to(device, torch.float32) for n in local])
         present[idx] = 1.0
@@ -133,7 +152,7 @@ def clip_by_global_norm(optimizer, clip_val: float, positions: PositionsFn, grou
     total_norm = torch.linalg.vector_norm(norms[present > 0], 2.0)
     coef = torch.clamp(float(clip_val) / (total_norm + 1e-6), max=1.0)
     if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+        torch._foreach_mul_([_local(g) for g in grads], coef.to(grads[0].device))
 
 
 def install_global_norm_clipping(plugin, positions: PositionsFn, group: Callable[[], object],

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 
@@ -137,7 +138,8 @@ class OptimizerLayout:
             slot = self.slot(fqn)
             if slot is None or slot.optimizer != o or p not in opt.state:
                 continue
-            out[self.name(fqn)] = {k: (v.detach().cpu().clone() if torch.is_tensor(v) else copy.deepcopy(v)) for k, v in opt.state[p].items()}
+            out[self.name(fqn)] = {k: (_whole(v).detach().cpu().clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                                   for k, v in opt.state[p].items()}
         return out
 
     def global_state_dict(self, optimizer: Optimizer, o: int, states: dict[str, dict]) -> dict:
@@ -232,6 +234,11 @@ class OptimizerLayout:
         if slot is None:
             return False
         return replace_param([optimizers[slot.optimizer]], old, new, state_map)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor shard (``dp_sharding="fsdp"``) all-gathered whole (collective over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 #: maps a tensor shaped like the old parameter (gradient, optimizer moment) to the new one's shape

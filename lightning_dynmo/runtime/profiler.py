@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 from ..protocol.services import is_recomputing
@@ -268,13 +269,15 @@ class PipelineProfiler:
 
 
 def layer_memory_bytes(layer: nn.Module, optimizers) -> int:
-    """Bytes a layer owns: parameters, gradients, buffers (masks, sparse structure), optimizer state."""
+    """Bytes a layer owns on this rank: parameters, gradients, buffers (masks, sparse structure),
+    optimizer state. Under ``dp_sharding="fsdp"`` a parameter, its gradient and its optimizer
+    state are DTensor shards and count only this rank's piece (what the memory cap must see)."""
     total = 0
     params = list(layer.parameters())
     for p in params:
-        total += p.numel() * p.element_size()
+        total += local_nbytes(p)
         if p.grad is not None:
-            total += p.grad.numel() * p.grad.element_size()
+            total += local_nbytes(p.grad)
     for b in layer.buffers():
         total += b.numel() * b.element_size()
     ids = {id(p) for p in params}
@@ -284,5 +287,11 @@ def layer_memory_bytes(layer: nn.Module, optimizers) -> int:
             if id(p) in ids:
                 for v in st.values():
                     if torch.is_tensor(v):
-                        total += v.numel() * v.element_size()
+                        total += local_nbytes(v)
     return total
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` on this rank (a DTensor: its local shard)."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()

@@ -46,6 +46,7 @@ from ..plan.cost_model import CostModel, LayerCosts, choose_recompute
 from ..plan.partition import Partition
 from ..protocol.activations import as_acts, call_layer
 from ..protocol.services import Recomputing
+from .profiler import local_nbytes
 
 __all__ = [
     "ActivationCheckpointing",
@@ -147,13 +148,13 @@ def layer_state_bytes(layer: nn.Module, optimizers: Iterable = ()) -> float:
             in_opt.update(id(p) for p in group["params"])
         states.update({id(p): st for p, st in opt.state.items()})
     for p in layer.parameters():
-        nbytes = p.numel() * p.element_size()
+        nbytes = local_nbytes(p)  # a DTensor shard (dp_sharding="fsdp"): this rank's piece
         total += nbytes
         if p.requires_grad:
             total += nbytes
         st = states.get(id(p))
         if st:
-            total += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+            total += sum(local_nbytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
         elif p.requires_grad and id(p) in in_opt:
             total += 2 * nbytes
     total += sum(b.numel() * b.element_size() for b in layer.buffers())

@@ -64,7 +64,7 @@ class PipelineAPI:
         return RankPipeline(self.lightning_module, self._layers, self._layers_attr, self.optimizers,
                             self.optimizer_layout, self.tied, self.profiler, self.engines, self.expert_parallel,
                             self.full_state_shapes, self.layout, self.groups, self.root_device, self.global_rank,
-                            self.last_batch_size, self.last_microbatches, self._window.k)
+                            self.last_batch_size, self.last_microbatches, self._window.k, self.sharded_layers)
 
     def _world_topology(self) -> Topology:
         topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel, ranks_per_node=self.num_processes or None)

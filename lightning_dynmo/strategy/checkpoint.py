@@ -40,6 +40,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
 from ..protocol import state_dict_key
 from ..protocol.merges import merge_optimizer_state, merge_state, merges_of, split_optimizer_state, split_state
+from ..runtime.fsdp import is_sharded, shard_like, whole
 from ..runtime.optimizer_layout import OptimizerLayout
 from .collectives import explain_timeout
 from .state import RankPipeline
@@ -217,7 +218,7 @@ def _own_optimizer_shards(pipe: RankPipeline, o: int, sd: dict) -> dict:
 
 def full_model_state_dict(pipe: RankPipeline) -> dict[str, Any]:
     """The whole model's state dict on rank 0; empty elsewhere. Collective."""
-    local = {k: v.detach().cpu() for k, v in pipe.module.state_dict().items()}
+    local = {k: whole(v).detach().cpu() for k, v in pipe.module.state_dict().items()}  # fsdp shards made whole
     local = _whole_experts(pipe, local)
     parts = gather_to_zero(pipe, local)
     full: dict[str, Any] = {}
@@ -263,6 +264,8 @@ def load_local_model_state(pipe: RankPipeline, checkpoint: dict, strict: bool = 
     merges = merges_of(module)  # parameters kept in pieces (e.g. a chunked LM head) load from their merged entry
     own = set(split_state(module.state_dict(), merges))
     state = _own_shards(pipe, {k: v for k, v in split_state(checkpoint["state_dict"], merges).items() if k in own})
+    current = module.state_dict()  # dp_sharding="fsdp": each whole tensor cut to this rank's shard
+    state = {k: (shard_like(v, current[k]) if is_sharded(current.get(k)) else v) for k, v in state.items()}
     module.load_state_dict(state, strict=False)
 
 
@@ -310,3 +313,9 @@ def load_local_optimizer_state(pipe: RankPipeline, checkpoint: dict) -> None:
     for o, (opt, sd) in enumerate(zip(optimizers, states)):
         pipe.optimizer_layout.load_local(pipe.module, opt, o, _own_optimizer_shards(pipe, o, sd))
     _optimizers_to_device(optimizers, pipe.device)
+    for opt in optimizers:  # dp_sharding="fsdp": state of a sharded parameter cut to this rank's shard
+        for p, st in getattr(opt, "_optimizer", opt).state.items():
+            if is_sharded(p):
+                for k, v in st.items():
+                    if torch.is_tensor(v) and not is_sharded(v) and tuple(v.shape) == tuple(p.shape):
+                        st[k] = shard_like(v.to(p.dtype), p)

@@ -39,6 +39,13 @@ class StartMethod(StrEnum):
     FORKSERVER = "forkserver"
 
 
+class DpSharding(StrEnum):
+    """What a stage's data-parallel replicas hold: the ``dp_sharding`` option."""
+
+    REPLICATE = "replicate"
+    FSDP = "fsdp"
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """Every ``DynMoStrategy`` option with its default, checked and normalised at construction
@@ -116,6 +123,11 @@ class PipelineOptions:
     expert_parallel: int = 1
     """Split each MoE layer's experts over this many data-parallel replicas of its stage (must
     divide the replica count and every layer's ``num_experts``); 1: every replica holds every expert."""
+    dp_sharding: DpSharding = DpSharding.REPLICATE
+    """What each stage's data-parallel replicas hold: ``replicate`` (every replica the whole stage,
+    gradients all-reduced once per step) or ``fsdp`` (parameters, gradients and optimizer state
+    sharded over the replicas with FSDP2's ``fully_shard``, one unit per pipeline layer; see
+    docs/parallelism.md). fp32 only; not with tied parameters, expert parallelism or pruning."""
     compile: bool = False
     """``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys unchanged); a
     layer that arrives by migration is compiled on its new rank."""
@@ -173,6 +185,7 @@ class PipelineOptions:
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {self.compile!r}")
         put("start_method", enum_value("start_method", StartMethod, self.start_method))
+        put("dp_sharding", enum_value("dp_sharding", DpSharding, self.dp_sharding))
         put("timeout", check_timeout(self.timeout))
         put("rebalance", enum_value("rebalance", Rebalance, self.rebalance))
         self.policy(), self.budget()  # the policy's and the budget's own checks, once, here

@@ -327,9 +327,14 @@ class Rebalancer:
         """Carry out ``plan`` on this rank (collective over the pipeline group)."""
         pipe.profiler.stop_layer_profiling()  # hooks must not travel with the layers
         pipe.engines.clear_engines()  # release stage references to layers that may leave
+        rank = pipe.layout.pp_rank
+        if pipe.sharded is not None:  # dp_sharding="fsdp": leaving layers made whole first (runtime/fsdp.py)
+            pipe.sharded.gather([m.layer for m in plan.moves if m.src == rank], pipe.device)
         stats = execute_migration(plan, pipe.module, pipe.layers, pipe.layers_attr, pipe.optimizers,
                                   pipe.optimizer_layout, pipe.layout.pp_rank, pipe.groups.pipeline, pipe.device,
                                   pipe.tied)
+        if pipe.sharded is not None:  # arrived whole on every replica of the stage: sharded again
+            pipe.sharded.shard([m.layer for m in plan.moves if m.dst == rank])
         log.debug("rank %d migrated: %s", pipe.global_rank, plan.describe())
         return stats
 

@@ -42,6 +42,7 @@ from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel
+from ..runtime.fsdp import ShardedLayers, check_fsdp_composition, dp_mesh
 from ..runtime.fault import CollectiveLedger, install as install_failure_board, step_region
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
 from ..runtime.groups import PipelineGroups, groups_of_layout
@@ -61,7 +62,8 @@ from .collectives import WorldStrategy, agree_before_each_batch, explain_timeout
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
-from .options import PipelineOptions, StartMethod, check_fit, check_module
+from ..callbacks.pruning import GradualPruning
+from .options import DpSharding, PipelineOptions, StartMethod, check_fit, check_module
 from .partial_batch import BatchSizes
 from .predict import predict_batch
 from .rebalancer import Rebalancer
@@ -108,6 +110,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
         self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
+        self.sharded_layers: ShardedLayers | None = None  # dp_sharding="fsdp" over more than one replica
         self._agreed_in_epoch_loop = False  # the ledger's per-batch agreement runs in Lightning's loop
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -225,6 +228,12 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
         self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))
+        sharding = self.options.dp_sharding is DpSharding.FSDP and self.topology.dp > 1
+        if sharding:  # what FSDP units cannot hold yet, refused on every rank before anything moves
+            check_fsdp_composition(tied=bool(find_tied_parameters(layers, self._layers_attr)),
+                                   expert_parallel=self.options.expert_parallel,
+                                   precision=str(self.precision_plugin.precision),
+                                   pruning=any(isinstance(c, GradualPruning) for c in trainer.callbacks))
         self.model = self.precision_plugin.convert_module(self.model)
         self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -247,11 +256,16 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
             trainer._accelerator_connector.use_distributed_sampler = False
         self.model_to_device()
         self.tied.align(layers, optimizers)  # tied copies: one object per rank, equal values
+        if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
+            self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
+                                                self._layers_attr, module, optimizers, self.optimizer_layout)
+            self.sharded_layers.shard(self.local_layer_indices())
         self.profiler = PipelineProfiler(self.root_device)
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(
             self.options.activation_checkpointing, self.options.memory_capacity,
             lambda i: layer_state_bytes(self._layers[i], self.optimizers),
-            lambda: {i: fb[0] for i, fb in self.rebalancer.known_costs.items()}))
+            lambda: {i: fb[0] for i, fb in self.rebalancer.known_costs.items()}),
+            wrap_stage=self.sharded_layers.wrap_stage if self.sharded_layers is not None else None)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -357,9 +371,10 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
             self.tied.sync_gradients(self._layers, replicated=exchange and self.topology.dp > 1)
         self._window.add_batch()
-        if exchange:
+        if exchange and self.sharded_layers is None:  # (fsdp: each layer's reduce-scatter already averaged)
             average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,
                                   self.topology.dp, self.expert_shards())
+        if exchange:
             self.tied.share_gradients()
         elif self._window.last:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
             for p in module.parameters():

@@ -26,6 +26,7 @@ torch.set_num_threads(1)
 import lightning as L
 
 from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.callbacks.pruning import GradualPruning
 from tests.support.workers.common import make_loader, make_model
 
 CFG = {"steps": 4, "n_layer": 2}  # 5 pipeline layers: embedding, 2 blocks, final norm, head
@@ -156,6 +157,11 @@ CASES = {
     "layer_data_dependent_shape": lambda out: fit(model=misbehaving_model("shape")),
     "checkpoint_missing_keys": lambda out: fit(ckpt_path=damaged_checkpoint(out, "missing_keys")),
     "checkpoint_two_optimizers": lambda out: fit(ckpt_path=damaged_checkpoint(out, "two_optimizers")),
+    # dp_sharding="fsdp" refuses what its FSDP units cannot hold yet (one stage x two replicas)
+    "fsdp_tied": lambda out: fit(model=make_model(dict(CFG, tied=True)), pipeline_parallel=1, dp_sharding="fsdp"),
+    "fsdp_half_precision": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp",
+                                           trainer_kw={"precision": "bf16-mixed"}),
+    "fsdp_pruning": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp", callbacks=[GradualPruning()]),
 }
 
 

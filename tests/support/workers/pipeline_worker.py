@@ -10,6 +10,7 @@ import math
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 torch.set_num_threads(1)
@@ -96,8 +97,14 @@ def _pipeline_grad_norm(trainer) -> float:
     if s.released:
         return math.nan
     grads = [p.grad for p in trainer.lightning_module.parameters() if p.grad is not None]
+    shards = [g for g in grads if isinstance(g, DTensor)]  # dp_sharding="fsdp": whole from the replicas' shards
+    grads = [g for g in grads if not isinstance(g, DTensor)]
     local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
     sq = local.double().square().reshape(1)
+    if shards:
+        part = sum(g.to_local().double().square().sum() for g in shards).reshape(1)
+        dist.all_reduce(part, group=s.data_parallel_group)
+        sq = sq + part
     dist.all_reduce(sq, group=s.pipeline_group)
     return float(sq.sqrt())
 
@@ -175,6 +182,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
+        dp_sharding=cfg.get("dp_sharding", "replicate"),
     )
     averages = count_replica_averages()
     rec = LossRecorder()
@@ -231,9 +239,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     grads = sum(1 for p in trainer.lightning_module.parameters() if p.grad is not None)
     optim_tensors = sum(1 for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
                         if torch.is_tensor(v) and v.numel() > 1)
+    local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.lightning_module.parameters())
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
-             list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None)
+             list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
@@ -245,6 +254,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "released_hook_per_rank": [x[5] for x in per_rank], "saved_tensors_per_rank": [x[6] for x in per_rank],
               "strategy_released_ranks_per_rank": [x[7] for x in per_rank],
               "repack_to_returned_per_rank": [x[8] for x in per_rank],
+              "local_param_numel_per_rank": [x[9] for x in per_rank],
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,

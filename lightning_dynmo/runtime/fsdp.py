@@ -1,0 +1,170 @@
+"""FSDP2 inside each pipeline stage (``dp_sharding="fsdp"``): parameters, gradients and optimizer
+state sharded over the stage's data-parallel replicas with torch's ``fully_shard``.
+
+Composition follows torchtitan's PP x FSDP2: every pipeline layer is one FSDP unit
+(``fully_shard(layer, mesh=dp_mesh)``) and the module a pipeline stage runs is the FSDP root
+(:meth:`ShardedLayers.wrap_stage`). ``torch.distributed.pipelining`` recognises the root: it
+turns gradient reduction off for all but the last micro-batch's backward
+(``backward_maybe_with_nosync``) and, after the last, runs FSDP's post-backward
+(``perform_reduce_grad``), one reduce-scatter per layer and step. Its multi-stage schedules
+insert the UNSHARD/RESHARD actions themselves.
+
+Two things are ours, because our stages are not fixed:
+
+* Stage modules are rebuilt whenever layers move (and one exists per cached engine), while a
+  layer's FSDP state remembers the first root it ran under. Before a new root is made, the
+  layers' states are marked un-initialised again (``_is_root = None``, FSDP2's own "not yet lazily
+  initialised" mark), so the new root adopts them on its first forward.
+* A layer that changes stage leaves as a plain module with whole tensors: :meth:`ShardedLayers.gather`
+  all-gathers its parameters, gradients and optimizer state (``DTensor.full_tensor()``, a
+  collective over the sending stage's replicas) into a fresh copy of the layer recorded before it
+  was sharded, and the receiving stage shards it again (:meth:`ShardedLayers.shard`), cutting
+  every tensor to this rank's ``Shard(0)`` piece locally (every replica received the same layer).
+  Migration itself (``runtime/migration.py``) is unchanged.
+
+Layers keep their parameters gathered from their forward to the step's end
+(``reshard_after_forward=False``, torchtitan's choice under PP: one all-gather per layer and step
+instead of one per micro-batch). Zero-bubble schedules need it: their input-gradient pass looks up
+the weights' autograd nodes from ``submod.parameters()``, which after a reshard would be the
+sharded parameters, not the gathered ones the graph used (gradients were lost). The schedule
+reshards after the last backward (``perform_reduce_grad`` / its RESHARD actions).
+
+The optimizer keeps its groups and positions: each parameter is swapped in place
+(:func:`~lightning_dynmo.runtime.optimizer_layout.replace_param`), so Adam's ``exp_avg`` becomes
+a DTensor shard of the same values, and ``step`` is kept.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .migration import _meta_skeleton
+from .optimizer_layout import OptimizerLayout
+
+
+def is_sharded(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def whole(t):
+    """``t`` as a plain whole tensor (a DTensor is all-gathered over its mesh: collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(t: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's piece of the whole tensor ``t`` laid out as ``like`` (no communication: every
+    rank of the mesh holds the same ``t``)."""
+    if isinstance(t, DTensor):
+        return t
+    return distribute_tensor(t.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def dp_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The 1-D mesh of this stage's data-parallel group (the dp dimension of the (pp, dp) grid)."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+class ShardedLayers:
+    """This rank's pipeline layers as FSDP units over the stage's data-parallel mesh."""
+
+    def __init__(self, mesh: DeviceMesh, layers: nn.ModuleList, layers_attr: str, module: nn.Module,
+                 optimizers, optimizer_layout: OptimizerLayout | None) -> None:
+        self.mesh = mesh
+        self.layers = layers
+        self.layers_attr = layers_attr
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.optimizer_layout = optimizer_layout
+        self._plain: dict[int, nn.Module] = {}  # layer index -> its structure before sharding (meta)
+
+    def _prefix(self, i: int) -> str:
+        return f"{self.layers_attr}.{i}."
+
+    def shard(self, indices: Iterable[int]) -> None:
+        """Make each layer in ``indices`` an FSDP unit; its gradients and optimizer state become
+        this rank's shards (no communication)."""
+        for i in indices:
+            layer = self.layers[i]
+            if isinstance(layer, FSDPModule):
+                continue
+            before = dict(layer.named_parameters())
+            self._plain[i] = _meta_skeleton(layer)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
+            for name, p in layer.named_parameters():
+                old = before[name]
+                if old.grad is not None:
+                    p.grad = shard_like(old.grad, p)
+                    old.grad = None
+                if self.optimizer_layout is not None:
+                    self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, old, p,
+                                                        lambda t, p=p: shard_like(t, p))
+
+    def gather(self, indices: Iterable[int], device: torch.device) -> None:
+        """Replace each sharded layer in ``indices`` by a plain copy holding the whole parameters,
+        gradients and optimizer state. Collective over the data-parallel group (every replica of
+        the stage gathers the same layers in the same order)."""
+        for i in sorted(indices):
+            layer = self.layers[i]
+            if not isinstance(layer, FSDPModule):
+                continue
+            layer.reshard()  # a root left unsharded after an eval forward: the DTensor shards are the truth
+            plain = self._plain.pop(i).to_empty(device=device)
+            params = dict(plain.named_parameters())
+            buffers = dict(plain.named_buffers())
+            for name, b in layer.named_buffers():
+                buffers[name].copy_(b)
+            for name, p in layer.named_parameters():
+                q = params[name]
+                with torch.no_grad():
+                    q.copy_(whole(p))
+                q.requires_grad_(p.requires_grad)
+                if p.grad is not None:
+                    q.grad = whole(p.grad)
+                if self.optimizer_layout is not None:
+                    self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, p, q, whole)
+            self.layers[i] = plain
+
+    def forget(self, indices: Iterable[int]) -> None:
+        for i in indices:
+            self._plain.pop(i, None)
+
+    def wrap_stage(self, submod: nn.Module) -> nn.Module:
+        """Make ``submod`` (a stage's layers) the FSDP root of its layers' units, so torch's
+        pipeline schedules reduce gradients once per step (see the module docstring)."""
+        for m in submod.modules():
+            if m is not submod and isinstance(m, FSDPModule):
+                fully_shard.state(m)._is_root = None  # adopted by this root at its first forward
+        fully_shard(submod, mesh=self.mesh, reshard_after_forward=True)
+        return submod
+
+    def reshard_all(self) -> None:
+        """Free every unsharded parameter (after a forward outside a training schedule)."""
+        for layer in self.layers:
+            if isinstance(layer, FSDPModule):
+                layer.reshard()
+
+
+def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, pruning: bool) -> None:
+    """What ``dp_sharding="fsdp"`` does not compose with yet, refused at setup with the reason."""
+    problems = []
+    if tied:
+        problems.append("tied parameters (a tied embedding and LM head live in two stages, and each stage's FSDP "
+                        "units own their parameters; sharing one across units is not supported)")
+    if expert_parallel > 1:
+        problems.append(f"expert_parallel={expert_parallel} (experts are already split over the replicas; sharding "
+                        "them again over the same replicas is not supported)")
+    if precision not in ("32-true", "32"):
+        problems.append(f"precision={precision!r} (only fp32 is supported and tested; FSDP2's MixedPrecisionPolicy "
+                        "is not wired in)")
+    if pruning:
+        problems.append("gradual pruning (a pruned layer swaps its parameters for new ones, which FSDP units "
+                        "cannot adopt after sharding)")
+    if problems:
+        raise ValueError("dp_sharding='fsdp' cannot be combined with " + "; ".join(problems)
+                         + ". Use dp_sharding='replicate' for this model.")

@@ -1,0 +1,78 @@
+"""``dp_sharding="fsdp"``: FSDP2 inside each stage of a pp2 x dp2 pipeline (4 CPU ranks, gloo)
+equals single-process training, with a migration before every optimizer step and layers moving
+inside accumulation windows (each move gathers the layer whole on the sending stage's replicas and
+shards it again on the receiving stage's), gradients clipped by the global norm and
+``accumulate_grad_batches=2``: losses against plain Lightning, weights, Adam state and pre-clip
+gradient norms against single-process training (test_accumulation.py's reference and checks).
+Three schedules run in one torchrun job. The same job checks that state really is sharded, and
+what ``dp_sharding="fsdp"`` refuses at setup.
+
+Tolerance: FSDP reduce-scatters each batch's gradients when its schedule ends (torch's pipelining
+reduces at every step's last backward), so an accumulation window sums the replicas' gradients
+per batch and then the batches, where single-process training (and ``replicate``, which averages
+once per window) sums each replica's batches first. That is fp32 rounding, which Adam amplifies
+in near-zero entries, so with accumulation the weights and moments agree to 5e-5 of the tensor's
+largest entry (test_accumulation.py's tolerance for tied weights, whose sums are also reordered).
+Without accumulation the order is the single-process one and the strict element-wise tolerance of
+test_equivalence.py holds.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.test_accumulation import assert_close_tied, base, check_accumulation, migrations
+from tests.distributed.test_equivalence import assert_close
+from tests.support.multiproc import run_worker
+from tests.support.workers.common import make_model
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+RUNS = {
+    "1f1b": base(dp_sharding="fsdp", partition=[0, 6, 9], mid_window_partitions=[[0, 3, 9], [0, 6, 9]],
+                 rebalance="every_n", balancer="test_cycle"),
+    "interleaved_1f1b": base(dp_sharding="fsdp", schedule="interleaved_1f1b", partition=[0, 2, 4, 6, 9],
+                             mid_window_partitions=[[0, 1, 3, 5, 9], [0, 2, 4, 6, 9]],
+                             rebalance="every_n", balancer="test_cycle"),
+    "zero_bubble": base(dp_sharding="fsdp", schedule="zero_bubble", partition=[0, 2, 4, 6, 9],
+                        mid_window_partitions=[[0, 1, 3, 5, 9], [0, 2, 4, 6, 9]],
+                        rebalance="every_n", balancer="test_cycle"),
+    "1f1b_no_accumulation": base(dp_sharding="fsdp", accumulate=1, partition=[0, 6, 9], rebalance="every_n",
+                                 balancer="test_cycle"),
+}
+ACCUMULATING = [n for n in RUNS if RUNS[n]["accumulate"] > 1]
+
+
+@pytest.fixture(scope="module")
+def four_rank(tmp_path_factory):
+    names = list(RUNS)
+    results = run_worker(tmp_path_factory.mktemp("fsdp4"), 4, [RUNS[n] for n in names])
+    return {n: (RUNS[n], r) for n, r in zip(names, results)}
+
+
+@pytest.mark.parametrize("schedule", ACCUMULATING)
+def test_fsdp_with_migrations_every_step_matches_single_process(four_rank, schedule):
+    cfg, res = four_rank[schedule]
+    assert res["dp"] == 2
+    assert res["mid_window_moves"] == STEPS * (cfg["accumulate"] - 1)
+    assert migrations(res) == STEPS - 1  # a decision that moved layers before every optimizer step after the first
+    # FSDP's reduce-scatter averages over the replicas; the DDP-style all-reduce never runs
+    check_accumulation(res, cfg, replica_averages=0, close=assert_close_tied)
+
+
+def test_fsdp_without_accumulation_matches_single_process_strictly(four_rank):
+    cfg, res = four_rank["1f1b_no_accumulation"]
+    assert res["dp"] == 2 and migrations(res) == STEPS - 1
+    check_accumulation(res, cfg, replica_averages=0, close=assert_close)
+
+
+def test_each_replica_holds_its_shard_only(four_rank):
+    """After the migrations, the four ranks' local parameter pieces add up to the model once
+    (replicated: twice), and each stage's two replicas hold about half of it each."""
+    cfg, res = four_rank["1f1b"]
+    total = sum(p.numel() for p in make_model(cfg).parameters())
+    local = res["local_param_numel_per_rank"]  # global ranks: replica 0 = [0, 1], replica 1 = [2, 3]
+    assert sum(local) == total, (local, total)
+    for stage in (0, 1):
+        a, b = local[stage], local[2 + stage]
+        assert abs(a - b) <= 0.1 * (a + b), local
