@@ -2,7 +2,8 @@
 forward+backward on CUDA.
 
 * SpMM (DynMo paper, figure 2; Sputnik's setup): y = x W^T with M = N = K = 4096 in fp32 with
-  TF32 off, W unstructured at each sparsity: ours (``torch.ops.ldsparse.spmm``), cuSPARSE
+  TF32 off, W unstructured at each sparsity: ours (``torch.ops.ldsparse.spmm``; the default kernel
+  and the staged v2 kernel, ``LDSPARSE_SPMM_KERNEL=v2``), cuSPARSE
   (``torch.sparse.mm`` on a CSR weight: W x^T) and cuBLAS (``x @ W.t()``), plus cuBLAS timed a
   second time as the run's noise floor.
 * Layer: ``SparseLinear`` vs ``nn.Linear`` forward+backward, at 4096 (fp32) and at the GPT-2
@@ -12,6 +13,7 @@ benchmark (a fast wrong kernel is no figure).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -50,13 +52,21 @@ def spmm_figure(sparsities, rounds: int, size: int = 4096) -> list[dict]:
         w_csr = wm.to_sparse_csr()
         ref = x @ wm.t()
         err = _check(torch.ops.ldsparse.spmm(crow, col, vals, x, None), ref, f"spmm at sparsity {s}", 1e-4)
+        with _spmm_kernel("v2"):
+            err_v2 = _check(torch.ops.ldsparse.spmm(crow, col, vals, x, None), ref, f"spmm v2 at sparsity {s}", 1e-4)
+
+        def v2():
+            with _spmm_kernel("v2"):
+                return torch.ops.ldsparse.spmm(crow, col, vals, x, None)
         ms = cuda_round_robin({
             "cublas": lambda: x @ wm.t(),
             "ours": lambda: torch.ops.ldsparse.spmm(crow, col, vals, x, None),
+            "ours_v2": v2,
             "cusparse": lambda: torch.sparse.mm(w_csr, x.t()),
             "cublas_control": lambda: x @ wm.t(),
         }, rounds)
         row = {"sparsity": s, **{f"{k}_ms": round(v, 4) for k, v in ms.items()}, "max_rel_err": err,
+               "max_rel_err_v2": err_v2, "v2_speedup_vs_cublas": round(ms["cublas"] / ms["ours_v2"], 2),
                "speedup_vs_cublas": round(ms["cublas"] / ms["ours"], 2),
                "speedup_vs_cusparse": round(ms["cusparse"] / ms["ours"], 2),
                "cusparse_vs_cublas": round(ms["cublas"] / ms["cusparse"], 2),
@@ -64,6 +74,20 @@ def spmm_figure(sparsities, rounds: int, size: int = 4096) -> list[dict]:
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+@contextlib.contextmanager
+def _spmm_kernel(name: str):
+    """LDSPARSE_SPMM_KERNEL for the calls inside (the CUDA op reads it per call)."""
+    old = os.environ.get("LDSPARSE_SPMM_KERNEL")
+    os.environ["LDSPARSE_SPMM_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LDSPARSE_SPMM_KERNEL"]
+        else:
+            os.environ["LDSPARSE_SPMM_KERNEL"] = old
 
 
 def _fwd_bwd(layer, x, g):
@@ -114,7 +138,8 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     s = [r["sparsity"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(s, [r["speedup_vs_cublas"] for r in rows], "o-", label="ours (ldsparse.spmm)")
+    ax.plot(s, [r["speedup_vs_cublas"] for r in rows], "o-", label="ours v1 (ldsparse.spmm)")
+    ax.plot(s, [r["v2_speedup_vs_cublas"] for r in rows], "^-", label="ours v2 (staged, LDSPARSE_SPMM_KERNEL=v2)")
     ax.plot(s, [r["cusparse_vs_cublas"] for r in rows], "s--", label="cuSPARSE (torch.sparse.mm)")
     ax.axhline(1.0, color="gray", lw=1, label="cuBLAS (dense)")
     ax.set_yscale("log")
@@ -149,6 +174,9 @@ def main(args) -> dict:
         "quick": args.quick, "rounds": rounds, "tf32": False,
         "spmm_speedup_vs_cublas_at_75": by[0.75]["speedup_vs_cublas"],
         "spmm_speedup_vs_cublas_at_90": by[0.9]["speedup_vs_cublas"],
+        "spmm_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL", "v1"),
+        "spmm_v2_speedup_vs_cublas_at_75": by[0.75]["v2_speedup_vs_cublas"],
+        "spmm_v2_speedup_vs_cublas_at_90": by[0.9]["v2_speedup_vs_cublas"],
         "spmm_min_speedup_vs_cusparse": min(r["speedup_vs_cusparse"] for r in figure),
         "spmm_crossover_vs_cublas": min((r["sparsity"] for r in figure if r["speedup_vs_cublas"] >= 1), default=None),
         "fwd_bwd_speedup_vs_dense_at_90": big[0.9]["speedup_vs_dense"],

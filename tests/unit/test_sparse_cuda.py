@@ -286,3 +286,37 @@ def test_attention_cuda_matches_cpu_kernel():
     cpu = block_sparse_attention(q, k, v, layout)
     gpu = block_sparse_attention(q.cuda(), k.cuda(), v.cuda(), layout.to("cuda"))
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+@pytest.mark.parametrize("tokens,in_f,out_f,density", [
+    (1, 1, 1, 1.0), (127, 33, 129, 0.5), (129, 64, 255, 1.0), (300, 4096, 130, 0.02),
+    (1000, 97, 1000, 0.3), (257, 31, 7, 0.0)])
+def test_cuda_spmm_kernels_match_the_dense_product(monkeypatch, kernel, tokens, in_f, out_f, density):
+    """Both SpMM kernels (LDSPARSE_SPMM_KERNEL; v2 is fp32-only, bf16 stays on v1) against the
+    dense product: tile edges in rows (128), tokens (128) and columns (32-column chunks), dense
+    rows (32 entries a chunk), empty rows."""
+    monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", kernel)
+    from lightning_dynmo.sparse.linear import csr_pattern
+    gen = torch.Generator().manual_seed(in_f * 7 + out_f)
+    mask = torch.rand(out_f, in_f, generator=gen) < density
+    w = torch.randn(out_f, in_f, generator=gen) * mask
+    x = torch.randn(tokens, in_f, generator=gen)
+    b = torch.randn(out_f, generator=gen)
+    crow, col = (t.cuda() for t in csr_pattern(mask))
+    y = torch.ops.ldsparse.spmm(crow, col, w[mask].cuda(), x.cuda(), b.cuda())
+    ref = x.double() @ w.double().t() + b.double()
+    torch.testing.assert_close(y.cpu().double(), ref, **_half_tol(torch.float32, in_f))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+def test_cuda_spmm_without_input_features_is_the_bias(monkeypatch, kernel):
+    monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", kernel)
+    crow, col = torch.zeros(4, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32, device="cuda")
+    b = torch.randn(3, device="cuda")
+    y = torch.ops.ldsparse.spmm(crow, col, torch.zeros(0, device="cuda"), torch.zeros(5, 0, device="cuda"), b)
+    torch.testing.assert_close(y, b.expand(5, 3))

@@ -23,9 +23,10 @@ int spmm_chunk_count(int64_t in_features);
 // chunk_ptr: int32 [(spmm_chunk_count(K) + 1) * rows], filled from the CSR pattern.
 cudaError_t spmm_build_chunk_ptr(const int32_t* crow, const int32_t* col, int32_t* chunk_ptr, int rows,
                                  int chunks, cudaStream_t stream);
-// y [n, rows] = x [n, K] W^T + bias, W = CSR(values, col) with chunk_ptr from above.
+// y [n, rows] = x [n, K] W^T + bias, W = CSR(values, col) with chunk_ptr from above; K >= 1.
+// staged: the v2 kernel (fp32 only; sparse_kernels.cuh says why), else v1.
 cudaError_t spmm(Dtype dtype, const int32_t* chunk_ptr, const int32_t* col, const void* values, const void* x,
-                 const void* bias, void* y, int rows, int K, int n, int chunks, cudaStream_t stream);
+                 const void* bias, void* y, int rows, int K, int n, int chunks, bool staged, cudaStream_t stream);
 // out[p] = dense[row(p) * K + col[p]].
 cudaError_t csr_gather(Dtype dtype, const int32_t* crow, const int32_t* col, const void* dense, void* out,
                        int rows, int K, cudaStream_t stream);

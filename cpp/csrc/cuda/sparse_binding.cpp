@@ -4,7 +4,8 @@
 // SparseLinear builds valid patterns (columns sorted within each row).
 //
 //   spmm:  the tiled kernel on token-major x and y (no transposes), row starts per column chunk
-//          computed per call by a binary-search kernel (no sort).
+//          computed per call by a binary-search kernel (no sort); LDSPARSE_SPMM_KERNEL=v2 picks the
+//          staged fp32 kernel.
 //   sddmm: the dense gradient g^T x on cuBLAS (tensor cores for bf16), gathered at the pattern.
 //          One dense [rows, K] temporary; at the sparsities pruning reaches this beats any
 //          SIMT SDDMM we measured, and it is exact (fp32 accumulation, one rounding).
@@ -12,6 +13,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "cuda/launchers.h"
 #include "sparse_checks.h"
@@ -34,6 +38,13 @@ kc::Dtype dtype_of(const at::Tensor& x) { return x.scalar_type() == at::kFloat ?
 
 const void* ptr_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
+// LDSPARSE_SPMM_KERNEL=v2 selects the staged fp32 kernel (read per call, so one process can
+// time both); v1 stays the default until a GPU run has measured v2 (sparse_kernels.cuh).
+bool staged_kernel_selected() {
+  const char* v = std::getenv("LDSPARSE_SPMM_KERNEL");
+  return v != nullptr && std::string(v) == "v2";
+}
+
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, " launch failed: ", cudaGetErrorString(err));
 }
@@ -49,6 +60,8 @@ at::Tensor spmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const 
   const c10::optional<at::Tensor> bias =
       bias_in.has_value() ? c10::optional<at::Tensor>(bias_in->contiguous()) : c10::nullopt;
   const int64_t rows = crow.numel() - 1, n = x.size(0), K = x.size(1);
+  if (K == 0)  // no columns: y = bias (the kernels need at least one column chunk)
+    return bias.has_value() ? bias->unsqueeze(0).expand({n, rows}).contiguous() : at::zeros({n, rows}, x.options());
   auto y = at::empty({n, rows}, x.options());
   if (rows == 0 || n == 0) return y;
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -58,7 +71,7 @@ at::Tensor spmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const 
                                         chunk_ptr.data_ptr<int32_t>(), static_cast<int>(rows), chunks, stream), op);
   check_launch(kc::spmm(dtype_of(x), chunk_ptr.data_ptr<int32_t>(), col.data_ptr<int32_t>(), vals.data_ptr(),
                         x.data_ptr(), ptr_or_null(bias), y.data_ptr(), static_cast<int>(rows), static_cast<int>(K),
-                        static_cast<int>(n), chunks, stream), op);
+                        static_cast<int>(n), chunks, staged_kernel_selected(), stream), op);
   return y;
 }
 

@@ -14,7 +14,10 @@ cudaError_t spmm_build_chunk_ptr(const int32_t* crow, const int32_t* col, int32_
 }
 
 cudaError_t spmm(Dtype dtype, const int32_t* chunk_ptr, const int32_t* col, const void* values, const void* x,
-                 const void* bias, void* y, int rows, int K, int n, int chunks, cudaStream_t stream) {
+                 const void* bias, void* y, int rows, int K, int n, int chunks, bool staged, cudaStream_t stream) {
+  if (dtype == Dtype::f32 && staged)
+    return launch_spmm_staged(chunk_ptr, col, static_cast<const float*>(values), static_cast<const float*>(x),
+                              static_cast<const float*>(bias), static_cast<float*>(y), rows, K, n, chunks, stream);
   if (dtype == Dtype::f32)
     return launch_spmm<float>(chunk_ptr, col, static_cast<const float*>(values), static_cast<const float*>(x),
                               static_cast<const float*>(bias), static_cast<float*>(y), rows, K, n, chunks, stream);

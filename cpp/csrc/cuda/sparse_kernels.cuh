@@ -154,6 +154,142 @@ spmm_tiled_kernel(const int32_t* __restrict__ chunk_ptr, const int32_t* __restri
   }
 }
 
+// ---------------------------------------------------------------------------- SpMM v2 (fp32)
+// Same tiling as spmm_tiled_kernel, built against what the H200 run of v1 showed (issue 32,
+// benchmarks/results/2026-11-28-gpu.md: 0.42x cuBLAS at 75 %, 0.75x at 90 %, and 1.9 ms at 99 %
+// where the FMAs are nearly gone): v1 reads each non-zero's (value, column) from global memory
+// inside the dependent inner loop, one L2 round trip per non-zero per row.  v2 stages them too:
+//   * per chunk, every warp copies its 16 rows' (value, column) pairs of the chunk (<= 32 a row)
+//     into its own shared slice with cp.async, one chunk ahead, so the inner loop reads only
+//     shared memory (one broadcast 8-byte load + 4 loads + 4 FMAs per non-zero and lane);
+//   * the x tile is staged with cp.async as well (zero-filled past the edges), which frees v1's
+//     16 staging registers;
+//   * two barriers per chunk (before refilling a buffer, after its copies land).
+// fp32 only: cp.async moves 4-byte words (bf16 keeps v1; bf16 is 2:4's and cuBLAS's domain).
+// Selected with LDSPARSE_SPMM_KERNEL=v2 until a GPU run has measured it (sparse_binding.cpp).
+constexpr int kEntriesPerRow = kChunk;  // a row has at most kChunk non-zeros in a chunk
+struct Entry {
+  float w;
+  int32_t col;
+};
+constexpr size_t kV2TileFloats = static_cast<size_t>(kTileTokens) * kPitch;
+constexpr size_t kV2SliceEntries = static_cast<size_t>(kRowsPerWarp) * kEntriesPerRow;
+constexpr size_t kV2Smem = 2 * (kV2TileFloats * sizeof(float) + kWarps * kV2SliceEntries * sizeof(Entry));
+
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// grid and row-tile loop as spmm_tiled_kernel; dynamic shared memory kV2Smem.
+__global__ void __launch_bounds__(kThreads, 2)
+spmm_staged_kernel(const int32_t* __restrict__ chunk_ptr, const int32_t* __restrict__ col,
+                   const float* __restrict__ values, const float* __restrict__ x, const float* __restrict__ bias,
+                   float* __restrict__ y, int rows, int K, int n, int chunks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* tiles = reinterpret_cast<float*>(smem_raw);                                 // [2][tokens][pitch]
+  Entry* slices = reinterpret_cast<Entry*>(smem_raw + 2 * kV2TileFloats * sizeof(float));  // [2][warps][16][32]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTileTokens;
+  const int row_tiles = (rows + kTileRows - 1) / kTileRows;
+
+  for (int rt = blockIdx.y; rt < row_tiles; rt += gridDim.y) {
+    const int r0 = rt * kTileRows + warp * kRowsPerWarp;
+    const int my_row = r0 + lane % kRowsPerWarp;  // lanes 16..31 mirror lanes 0..15
+    const bool row_ok = my_row < rows;
+    const auto ptr = [&](int c) {  // this lane's row's first entry of chunk c
+      return row_ok ? chunk_ptr[static_cast<int64_t>(c) * rows + my_row] : 0;
+    };
+    // Copy chunk c's x tile and this warp's rows' entries [begin, end) into buffer c & 1.
+    const auto stage = [&](int c, int begin, int end) {
+      float* tile = tiles + (c & 1) * kV2TileFloats;
+      const int64_t k = static_cast<int64_t>(c) * kChunk + lane;
+#pragma unroll 1
+      for (int i = 0; i < kStagePerThread; ++i) {  // not unrolled: 16 live addresses cost spills
+        const int tt = warp + kWarps * i;
+        const int64_t t = t0 + tt;
+        const bool ok = t < n && k < K;
+        cp_async4(tile + tt * kPitch + lane, ok ? x + t * K + k : x, ok);
+      }
+      Entry* slice = slices + ((c & 1) * kWarps + warp) * kV2SliceEntries;
+#pragma unroll 1
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int b = __shfl_sync(kFull, begin, i), e = __shfl_sync(kFull, end, i);
+        if (lane < min(e - b, kEntriesPerRow)) {  // <= kEntriesPerRow in a valid (sorted, unique) row
+          cp_async4(&slice[i * kEntriesPerRow + lane].w, values + b + lane, true);
+          cp_async4(&slice[i * kEntriesPerRow + lane].col, col + b + lane, true);
+        }
+      }
+      cp_async_commit();
+    };
+    float acc[kRowsPerWarp][kTokensPerLane];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+      for (int j = 0; j < kTokensPerLane; ++j) acc[i][j] = 0.f;
+
+    int begin = ptr(0), end = ptr(1);       // chunk c's entries of this lane's row
+    int next_end = chunks > 1 ? ptr(2) : 0;  // chunk c + 1's end
+    __syncthreads();                         // the previous row tile is done with the buffers
+    stage(0, begin, end);
+    for (int c = 0; c < chunks; ++c) {
+      const bool more = c + 1 < chunks;
+      if (more) {
+        __syncthreads();  // every warp is done with buffer (c + 1) & 1 (chunk c - 1)
+        stage(c + 1, end, next_end);
+      }
+      const int count = min(end - begin, kEntriesPerRow);
+      begin = end;
+      end = next_end;
+      if (c + 2 < chunks) next_end = ptr(c + 3);  // used two chunks on: its latency is hidden
+      if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // chunk c's copies have landed
+      __syncthreads();
+      const float* base = tiles + (c & 1) * kV2TileFloats + lane * kPitch - c * kChunk;
+      const Entry* slice = slices + ((c & 1) * kWarps + warp) * kV2SliceEntries;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int cnt = __shfl_sync(kFull, count, i);
+        const Entry* row = slice + i * kEntriesPerRow;
+#pragma unroll 2
+        for (int q = 0; q < cnt; ++q) {
+          const Entry e = row[q];
+          const float* b = base + e.col;
+#pragma unroll
+          for (int j = 0; j < kTokensPerLane; ++j) acc[i][j] = fmaf(e.w, b[j * kWarp * kPitch], acc[i][j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kTokensPerLane; ++j) {
+      const int64_t t = t0 + lane + j * kWarp;
+      if (t >= n) continue;
+      float* out = y + t * rows;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int r = r0 + i;
+        if (r < rows) out[r] = acc[i][j] + (bias ? bias[r] : 0.f);
+      }
+    }
+  }
+}
+
+inline cudaError_t launch_spmm_staged(const int32_t* chunk_ptr, const int32_t* col, const float* values,
+                                      const float* x, const float* bias, float* y, int rows, int K, int n,
+                                      int chunks, cudaStream_t stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(spmm_staged_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(kV2Smem));
+  if (err != cudaSuccess) return err;
+  const int64_t row_tiles = (static_cast<int64_t>(rows) + kTileRows - 1) / kTileRows;
+  const dim3 grid(static_cast<unsigned>((static_cast<int64_t>(n) + kTileTokens - 1) / kTileTokens),
+                  static_cast<unsigned>(row_tiles < kMaxGridY ? row_tiles : kMaxGridY));
+  spmm_staged_kernel<<<grid, kThreads, kV2Smem, stream>>>(chunk_ptr, col, values, x, bias, y, rows, K, n, chunks);
+  return cudaGetLastError();
+}
+
 // out[p] = dense[r * K + col[p]] for every non-zero p of row r: the weight gradient restricted
 // to the pattern, from the dense gradient cuBLAS computes. One warp per row.
 template <typename T>
