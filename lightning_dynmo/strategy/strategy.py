@@ -410,16 +410,16 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         return checkpoint.read_checkpoint(self.checkpoint_io, checkpoint_path, weights_only)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """``checkpoint_format="dcp"``: every rank writes its part of ``filepath`` (a directory);
         ``"single"``: rank 0 writes the gathered file."""
         if not self._dcp:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            return super().save_checkpoint(checkpoint_dict, filepath, storage_options)
         if storage_options is not None:
             raise TypeError("checkpoint_format='dcp' writes with torch.distributed.checkpoint, not the CheckpointIO: "
                             "storage_options is not supported")
         with explain_timeout(checkpoint.SAVE_ON_EVERY_RANK):
-            dcp_checkpoint.save(checkpoint, self.broadcast(filepath), self.global_rank)
+            dcp_checkpoint.save(checkpoint_dict, self.broadcast(filepath), self.global_rank)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
