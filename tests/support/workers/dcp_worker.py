@@ -5,8 +5,7 @@ Usage: torchrun --nproc-per-node N tests/support/workers/dcp_worker.py SPEC.json
 A run: {"pp", "steps", "resume" (a path or "last"), "ckpt_dir" (ModelCheckpoint's dirpath, saving
 last.ckpt at the last step), "tied", "damage" (how to spoil "resume" first, on rank 0), "save_memory"
 (save twice after the fit, once per format, measuring rank 0's peak RSS growth)}. Every data-parallel
-layout sees the same global batches (the reference loader of tests/support/workers/common.py when
-there is one replica), so losses compare across layouts. Rank 0 writes per run its losses, the
+layout sees the same global batches (no shuffling), so losses compare across layouts. Rank 0 writes per run its losses, the
 error every rank raised (if any) and the bytes of the DCP files it saved.
 """
 from __future__ import annotations
@@ -17,6 +16,7 @@ import shutil
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
 torch.set_num_threads(1)
 
@@ -31,11 +31,18 @@ PER_REPLICA_BATCH = 8
 DP_REFERENCE = 2  # the global batch is that of 2 replicas, whatever the layout
 
 
-def loader(cfg: dict, dp: int):
-    if dp == DP_REFERENCE:  # Lightning injects DistributedSampler(shuffle=True, seed=0)
-        return make_loader(cfg, PER_REPLICA_BATCH)
-    assert dp == 1
-    return make_loader(cfg, PER_REPLICA_BATCH * DP_REFERENCE, reference=True, dp=DP_REFERENCE)
+def loader(cfg: dict, strategy) -> DataLoader:
+    """The same global batches under any layout, in the same order every epoch (Lightning's epoch
+    count after a resume at an epoch's last batch is off by one when that run saves again, so the
+    data must not depend on it): replica r of 2 takes samples r, r + 2, ...; one replica takes both
+    halves in one batch."""
+    data = make_loader(cfg, 1).dataset
+    kw = strategy.distributed_sampler_kwargs
+    if kw["num_replicas"] == DP_REFERENCE:  # a DistributedSampler of the loader's own is kept by Lightning
+        sampler = DistributedSampler(data, **kw, shuffle=False)
+        return DataLoader(data, batch_size=PER_REPLICA_BATCH, sampler=sampler, drop_last=True)
+    assert kw["num_replicas"] == 1
+    return DataLoader(data, batch_size=PER_REPLICA_BATCH * DP_REFERENCE, shuffle=False, drop_last=True)
 
 
 def distcp_bytes(path: str) -> int:
@@ -98,7 +105,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         resume = damage(resume, cfg["damage"])
     error = None
     try:
-        trainer.fit(model, train_dataloaders=loader(cfg, dp), ckpt_path=resume)
+        trainer.fit(model, train_dataloaders=loader(cfg, strategy), ckpt_path=resume)
     except Exception as exc:  # noqa: BLE001 - reported: the test expects it on every rank
         error = f"{type(exc).__name__}: {exc}"
     errors = [None] * world
