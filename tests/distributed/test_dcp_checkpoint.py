@@ -39,6 +39,7 @@ def chain(tmp_path_factory):
         dict(BASE, pp=2, steps=STEPS[3]),  # uninterrupted, 2 stages x 2 replicas
         dict(BASE, pp=2, steps=STEPS[0], ckpt_dir=str(tmp / "a")),
         dict(BASE, pp=4, steps=STEPS[1], ckpt_dir=str(tmp / "b"), resume=str(tmp / "a" / "last.ckpt")),
+        dict(BASE, pp=4, steps=STEPS[0], ckpt_dir=str(tmp / "repacked"), repack_to=[1, 2]),  # released ranks save too
     ], worker=WORKER)
     b = four[2]["ckpt"]
     two = run_worker(tmp / "two", 2, [
@@ -49,6 +50,7 @@ def chain(tmp_path_factory):
         dict(BASE, pp=2, steps=STEPS[2], resume=b, n_layer=5, mlp_ratios=[1, 4, 2, 8, 1]),
         dict(BASE, pp=2, steps=STEPS[2], resume=b, optimizer_sgd=True),
         dict(BASE, pp=2, steps=STEPS[2], resume=str(tmp / "nan.ckpt")),
+        dict(BASE, pp=2, steps=STEPS[1], resume=four[3]["ckpt"]),
     ], worker=WORKER)
     return tmp, four, two
 
@@ -64,6 +66,17 @@ def test_each_layout_resumes_the_previous_ones_checkpoint_on_the_curve(chain):
     _on_curve(full["losses"], b["losses"], 3)
     _on_curve(full["losses"], c["losses"], 6)  # ckpt_path="last" found pp4's directory
     assert os.path.isdir(c["ckpt"]) and c["ckpt"] != b["ckpt"]
+
+
+def test_a_run_that_repacked_saves_and_resumes_on_the_curve(chain):
+    """4 stages packed onto 2 after step 1 (ranks 1 and 3 released), saved at step 3 by all 4
+    ranks, resumed on 2 ranks."""
+    _, four, two = chain
+    repacked, resumed = four[3], two[7]
+    assert repacked["released_ranks"] and repacked["errors"] == [None] * 4, repacked
+    assert repacked["losses"] == pytest.approx(four[0]["losses"][:3], rel=REL)
+    assert resumed["errors"] == [None, None], resumed["errors"]
+    _on_curve(four[0]["losses"], resumed["losses"], 3)
 
 
 def test_replicas_are_written_once(chain):

@@ -4,7 +4,8 @@ may resume from and save to a checkpoint directory, or a bad checkpoint that mus
 Usage: torchrun --nproc-per-node N tests/support/workers/dcp_worker.py SPEC.json
 A run: {"pp", "steps", "resume" (a path or "last"), "ckpt_dir" (ModelCheckpoint's dirpath, saving
 last.ckpt at the last step), "tied", "damage" (how to spoil "resume" first, on rank 0), "save_memory"
-(save twice after the fit, once per format, measuring rank 0's peak RSS growth)}. Every data-parallel
+(save twice after the fit, once per format, measuring rank 0's peak RSS growth), "repack_to" ([step, ranks]),
+"poison_save" (a path: after the fit, a NaN into one weight of the last rank, then save there)}. Every data-parallel
 layout sees the same global batches (no shuffling), so losses compare across layouts. Rank 0 writes per run its losses, the
 error every rank raised (if any) and the bytes of the DCP files it saved.
 """
@@ -93,6 +94,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
                              timeout=120, repack=cfg.get("repack", "off"))
     rec = LossRecorder()
     callbacks: list = [rec]
+    if cfg.get("repack_to"):  # [step, ranks]: every layer onto the first `ranks` pipeline ranks after that step
+        from tests.support.workers.pipeline_worker import DirectRepack
+
+        callbacks.append(DirectRepack(*[int(v) for v in cfg["repack_to"]]))
     if cfg.get("ckpt_dir"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=cfg["ckpt_dir"], save_last=True,
                                                              every_n_train_steps=cfg["steps"]))
@@ -110,7 +115,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         error = f"{type(exc).__name__}: {exc}"
     errors = [None] * world
     dist.all_gather_object(errors, error)
-    result = {"losses": rec.losses, "errors": errors, "dp": dp, "partition": str(strategy.partition)}
+    result = {"losses": rec.losses, "errors": errors, "dp": dp, "partition": str(strategy.partition),
+              "released_ranks": list(strategy.released_ranks) if strategy.layout is not None else []}
     last = trainer.checkpoint_callback.last_model_path if cfg.get("ckpt_dir") else None
     if last and error is None:
         result["ckpt"] = last
