@@ -136,9 +136,10 @@ def save(checkpoint: dict[str, Any], path, global_rank: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------- load
-def _agree(problems: list[str], head: str) -> None:
-    """Raise one error naming every rank's problems on every rank (none: return)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def _agree(problems: list[str], head: str, collective: bool = True) -> None:
+    """Raise one error naming every rank's problems on every rank (none: return); ``collective=False``:
+    this process alone (consolidation, which may run on one rank of a job)."""
+    if collective and dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, problems)
         problems = [p for part in parts for p in part]
@@ -178,7 +179,7 @@ def check_files(path: Path, crcs: Mapping[str, int], rank: int, world: int) -> N
     if DCP_METADATA in crcs and (bad := problem(DCP_METADATA)):
         raise CheckpointError(f"{head}: {bad[0]}. Resume from another checkpoint")
     names = sorted(n for n in crcs if n != DCP_METADATA)
-    _agree([p for n in names[rank::world] for p in problem(n)], head)
+    _agree([p for n in names[rank::world] for p in problem(n)], head, collective=world > 1)
 
 
 def _meta_tensor(md: TensorStorageMetadata) -> torch.Tensor:
