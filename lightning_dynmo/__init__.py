@@ -22,6 +22,8 @@ from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy
 from .strategy.hydra_config import register_strategy_config
 from .runtime.fault import CollectiveMismatchError, RankFailedError
+from .strategy.checkpoint import CheckpointError
+from .strategy.dcp_checkpoint import consolidate_checkpoint
 from .strategy.partial_batch import PartialBatchError
 from .strategy.step_guard import OptimizerGroupsChangedError, PipelineBatchMismatchError
 
@@ -31,6 +33,7 @@ __all__ = [
     "BalanceProblem",
     "BalanceResult",
     "BalancerResultError",
+    "CheckpointError",
     "CollectiveMismatchError",
     "CostModel",
     "Decision",
@@ -55,6 +58,7 @@ __all__ = [
     "run_layers",
     "available_balancers",
     "available_schedules",
+    "consolidate_checkpoint",
     "get_balancer",
     "register_balancer",
 ]

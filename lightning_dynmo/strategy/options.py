@@ -46,6 +46,13 @@ class DpSharding(StrEnum):
     FSDP = "fsdp"
 
 
+class CheckpointFormat(StrEnum):
+    """How checkpoints are written: the ``checkpoint_format`` option."""
+
+    SINGLE = "single"
+    DCP = "dcp"
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """Every ``DynMoStrategy`` option with its default, checked and normalised at construction
@@ -137,6 +144,11 @@ class PipelineOptions:
     """``popen`` (re-run the script, like torchrun) or ``spawn``/``fork``/``forkserver`` (notebooks)."""
     process_group_backend: str | None = None
     """``torch.distributed`` backend; ``None``: gloo on CPU, NCCL on GPU."""
+    checkpoint_format: CheckpointFormat = CheckpointFormat.SINGLE
+    """``single``: one single-process file gathered onto rank 0; ``dcp``: a directory where every rank
+    writes its own layers with ``torch.distributed.checkpoint`` (nothing gathered; replicas written
+    once). Either loads onto any layout; ``lightning_dynmo.consolidate_checkpoint`` turns a ``dcp``
+    directory into a ``single`` file."""
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "PipelineOptions":
@@ -186,6 +198,7 @@ class PipelineOptions:
             raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {self.compile!r}")
         put("start_method", enum_value("start_method", StartMethod, self.start_method))
         put("dp_sharding", enum_value("dp_sharding", DpSharding, self.dp_sharding))
+        put("checkpoint_format", enum_value("checkpoint_format", CheckpointFormat, self.checkpoint_format))
         put("timeout", check_timeout(self.timeout))
         put("rebalance", enum_value("rebalance", Rebalance, self.rebalance))
         self.policy(), self.budget()  # the policy's and the budget's own checks, once, here

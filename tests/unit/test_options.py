@@ -103,3 +103,25 @@ def test_link_bandwidth_reaches_the_cost_model():
     inter = PipelineLayout(Topology(2, 2, ranks_per_node=1), get_schedule("interleaved_1f1b"), 2, global_rank=0)
     assert inter.boundary_bandwidth((2.0, 1.0)) == 1.0
     assert PipelineLayout(Topology(4, 4), get_schedule("1f1b"), 1, 0).boundary_bandwidth((2.0, 1.0)) == 2.0  # one node
+
+
+def test_checkpoint_format_is_single_or_dcp_and_reaches_the_hydra_config():
+    from lightning_dynmo.strategy.hydra_config import structured_config
+    from lightning_dynmo.strategy.options import CheckpointFormat
+
+    assert DynMoStrategy().options.checkpoint_format is CheckpointFormat.SINGLE
+    assert DynMoStrategy(checkpoint_format="dcp").options.checkpoint_format is CheckpointFormat.DCP
+    with pytest.raises(ValueError, match="checkpoint_format must be one of single, dcp, got 'sharded'"):
+        DynMoStrategy(checkpoint_format="sharded")
+    assert structured_config()().checkpoint_format == "single"
+
+
+def test_dcp_refuses_a_model_that_keeps_a_parameter_in_pieces():
+    from lightning_dynmo.strategy.dcp_checkpoint import check_model_supported
+
+    class Chunked:
+        def checkpoint_merges(self):
+            return {"layers.4.lm_head.weight": [("layers.4.lm_head.weight", 32), ("layers.5.lm_head.weight", 32)]}
+
+    with pytest.raises(ValueError, match="checkpoint_format='dcp' does not support Chunked yet.*checkpoint_format='single'"):
+        check_model_supported(Chunked())
