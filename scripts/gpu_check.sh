@@ -18,6 +18,7 @@
 #              cuSPARSE vs cuBLAS, fp32) and SparseLinear forward+backward vs nn.Linear
 #   semi       benchmarks/semi_structured.py: 2:4 sparsity (bf16, tensor cores) vs dense
 #   attention  benchmarks/sparse_attention.py --device cuda --quick: block-sparse attention vs SDPA
+#   dcp        scripts/gpu_dcp_check.py: checkpoint_format="dcp" with CUDA tensors over NCCL (resume exact)
 # Without a GPU it prints {"gpu": false, ...} and exits 0: nothing here can run on a CPU.
 # The machine needs torch (CUDA build), nvcc, ninja, lightning, pytest, hypothesis, hydra-core,
 # omegaconf and matplotlib.
@@ -32,7 +33,7 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 out="${GPU_CHECK_OUT:-$(mktemp -d)}"; mkdir -p "$out"
 results="$out/steps.jsonl"; : > "$results"
-STEPS="${GPU_CHECK_STEPS:-build kernels cuda_tests sanitize train profile spmm semi attention}"
+STEPS="${GPU_CHECK_STEPS:-build kernels cuda_tests sanitize train profile spmm semi attention dcp}"
 
 limit_of() {  # 3x the step's last measured seconds, at least 30
   "$PY" -c "import json,sys; b=json.load(open('scripts/gpu_check_budget.json')); print(max(30, int(3*b.get(sys.argv[1], 60))))" "$1"
@@ -78,6 +79,7 @@ step profile "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile
 step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out"
 step semi "$PY" benchmarks/semi_structured.py --rounds 20
 step attention "$PY" benchmarks/sparse_attention.py --device cuda --quick
+step dcp "$PY" scripts/gpu_dcp_check.py
 
 "$PY" - "$out" <<'PYEOF'
 import json, re, sys
@@ -115,7 +117,7 @@ spmm = last_json("spmm")
 if spmm:
     res["gpu"] = res["gpu"] or spmm.get("device")
     res["spmm"] = {k: v for k, v in spmm.items() if k not in ("figure", "layers")}
-for name in ("semi", "attention"):
+for name in ("semi", "attention", "dcp"):
     j = last_json(name)
     if j:
         res[name] = {k: v for k, v in j.items() if not isinstance(v, list)}
