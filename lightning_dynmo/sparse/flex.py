@@ -34,7 +34,8 @@ from torch import Tensor
 
 from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
-__all__ = ["FLEX_TILE", "flex_available", "flex_tile", "flex_block_mask", "flex_block_sparse_attention"]
+__all__ = ["FLEX_TILE", "flex_available", "flex_tile", "flex_block_mask", "cached_block_mask",
+           "flex_block_sparse_attention"]
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; its GPU kernels' tiles divide it
 
@@ -123,9 +124,33 @@ def flex_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: BlockLa
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     flex = _flex_fn(q.device)
     if slot_token is None:  # token order: pad the tail only
-        valid = (torch.arange(n_slots, device=q.device) < t).expand(b, h, n_slots)
         qkv = (F.pad(x, (0, 0, 0, n_slots - t)) if n_slots > t else x for x in (q, k, v))
-        return flex(*qkv, block_mask=flex_block_mask(layout, valid), scale=scale)[:, :, :t]
-    src = F.pad(slot_sources(slot_token.to(q.device), t), (0, n_slots - slot_token.shape[-1]), value=t)
-    out = flex(*(gather_slots(x, src) for x in (q, k, v)), block_mask=flex_block_mask(layout, src < t), scale=scale)
+        return flex(*qkv, block_mask=cached_block_mask(layout, q.device, n_slots, t), scale=scale)[:, :, :t]
+    src, block_mask = _cached_slot_mask(layout, slot_token, q.device, n_slots, t)
+    out = flex(*(gather_slots(x, src) for x in (q, k, v)), block_mask=block_mask, scale=scale)
     return scatter_slots(out, src, t)
+
+
+def cached_block_mask(layout: BlockLayout, device: torch.device, n_slots: int, seq_len: int):
+    """The ``BlockMask`` of ``layout`` for ``seq_len`` tokens in order on ``n_slots`` slots, built
+    once per layout (:meth:`BlockLayout.derived`): an unchanged layout pays no mask build."""
+    def build():
+        valid = (torch.arange(n_slots, device=device) < seq_len).expand(layout.batch, layout.heads, n_slots)
+        return flex_block_mask(layout, valid)
+
+    return layout.derived(("flex_block_mask", torch.device(device), int(n_slots), int(seq_len)), build)
+
+
+def _cached_slot_mask(layout: BlockLayout, slot_token: Tensor, device: torch.device, n_slots: int, t: int):
+    """(slot sources, BlockMask) of a permuted layout; the last ``slot_token`` seen is kept (with
+    its version) per (device, slots), so the cache stays one entry however many maps pass by."""
+    key = ("flex_slot_mask", torch.device(device), int(n_slots), int(t))
+    held = layout.derived(key, lambda: {})
+    if not torch.compiler.is_compiling() and held.get("slot_token") is slot_token \
+            and held.get("version") == slot_token._version:
+        return held["src"], held["mask"]
+    src = F.pad(slot_sources(slot_token.to(device), t), (0, n_slots - slot_token.shape[-1]), value=t)
+    mask = flex_block_mask(layout, src < t)
+    if not torch.compiler.is_compiling():
+        held.update(slot_token=slot_token, version=slot_token._version, src=src, mask=mask)
+    return src, mask
