@@ -41,7 +41,7 @@ from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
 __all__ = ["block_sparse_attention", "reference_block_sparse_attention",
            "attention_kernel_available", "KERNEL_BLOCK_SIZES", "BACKENDS", "resolve_backend", "auto_candidates",
-           "pick_backend"]
+           "pick_backend", "auto_route"]
 
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 # "kernel": our compiled kernels (the dense reference where none fits); "flex": torch's
@@ -199,6 +199,21 @@ def auto_candidates(device: Union[str, torch.device], dtype: torch.dtype, block_
     if attention_kernel_available(device, dtype, block_size):
         found.append("kernel")
     return tuple(found) or ("kernel",)
+
+
+def auto_route(device: Union[str, torch.device], dtype: torch.dtype, seq_len: int, block_size: int,
+               head_dim: int, what: str = "layout") -> Optional[str]:
+    """What ``backend="auto"`` runs for such a call: ``"flex"``, ``"kernel"`` (our compiled
+    kernel) or ``"reference"`` (the dense masked fallback: never to be reported as ours); None
+    while it is still to be measured."""
+    from .backend_choice import cached_choice
+
+    candidates = auto_candidates(device, dtype, block_size, head_dim)
+    name = env_override(candidates) or (candidates[0] if len(candidates) == 1 else None)
+    name = name or cached_choice(choice_key(what, torch.device(device), dtype, seq_len, block_size, head_dim))
+    if name == "kernel" and not attention_kernel_available(device, dtype, block_size):
+        return "reference"
+    return name
 
 
 Trial = Callable[[str], Callable[[], None]]  # name -> a prepared forward+backward to time
