@@ -11,8 +11,10 @@ fp32/fp64; CUDA: fp32/bf16/fp16 when built with CUDA). Everything else -- no ext
 dtype or device, a block size without a kernel -- takes :func:`reference_block_sparse_attention`,
 dense attention under the same mask (O(T^2) memory, same results). Query rows that see no key
 (a query block with no key block) output 0, as ``scaled_dot_product_attention`` does. On CUDA
-the default ``backend="auto"`` computes the same attention with torch's FlexAttention instead
-(:mod:`lightning_dynmo.sparse.flex`, measured faster there); ``backend="kernel"`` keeps ours.
+the default ``backend="auto"`` computes the same attention with torch's FlexAttention
+(:mod:`lightning_dynmo.sparse.flex`) or our kernel, whichever it measured faster for this shape
+class (:mod:`lightning_dynmo.sparse.backend_choice`; flex alone where our CUDA kernel is not
+built); ``backend="kernel"`` keeps ours, ``"flex"`` takes FlexAttention.
 
 Layout format (what the kernels take, one CSR per head, heads one after another)::
 
