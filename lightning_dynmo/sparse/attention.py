@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from . import _ops
-from .backend_choice import choice_key, env_override, fastest
+from .backend_choice import cached_choice, choice_key, env_override, fastest
 from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
 __all__ = ["block_sparse_attention", "reference_block_sparse_attention",
@@ -208,8 +208,6 @@ def auto_route(device: Union[str, torch.device], dtype: torch.dtype, seq_len: in
     """What ``backend="auto"`` runs for such a call: ``"flex"``, ``"kernel"`` (our compiled
     kernel) or ``"reference"`` (the dense masked fallback: never to be reported as ours); None
     while it is still to be measured."""
-    from .backend_choice import cached_choice
-
     candidates = auto_candidates(device, dtype, block_size, head_dim)
     name = env_override(candidates) or (candidates[0] if len(candidates) == 1 else None)
     name = name or cached_choice(choice_key(what, torch.device(device), dtype, seq_len, block_size, head_dim))
@@ -236,8 +234,6 @@ def pick_backend(backend: str, what: str, q: Tensor, block_size: int, trial: Tri
         return forced or candidates[0]
     key = choice_key(what, q.device, q.dtype, q.shape[-2], block_size, d)
     if torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        from .backend_choice import cached_choice
-
         return cached_choice(key) or candidates[0]
     return fastest(key, {name: (lambda name=name: trial(name)) for name in candidates}, q.device)
 
