@@ -23,9 +23,10 @@ hold no token are computed and dropped.
 index lists and the transposed lists the backward needs) is kept on the layout
 (:func:`cached_block_mask`, ``BlockLayout.derived``): a training step with an unchanged layout
 builds nothing, and a changed layout (reassigned or in-place-written ``row_ptr``/``col_idx``)
-gets a new one. Measured on the CPU at seq 4096, 16 heads, 128-blocks, 1/8 density: the build
-took 1.7 ms against 127 ms for a compiled FlexAttention forward (1.3 %), but on a GPU the
-attention itself takes a fraction of a millisecond and those ops are each a kernel launch
+gets a new one. Measured on the CPU (``benchmarks/flex_mask_build.py``: seq 4096, 16 heads,
+128-blocks, one thread) a build is 76 top-level ops and 1.7-2.9 ms against 740 ms (density 1)
+and 122 ms (density 1/8) for a compiled FlexAttention forward: 0.2-2.4 % of the call. On a GPU
+the attention takes a fraction of a millisecond and each of those ops is a kernel launch
 (``benchmarks/sparse_attention.py --device cuda`` reports ``mask_build_ms``). A permuted layout
 (``slot_token``) keeps the mask of the last slot map it saw.
 
