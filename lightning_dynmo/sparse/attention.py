@@ -11,8 +11,10 @@ fp32/fp64; CUDA: fp32/bf16/fp16 when built with CUDA). Everything else -- no ext
 dtype or device, a block size without a kernel -- takes :func:`reference_block_sparse_attention`,
 dense attention under the same mask (O(T^2) memory, same results). Query rows that see no key
 (a query block with no key block) output 0, as ``scaled_dot_product_attention`` does. On CUDA
-the default ``backend="auto"`` computes the same attention with torch's FlexAttention instead
-(:mod:`lightning_dynmo.sparse.flex`, measured faster there); ``backend="kernel"`` keeps ours.
+the default ``backend="auto"`` computes the same attention with torch's FlexAttention
+(:mod:`lightning_dynmo.sparse.flex`) or our kernel, whichever it measured faster for this shape
+class (:mod:`lightning_dynmo.sparse.backend_choice`; flex alone where our CUDA kernel is not
+built); ``backend="kernel"`` keeps ours, ``"flex"`` takes FlexAttention.
 
 Layout format (what the kernels take, one CSR per head, heads one after another)::
 
@@ -30,21 +32,24 @@ load and store, so it costs no extra pass (the hash-sorted layouts of ``hash_lay
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _ops
+from .backend_choice import cached_choice, choice_key, env_override, fastest
 from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
 __all__ = ["block_sparse_attention", "reference_block_sparse_attention",
-           "attention_kernel_available", "KERNEL_BLOCK_SIZES", "BACKENDS", "resolve_backend"]
+           "attention_kernel_available", "KERNEL_BLOCK_SIZES", "BACKENDS", "resolve_backend", "auto_candidates",
+           "pick_backend", "auto_route"]
 
 KERNEL_BLOCK_SIZES = (16, 32, 64, 128)
 # "kernel": our compiled kernels (the dense reference where none fits); "flex": torch's
-# FlexAttention with the same mask (lightning_dynmo.sparse.flex); "auto": flex on CUDA, where it
-# measured 3-14x faster than our CUDA kernel on an H100, the kernels elsewhere.
+# FlexAttention with the same mask (lightning_dynmo.sparse.flex); "auto": on CUDA the faster of
+# the two by measurement (sparse.backend_choice; flex alone where our CUDA kernel is not built),
+# the kernels on the CPU (FlexAttention has no CPU backward).
 BACKENDS = ("auto", "kernel", "flex")
 
 
@@ -166,7 +171,8 @@ FLEX_MIN_HEAD_DIM = 16
 
 def resolve_backend(backend: str, device: Union[str, torch.device], head_dim: Optional[int] = None) -> str:
     """``"kernel"`` or ``"flex"``: what ``backend`` means for tensors on ``device`` with
-    ``head_dim`` channels per head (unknown: assume flex can take it)."""
+    ``head_dim`` channels per head (unknown: assume flex can take it), without measuring:
+    for ``"auto"`` the preferred candidate (see :func:`pick_backend` for the measured choice)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {', '.join(BACKENDS)}")
     small = head_dim is not None and int(head_dim) < FLEX_MIN_HEAD_DIM
@@ -179,6 +185,69 @@ def resolve_backend(backend: str, device: Union[str, torch.device], head_dim: Op
         raise ValueError(f"backend='flex' needs head_dim >= {FLEX_MIN_HEAD_DIM} on CUDA (torch's FlexAttention "
                          f"does not compile smaller ones), got {head_dim}: use backend='auto' or 'kernel'")
     return backend
+
+
+def auto_candidates(device: Union[str, torch.device], dtype: torch.dtype, block_size: int,
+                    head_dim: int) -> Tuple[str, ...]:
+    """What ``backend="auto"`` chooses among: FlexAttention on CUDA (head_dim >= 16), and our
+    kernel where it is built for this device, dtype and block size. With neither, ``("kernel",)``:
+    the dense reference (which a benchmark must name so)."""
+    from .flex import flex_available
+
+    device = torch.device(device)
+    found = []
+    if resolve_backend("auto", device, head_dim) == "flex":
+        found.append("flex")
+    if attention_kernel_available(device, dtype, block_size):
+        found.append("kernel")
+    return tuple(found) or ("kernel",)
+
+
+def auto_route(device: Union[str, torch.device], dtype: torch.dtype, seq_len: int, block_size: int,
+               head_dim: int, what: str = "layout") -> Optional[str]:
+    """What ``backend="auto"`` runs for such a call: ``"flex"``, ``"kernel"`` (our compiled
+    kernel) or ``"reference"`` (the dense masked fallback: never to be reported as ours); None
+    while it is still to be measured."""
+    candidates = auto_candidates(device, dtype, block_size, head_dim)
+    name = env_override(candidates) or (candidates[0] if len(candidates) == 1 else None)
+    name = name or cached_choice(choice_key(what, torch.device(device), dtype, seq_len, block_size, head_dim))
+    if name == "kernel" and not attention_kernel_available(device, dtype, block_size):
+        return "reference"
+    return name
+
+
+Trial = Callable[[str], Callable[[], None]]  # name -> a prepared forward+backward to time
+
+
+def pick_backend(backend: str, what: str, q: Tensor, block_size: int, trial: Trial) -> str:
+    """``"kernel"`` or ``"flex"`` for this call: ``backend`` itself unless it is ``"auto"``; then
+    the only candidate, ``LDSPARSE_ATTENTION_BACKEND``, or the faster one measured once per shape
+    class (``trial(name)`` prepares a forward+backward to time; :mod:`.backend_choice`). While
+    ``torch.compile`` traces or a CUDA graph is captured nothing is measured: the cached choice,
+    else the preferred candidate."""
+    d = q.shape[-1]
+    if backend != "auto":
+        return resolve_backend(backend, q.device, d)
+    candidates = auto_candidates(q.device, q.dtype, block_size, d)
+    forced = env_override(candidates)
+    if forced is not None or len(candidates) == 1:
+        return forced or candidates[0]
+    key = choice_key(what, q.device, q.dtype, q.shape[-2], block_size, d)
+    if torch.compiler.is_compiling() or (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return cached_choice(key) or candidates[0]
+    return fastest(key, {name: (lambda name=name: trial(name)) for name in candidates}, q.device)
+
+
+def timed_step(attend: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor):
+    """A forward+backward of ``attend`` on detached copies of q, k, v (a :func:`pick_backend` trial)."""
+    xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    grad = torch.randn_like(xs[0])
+
+    def run():
+        for x in xs:
+            x.grad = None
+        attend(*xs).backward(grad)
+    return run
 
 
 def _as_layout(layout, block_size: Optional[int], seq_len: int) -> BlockLayout:
@@ -224,10 +293,22 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor,
         raise ValueError(f"layout is for (batch={layout.batch}, heads={layout.heads}, seq={layout.seq_len}) "
                          f"but q is [{b}, {h}, {t}, {d}]" + (f" with {slots} slots" if slot_token is not None else ""))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if resolve_backend(backend, q.device, d) == "flex":
-        from .flex import flex_block_sparse_attention
 
-        return flex_block_sparse_attention(q, k, v, layout, scale, slot_token)
+    def attend(name: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if name == "flex":
+            from .flex import flex_block_sparse_attention
+
+            return flex_block_sparse_attention(q, k, v, layout, scale, slot_token)
+        return _kernel_attention(q, k, v, layout, scale, slot_token)
+
+    name = pick_backend(backend, "layout", q, layout.block_size,
+                        lambda name: timed_step(lambda *x: attend(name, *x), q, k, v))
+    return attend(name, q, k, v)
+
+
+def _kernel_attention(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, scale: float,
+                      slot_token: Optional[Tensor]) -> Tensor:
+    """Our compiled kernel, or the dense reference where none is built for this call."""
     if attention_kernel_available(q.device, q.dtype, layout.block_size):
         layout = layout.to(q.device)
         col_ptr, row_idx = layout.transposed()

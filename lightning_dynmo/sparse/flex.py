@@ -1,8 +1,9 @@
 """Block-sparse attention through ``torch.nn.attention.flex_attention``: the CUDA route.
 
 On an H100 our CUDA kernel ran at 0.07-0.36x of FlexAttention (bf16), so on CUDA the attention
-of a :class:`~lightning_dynmo.sparse.attention.BlockLayout` (slot permutation included) runs as
-FlexAttention with a ``BlockMask`` that says the same thing. FlexAttention has no backward on
+of a :class:`~lightning_dynmo.sparse.attention.BlockLayout` (slot permutation included) can run as
+FlexAttention with a ``BlockMask`` that says the same thing; ``backend="auto"`` takes whichever of
+the two it measures faster (:mod:`lightning_dynmo.sparse.backend_choice`). FlexAttention has no backward on
 the CPU in torch 2.13 (``backend="flex"`` on the CPU is for forward checks; training takes the
 kernels there).
 
@@ -17,6 +18,17 @@ layout blocks); a tile is skipped when no layout block in it is active or it lie
 diagonal, and is "full" (``mask_mod`` skipped) only when every pair in it is visible: strictly
 below the diagonal, every layout block in it active, every key slot a token. Query slots that
 hold no token are computed and dropped.
+
+**Built once per layout.** The ``BlockMask`` (about 80 small tensor ops: the tile masks, their
+index lists and the transposed lists the backward needs) is kept on the layout
+(:func:`cached_block_mask`, ``BlockLayout.derived``): a training step with an unchanged layout
+builds nothing, and a changed layout (reassigned or in-place-written ``row_ptr``/``col_idx``)
+gets a new one. Measured on the CPU (``benchmarks/flex_mask_build.py``: seq 4096, 16 heads,
+128-blocks, one thread) a build is 76 top-level ops and 1.7-2.9 ms against 740 ms (density 1)
+and 122 ms (density 1/8) for a compiled FlexAttention forward: 0.2-2.4 % of the call. On a GPU
+the attention takes a fraction of a millisecond and each of those ops is a kernel launch
+(``benchmarks/sparse_attention.py --device cuda`` reports ``mask_build_ms``). A permuted layout
+(``slot_token``) keeps the mask of the last slot map it saw.
 
 Under ``torch.compile`` the slot count is the one shape that changes with the data (hash
 buckets pad differently every step); ``slots`` fixes it to an upper bound so that one compiled
@@ -34,7 +46,8 @@ from torch import Tensor
 
 from .layout import BlockLayout, gather_slots, scatter_slots, slot_sources
 
-__all__ = ["FLEX_TILE", "flex_available", "flex_tile", "flex_block_mask", "flex_block_sparse_attention"]
+__all__ = ["FLEX_TILE", "flex_available", "flex_tile", "flex_block_mask", "cached_block_mask",
+           "flex_block_sparse_attention"]
 
 FLEX_TILE = 128  # FlexAttention's default BLOCK_SIZE; its GPU kernels' tiles divide it
 
@@ -123,9 +136,33 @@ def flex_block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, layout: BlockLa
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     flex = _flex_fn(q.device)
     if slot_token is None:  # token order: pad the tail only
-        valid = (torch.arange(n_slots, device=q.device) < t).expand(b, h, n_slots)
         qkv = (F.pad(x, (0, 0, 0, n_slots - t)) if n_slots > t else x for x in (q, k, v))
-        return flex(*qkv, block_mask=flex_block_mask(layout, valid), scale=scale)[:, :, :t]
-    src = F.pad(slot_sources(slot_token.to(q.device), t), (0, n_slots - slot_token.shape[-1]), value=t)
-    out = flex(*(gather_slots(x, src) for x in (q, k, v)), block_mask=flex_block_mask(layout, src < t), scale=scale)
+        return flex(*qkv, block_mask=cached_block_mask(layout, q.device, n_slots, t), scale=scale)[:, :, :t]
+    src, block_mask = _cached_slot_mask(layout, slot_token, q.device, n_slots, t)
+    out = flex(*(gather_slots(x, src) for x in (q, k, v)), block_mask=block_mask, scale=scale)
     return scatter_slots(out, src, t)
+
+
+def cached_block_mask(layout: BlockLayout, device: torch.device, n_slots: int, seq_len: int):
+    """The ``BlockMask`` of ``layout`` for ``seq_len`` tokens in order on ``n_slots`` slots, built
+    once per layout (:meth:`BlockLayout.derived`): an unchanged layout pays no mask build."""
+    def build():
+        valid = (torch.arange(n_slots, device=device) < seq_len).expand(layout.batch, layout.heads, n_slots)
+        return flex_block_mask(layout, valid)
+
+    return layout.derived(("flex_block_mask", torch.device(device), int(n_slots), int(seq_len)), build)
+
+
+def _cached_slot_mask(layout: BlockLayout, slot_token: Tensor, device: torch.device, n_slots: int, t: int):
+    """(slot sources, BlockMask) of a permuted layout; the last ``slot_token`` seen is kept (with
+    its version) per (device, slots), so the cache stays one entry however many maps pass by."""
+    key = ("flex_slot_mask", torch.device(device), int(n_slots), int(t))
+    held = layout.derived(key, lambda: {})
+    if not torch.compiler.is_compiling() and held.get("slot_token") is slot_token \
+            and held.get("version") == slot_token._version:
+        return held["src"], held["mask"]
+    src = F.pad(slot_sources(slot_token.to(device), t), (0, n_slots - slot_token.shape[-1]), value=t)
+    mask = flex_block_mask(layout, src < t)
+    if not torch.compiler.is_compiling():
+        held.update(slot_token=slot_token, version=slot_token._version, src=src, mask=mask)
+    return src, mask

@@ -59,7 +59,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .attention import block_sparse_attention, resolve_backend
+from .attention import block_sparse_attention, pick_backend, timed_step
 from .layout import BlockLayout
 
 __all__ = ["draw_rotations", "hash_buckets", "HashPlan", "hash_sort_plan", "hash_sparse_attention",
@@ -237,15 +237,25 @@ def hash_sparse_attention(q: Tensor, k: Tensor, v: Tensor, rotations: Tensor, nb
         buckets = hash_buckets(k, rotations, nb_hash, center)
     plan = hash_sort_plan(buckets, nb_hash, block_size)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if resolve_backend(backend, q.device, d) == "flex":
-        from .flex import flex_block_sparse_attention
 
-        out = flex_block_sparse_attention(q, k, v, plan.layout, scale, plan.slot_token,
-                                          slots=max_slots(t, nb_hash, block_size))
-        return out, plan
-    # The kernels read q/k/v through the slot map and write token order: no gather passes.
-    out = block_sparse_attention(q, k, v, plan.layout, scale=scale, slot_token=plan.slot_token, backend="kernel")
-    return out, plan
+    def attend(name: str, q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout = plan.layout) -> Tensor:
+        if name == "flex":
+            from .flex import flex_block_sparse_attention
+
+            return flex_block_sparse_attention(q, k, v, layout, scale, plan.slot_token,
+                                               slots=max_slots(t, nb_hash, block_size))
+        # The kernels read q/k/v through the slot map and write token order: no gather passes.
+        return block_sparse_attention(q, k, v, layout, scale=scale, slot_token=plan.slot_token, backend="kernel")
+
+    def trial(name: str):
+        # a hash layout is new every step: each timed run gets a fresh layout object, so the
+        # flex trial pays its BlockMask build as every training step does
+        def fresh(*x):
+            lay = plan.layout
+            return attend(name, *x, layout=BlockLayout(lay.row_ptr, lay.col_idx, lay.block_size, lay.seq_len))
+        return timed_step(fresh, q, k, v)
+
+    return attend(pick_backend(backend, "hash", q, block_size, trial), q, k, v), plan
 
 
 def local_window_layout(batch: int, heads: int, seq_len: int, block_size: int, window_blocks: int,

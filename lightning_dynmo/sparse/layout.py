@@ -7,7 +7,7 @@ path (``attention.py``) and FlexAttention (``flex.py``) -- so they live apart fr
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,9 +21,15 @@ class BlockLayout:
     Build one with :meth:`from_block_mask` (any boolean ``[B, H, n, n]`` block mask; blocks above
     the diagonal are dropped) or directly from ``row_ptr``/``col_idx``. The transposed layout the
     backward needs is computed on first use with tensor ops on the layout's device and cached.
+
+    What is derived from the layout (its transpose, its copy on another device, FlexAttention's
+    ``BlockMask``) is built once and kept on the layout (:meth:`derived`), so a training step
+    whose layout did not change pays nothing for it. The cache is dropped when the layout
+    changes: another tensor assigned to ``row_ptr``/``col_idx``/``block_size``/``seq_len``, or
+    an in-place write to ``row_ptr``/``col_idx`` (their version counters move).
     """
 
-    __slots__ = ("row_ptr", "col_idx", "block_size", "seq_len", "_transposed")
+    __slots__ = ("row_ptr", "col_idx", "block_size", "seq_len", "_stamp", "_derived")
 
     def __init__(self, row_ptr: Tensor, col_idx: Tensor, block_size: int, seq_len: int) -> None:
         block_size, seq_len = int(block_size), int(seq_len)
@@ -45,7 +51,30 @@ class BlockLayout:
         self.col_idx = col_idx.contiguous()
         self.block_size = block_size
         self.seq_len = seq_len
-        self._transposed: Optional[Tuple[Tensor, Tensor]] = None
+        self._stamp: Optional[tuple] = None
+        self._derived: Dict[Hashable, Any] = {}
+
+    # ------------------------------------------------------------------ derived data
+    def _current_stamp(self) -> tuple:
+        # the tensors themselves (held, so their ids cannot be reused) and their version counters
+        return (self.row_ptr, self.col_idx, self.row_ptr._version, self.col_idx._version,
+                self.block_size, self.seq_len)
+
+    def _unchanged(self, stamp: tuple) -> bool:
+        old = self._stamp
+        return old is not None and old[0] is stamp[0] and old[1] is stamp[1] and old[2:] == stamp[2:]
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per ``key`` while the layout stays as it is (a change drops
+        every cached value). Under ``torch.compile`` tracing it is built each time (no state)."""
+        if torch.compiler.is_compiling():
+            return build()
+        stamp = self._current_stamp()
+        if not self._unchanged(stamp):
+            self._stamp, self._derived = stamp, {}
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -125,26 +154,30 @@ class BlockLayout:
 
     def transposed(self) -> Tuple[Tensor, Tensor]:
         """``(col_ptr, row_idx)``: per key block the query blocks attending to it, same format.
-        Tensor ops only (no host sync on CUDA); cached."""
-        if self._transposed is None:
-            b, h, n = self.batch, self.heads, self.n_blocks
-            head, qb = self._rows()
-            key = head * n + self.col_idx.long()
-            order = torch.argsort(key, stable=True)  # entries are in query order within a head
-            counts = torch.zeros(b * h * n, dtype=torch.int64, device=self.device)
-            counts.scatter_add_(0, key, torch.ones_like(key))
-            flat = torch.zeros(b * h * n + 1, dtype=torch.int64, device=self.device)
-            torch.cumsum(counts, 0, out=flat[1:])
-            heads = torch.arange(b * h, device=self.device).unsqueeze(1) * n
-            col_ptr = flat[heads + torch.arange(n + 1, device=self.device)].reshape(b, h, n + 1)
-            self._transposed = (col_ptr.to(torch.int32), qb[order].to(torch.int32))
-        return self._transposed
+        Tensor ops only (no host sync on CUDA); cached (:meth:`derived`)."""
+        return self.derived("transposed", self._transpose)
+
+    def _transpose(self) -> Tuple[Tensor, Tensor]:
+        b, h, n = self.batch, self.heads, self.n_blocks
+        head, qb = self._rows()
+        key = head * n + self.col_idx.long()
+        order = torch.argsort(key, stable=True)  # entries are in query order within a head
+        counts = torch.zeros(b * h * n, dtype=torch.int64, device=self.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+        flat = torch.zeros(b * h * n + 1, dtype=torch.int64, device=self.device)
+        torch.cumsum(counts, 0, out=flat[1:])
+        heads = torch.arange(b * h, device=self.device).unsqueeze(1) * n
+        col_ptr = flat[heads + torch.arange(n + 1, device=self.device)].reshape(b, h, n + 1)
+        return col_ptr.to(torch.int32), qb[order].to(torch.int32)
 
     def to(self, device) -> "BlockLayout":
+        """This layout on ``device``: ``self`` there, else a copy made once and cached, so what
+        the copy caches in turn (its transpose, its ``BlockMask``) lasts as long as the layout."""
         device = torch.device(device)
         if device == self.device:
             return self
-        return BlockLayout(self.row_ptr.to(device), self.col_idx.to(device), self.block_size, self.seq_len)
+        return self.derived(("to", device), lambda: BlockLayout(self.row_ptr.to(device), self.col_idx.to(device),
+                                                                self.block_size, self.seq_len))
 
     def __repr__(self) -> str:
         return (f"BlockLayout(batch={self.batch}, heads={self.heads}, seq_len={self.seq_len}, "
