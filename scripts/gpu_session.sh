@@ -3,6 +3,9 @@
 # wheels (.whl/: hydra-core, omegaconf, antlr4 -- absent from the GPU image), run gpu_check.sh with
 # the steps named in $1, and, beside it on the idle CPU cores, the 8-stage CPU benchmark; pack logs.
 #   bash scripts/gpu_session.sh "build kernels cuda_tests spmm attention" [at_scale_cases]
+# Make the wheels once on the machine that calls the device (pure Python, any platform), keep them
+# out of git (`echo /.whl/ >> .git/info/exclude`) and carry `.whl` into the call:
+#   python3 -m pip wheel --no-deps -w .whl hydra-core==1.3.8 omegaconf==2.3.1 antlr4-python3-runtime==4.9.3
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
