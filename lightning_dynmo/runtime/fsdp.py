@@ -29,6 +29,20 @@ the weights' autograd nodes from ``submod.parameters()``, which after a reshard 
 sharded parameters, not the gathered ones the graph used (gradients were lost). The schedule
 reshards after the last backward (``perform_reduce_grad`` / its RESHARD actions).
 
+A parameter can get a gradient on one replica and none on another (MoE routing that sends a
+replica's tokens past an expert, early exit, MoD, a branch taken on some batches). FSDP2 then
+reduce-scatters different lists of gradients on the two replicas (or one replica skips the
+layer's reduce-scatter): mismatched collectives, a hang or garbage. Every unit therefore
+reduce-scatters zeros for a trainable parameter without a gradient
+(``set_reduce_scatter_unused_params``, torch's counterpart of DDP's ``find_unused_parameters``),
+which is what ``replicate`` computes too (an absent gradient counts as zero in the replicas'
+average). Frozen parameters (``requires_grad=False``) are left out on every replica alike.
+
+Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded parameter's
+``requires_grad`` to its unsharded one at every all-gather, so a frozen layer's parameters build
+no graph and get no gradient, and :func:`~lightning_dynmo.dynamic.freeze_layer` pops their
+optimizer state (the frozen shards carry none).
+
 The optimizer keeps its groups and positions: each parameter is swapped in place
 (:func:`~lightning_dynmo.runtime.optimizer_layout.replace_param`), so Adam's ``exp_avg`` becomes
 a DTensor shard of the same values, and ``step`` is kept.
@@ -96,6 +110,7 @@ class ShardedLayers:
             before = dict(layer.named_parameters())
             self._plain[i] = _meta_skeleton(layer)
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
+            layer.set_reduce_scatter_unused_params(True)  # see the module docstring: unused parameters
             for name, p in layer.named_parameters():
                 old = before[name]
                 if old.grad is not None:

@@ -117,6 +117,8 @@ def check_archive(path) -> None:
 
 
 def _nonfinite(t) -> bool:
+    """NaN/Inf in ``t`` (a DTensor shard: in this rank's piece, no collective)."""
+    t = t.to_local() if is_sharded(t) else t
     return torch.is_tensor(t) and t.is_floating_point() and t.numel() > 0 and not bool(torch.isfinite(t).all())
 
 

@@ -7,8 +7,10 @@ layers it holds, under the names a plain single-process module has (``state_dict
 global layer indices, optimizer state keyed by those names as
 ``torch.distributed.checkpoint.state_dict`` keys it); nothing is gathered onto rank 0, and a
 tensor that several ranks hold (data-parallel replicas, a tied parameter's copies) is written
-once (DCP's save planner deduplicates equal keys). DTensor-sharded parameters and optimizer
-state go through the same calls (DCP writes each rank's shards).
+once (DCP's save planner deduplicates equal keys). Under ``dp_sharding="fsdp"`` parameters and
+Adam's moments are DTensor shards: DCP writes each rank's piece as a chunk of the whole tensor
+(no gather, no whole tensor on any rank) and loading reads into DTensors laid out as this rank's
+shards (:func:`_read_target`), so each replica reads only its rows, whatever layout saved them.
 
 Loading reads DCP's metadata on every rank, so the checks that need the whole model (names,
 shapes, optimizer count, type and groups) reach the same verdict everywhere before any tensor is
@@ -36,6 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as dtensor_empty
 
 from ..protocol import state_dict_key
 from ..protocol.merges import merges_of
@@ -186,6 +190,16 @@ def _meta_tensor(md: TensorStorageMetadata) -> torch.Tensor:
     return torch.empty(md.size, dtype=md.properties.dtype, device="meta")
 
 
+def _read_target(md: TensorStorageMetadata, like: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``dcp.load`` reads the saved tensor ``md`` into: a DTensor laid out as ``like`` when
+    ``like`` is one of the same global shape (``dp_sharding="fsdp"``: DCP reads only this rank's
+    rows of whatever chunks were saved), else a whole tensor."""
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(md.size):
+        return dtensor_empty(tuple(md.size), dtype=md.properties.dtype, device_mesh=like.device_mesh,
+                             placements=like.placements)
+    return torch.empty(md.size, dtype=md.properties.dtype)
+
+
 def load(pipe: RankPipeline, path, weights_only: bool | None, strict: bool) -> dict[str, Any]:
     """The checkpoint directory ``path`` as a single-format checkpoint dict whose ``state_dict``
     and ``optimizer_states`` hold this rank's entries as tensors and everyone else's as meta
@@ -205,25 +219,24 @@ def load(pipe: RankPipeline, path, weights_only: bool | None, strict: bool) -> d
              and isinstance(v, TensorStorageMetadata)}
     module = pipe.module
     check_model_state(pipe.full_state_shapes, saved, strict, type(module).__name__)  # the whole model, every rank
-    own = set(module.state_dict())
+    current = module.state_dict()
     request: dict[str, Any] = {}  # flat DCP keys -> what to read them into
-    for key in own & saved.keys():  # whole tensors (expert shards are cut by the single-format loader)
-        m = md[prefix + key]
-        request[prefix + key] = torch.empty(m.size, dtype=m.properties.dtype)
+    for key in current.keys() & saved.keys():  # whole tensors or fsdp shards (expert shards: cut later)
+        request[prefix + key] = _read_target(md[prefix + key], current[key])
     optimizers = pipe.optimizers
     opt_keys = sorted({k.split(".", 1)[0] for k in md if k.startswith("optimizer_")})
     if optimizers and opt_keys:
         if len(opt_keys) != len(optimizers):
             raise CheckpointError(f"checkpoint has {len(opt_keys)} optimizers, the module configures {len(optimizers)}")
-        local_names = {state_dict_key(module, pipe.optimizer_layout.name(n)) for n, _ in module.named_parameters()}
+        local_params = {state_dict_key(module, pipe.optimizer_layout.name(n)): p for n, p in module.named_parameters()}
         for k, m in md.items():
             head, _, rest = k.partition(".")
             if not head.startswith("optimizer_"):
                 continue
             # param groups: small values every rank reads (hyper-parameters, parameter names)
-            if rest.startswith("param_groups.") or (rest.startswith("state.")
-                                                    and rest[len("state."):].rsplit(".", 1)[0] in local_names):
-                request[k] = torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+            name = rest[len("state."):].rsplit(".", 1)[0] if rest.startswith("state.") else None
+            if rest.startswith("param_groups.") or name in local_params:  # moments of an fsdp shard: shards too
+                request[k] = _read_target(m, local_params.get(name)) if isinstance(m, TensorStorageMetadata) else None
     try:
         dcp.load(request, storage_reader=dcp.FileSystemReader(path))
     except Exception as err:  # noqa: BLE001 - DCP gathers every rank's read errors: the same on every rank

@@ -144,11 +144,12 @@ class PipelineOptions:
     """``popen`` (re-run the script, like torchrun) or ``spawn``/``fork``/``forkserver`` (notebooks)."""
     process_group_backend: str | None = None
     """``torch.distributed`` backend; ``None``: gloo on CPU, NCCL on GPU."""
-    checkpoint_format: CheckpointFormat = CheckpointFormat.SINGLE
+    checkpoint_format: CheckpointFormat | None = None
     """``single``: one single-process file gathered onto rank 0; ``dcp``: a directory where every rank
     writes its own layers with ``torch.distributed.checkpoint`` (nothing gathered; replicas written
-    once). Either loads onto any layout; ``lightning_dynmo.consolidate_checkpoint`` turns a ``dcp``
-    directory into a ``single`` file."""
+    once; fsdp shards written as shards). Either loads onto any layout;
+    ``lightning_dynmo.consolidate_checkpoint`` turns a ``dcp`` directory into a ``single`` file.
+    ``None``: ``dcp`` under ``dp_sharding="fsdp"``, ``single`` otherwise."""
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> "PipelineOptions":
@@ -198,6 +199,8 @@ class PipelineOptions:
             raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {self.compile!r}")
         put("start_method", enum_value("start_method", StartMethod, self.start_method))
         put("dp_sharding", enum_value("dp_sharding", DpSharding, self.dp_sharding))
+        if self.checkpoint_format is None:  # by dp_sharding: a sharded model is saved sharded
+            put("checkpoint_format", CheckpointFormat.DCP if self.dp_sharding is DpSharding.FSDP else CheckpointFormat.SINGLE)
         put("checkpoint_format", enum_value("checkpoint_format", CheckpointFormat, self.checkpoint_format))
         put("timeout", check_timeout(self.timeout))
         put("rebalance", enum_value("rebalance", Rebalance, self.rebalance))

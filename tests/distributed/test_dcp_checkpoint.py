@@ -2,8 +2,10 @@
 directory and reads back only its own, onto any layout. A run saved by 2 stages x 2 replicas
 resumes on 4 stages, that one on 2 stages (through ``ckpt_path="last"``), and that one, after
 ``consolidate_checkpoint``, in plain single-process Lightning: the losses stay on the curve of an
-uninterrupted run. Bad checkpoints fail on every rank with the same message; rank 0's memory
-while saving does not grow with the model."""
+uninterrupted run. The same chain starts from ``dp_sharding="fsdp"`` (an untied model: fsdp
+refuses tied parameters): each replica writes its DTensor shards, and a sharded run reads back only
+its shards. Bad checkpoints fail on every rank with the same message; rank 0's memory while saving
+does not grow with the model."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,8 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
+
+import torch.distributed.checkpoint as dcp
 
 from lightning_dynmo import consolidate_checkpoint
 from tests.support.multiproc import ROOT, run_worker
@@ -24,6 +28,7 @@ WORKER = ROOT / "tests" / "support" / "workers" / "dcp_worker.py"
 # The LM head is tied to the embedding (the first and the last stage hold a copy of one parameter).
 BASE = {"n_samples": 48, "batch": 8, "tied": True}
 STEPS = (3, 6, 9, 12)  # saved by pp2 x dp2, pp4 x dp1, pp2 x dp1; plain Lightning trains to 12
+FSDP = dict(BASE, tied=False, fsdp=True)  # checkpoint_format left to its default: dcp under fsdp
 REL = 1e-5
 
 
@@ -40,6 +45,12 @@ def chain(tmp_path_factory):
         dict(BASE, pp=2, steps=STEPS[0], ckpt_dir=str(tmp / "a")),
         dict(BASE, pp=4, steps=STEPS[1], ckpt_dir=str(tmp / "b"), resume=str(tmp / "a" / "last.ckpt")),
         dict(BASE, pp=4, steps=STEPS[0], ckpt_dir=str(tmp / "repacked"), repack_to=[1, 2]),  # released ranks save too
+        # 4-8: the fsdp chain (pp2 x dp2 fsdp -> pp4 x dp1 -> pp2 x dp2 fsdp / pp2 x dp1, below), and fsdp's "single"
+        dict(FSDP, pp=2, steps=STEPS[3]),  # uninterrupted
+        dict(FSDP, pp=2, steps=STEPS[0], ckpt_dir=str(tmp / "fa")),
+        dict(FSDP, fsdp=False, pp=4, steps=STEPS[1], ckpt_dir=str(tmp / "fb"), resume=str(tmp / "fa" / "last.ckpt")),
+        dict(FSDP, pp=2, steps=STEPS[2], resume=str(tmp / "fb" / "last.ckpt"), probe_load=True),  # whole -> shards
+        dict(FSDP, pp=2, steps=STEPS[0], ckpt_dir=str(tmp / "fs"), format="single"),
     ], worker=WORKER)
     b = four[2]["ckpt"]
     two = run_worker(tmp / "two", 2, [
@@ -51,6 +62,8 @@ def chain(tmp_path_factory):
         dict(BASE, pp=2, steps=STEPS[2], resume=b, optimizer_sgd=True),
         dict(BASE, pp=2, steps=STEPS[2], resume=str(tmp / "nan.ckpt")),
         dict(BASE, pp=2, steps=STEPS[1], resume=four[3]["ckpt"]),
+        dict(FSDP, fsdp=False, pp=2, steps=STEPS[2], ckpt_dir=str(tmp / "fc"), resume=four[6]["ckpt"]),  # 8: replicate
+        dict(FSDP, fsdp=False, pp=2, steps=STEPS[1], resume=four[8]["ckpt"]),  # fsdp's single file, resumed
     ], worker=WORKER)
     return tmp, four, two
 
@@ -89,10 +102,15 @@ def test_replicas_are_written_once(chain):
 
 def test_consolidated_checkpoint_resumes_in_plain_single_process_lightning(chain, tmp_path):
     _, four, two = chain
+    _on_curve(four[0]["losses"], _plain_lightning_losses(two[0]["ckpt"], BASE, tmp_path), 9)
+
+
+def _plain_lightning_losses(directory, cfg: dict, tmp_path) -> list[float]:
+    """Consolidate the DCP ``directory`` (saved at step 9) and train on from it to step 12 in one plain Lightning process."""
     out = tmp_path / "consolidated.ckpt"
-    ckpt = consolidate_checkpoint(two[0]["ckpt"], out)
+    ckpt = consolidate_checkpoint(directory, out)
     assert ckpt["global_step"] == STEPS[2]
-    model = make_model(BASE)
+    model = make_model(cfg)
     model.load_state_dict(torch.load(out, weights_only=True)["state_dict"])  # strict: every key, every shape
     opt = model.configure_optimizers()["optimizer"]
     opt.load_state_dict(ckpt["optimizer_states"][0])  # torch's own index-keyed format
@@ -109,11 +127,61 @@ def test_consolidated_checkpoint_resumes_in_plain_single_process_lightning(chain
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS[3], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                             callbacks=[Record()], default_root_dir=tmp_path)
-        loader = DataLoader(make_loader(BASE, 1).dataset, batch_size=2 * BASE["batch"], shuffle=False, drop_last=True)
-        trainer.fit(make_model(dict(BASE, seed=1)), ckpt_path=out, train_dataloaders=loader)
+        loader = DataLoader(make_loader(cfg, 1).dataset, batch_size=2 * cfg["batch"], shuffle=False, drop_last=True)
+        trainer.fit(make_model(dict(cfg, seed=1)), ckpt_path=out, train_dataloaders=loader)
     finally:
         torch.set_num_threads(threads)
-    _on_curve(four[0]["losses"], losses, 9)
+    return losses
+
+
+def test_fsdp_chain_resumes_on_the_curve_through_every_layout(chain, tmp_path):
+    """pp2 x dp2 fsdp saves (dcp, its default) -> pp4 x dp1 resumes and saves -> pp2 x dp2 fsdp and
+    pp2 x dp1 replicate resume it -> the latter's checkpoint, consolidated, in plain Lightning."""
+    _, four, two = chain
+    full, a, b, d, c = four[4], four[5], four[6], four[7], two[8]
+    for run in (full, a, b, d, c):
+        assert run["errors"] == [None] * len(run["errors"]), run["errors"]
+    assert (full["dp"], a["dp"], b["dp"], d["dp"], c["dp"]) == (2, 2, 1, 2, 1)
+    assert os.path.isdir(a["ckpt"]) and os.path.isdir(b["ckpt"])  # dcp: the default under fsdp
+    assert a["losses"] == full["losses"][:3]
+    _on_curve(full["losses"], b["losses"], 3)
+    _on_curve(full["losses"], d["losses"], 6)
+    _on_curve(full["losses"], c["losses"], 6)
+    _on_curve(full["losses"], _plain_lightning_losses(c["ckpt"], FSDP, tmp_path), 9)
+
+
+def test_fsdp_writes_each_replicas_shards(chain):
+    """The fsdp save holds every weight and Adam moment as two row chunks (one per replica, each
+    written by the rank that holds it), where the pp4 x dp1 save of the same model holds one."""
+    _, four, _ = chain
+
+    def chunks(path) -> dict[str, int]:
+        md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return {k: len(m.chunks) for k, m in md.items() if (".weight" in k or k.endswith(".exp_avg"))
+                and hasattr(m, "chunks") and len(m.size) == 2}
+
+    sharded, whole = chunks(four[5]["ckpt"]), chunks(four[6]["ckpt"])
+    assert sharded.keys() == whole.keys() and len(sharded) > 10
+    assert set(sharded.values()) == {2} and set(whole.values()) == {1}, (sharded, whole)
+
+
+def test_fsdp_resume_reads_only_each_replicas_shards(chain):
+    """Loading the pp4 x dp1 checkpoint (whole tensors) into pp2 x dp2 fsdp: every rank's weights and
+    moments come back as DTensor shards, and each rank reads about half of its stage's elements."""
+    _, four, _ = chain
+    probe = four[7]["probe_load"]
+    for rank in probe:
+        assert rank["entries"] > 0 and rank["sharded"] >= 0.9 * rank["entries"], probe  # biases of 1 row? all split
+        assert 0.45 <= rank["read_numel"] / rank["whole_numel"] <= 0.55, probe
+
+
+def test_single_format_still_works_under_fsdp(chain):
+    """checkpoint_format="single" under fsdp gathers one file; pp2 x dp1 replicate resumes it on the curve."""
+    _, four, two = chain
+    saved, resumed = four[8], two[9]
+    assert saved["errors"] == [None] * 4 and os.path.isfile(saved["ckpt"]), saved
+    assert resumed["errors"] == [None, None], resumed["errors"]
+    _on_curve(four[4]["losses"], resumed["losses"], 3)
 
 
 BAD = {  # run index in the two-rank job -> what every rank's error must say

@@ -105,15 +105,17 @@ def test_link_bandwidth_reaches_the_cost_model():
     assert PipelineLayout(Topology(4, 4), get_schedule("1f1b"), 1, 0).boundary_bandwidth((2.0, 1.0)) == 2.0  # one node
 
 
-def test_checkpoint_format_is_single_or_dcp_and_reaches_the_hydra_config():
+def test_checkpoint_format_is_single_or_dcp_by_dp_sharding_and_reaches_the_hydra_config():
     from lightning_dynmo.strategy.hydra_config import structured_config
     from lightning_dynmo.strategy.options import CheckpointFormat
 
     assert DynMoStrategy().options.checkpoint_format is CheckpointFormat.SINGLE
+    assert DynMoStrategy(dp_sharding="fsdp").options.checkpoint_format is CheckpointFormat.DCP  # sharded saves sharded
+    assert DynMoStrategy(dp_sharding="fsdp", checkpoint_format="single").options.checkpoint_format is CheckpointFormat.SINGLE
     assert DynMoStrategy(checkpoint_format="dcp").options.checkpoint_format is CheckpointFormat.DCP
     with pytest.raises(ValueError, match="checkpoint_format must be one of single, dcp, got 'sharded'"):
         DynMoStrategy(checkpoint_format="sharded")
-    assert structured_config()().checkpoint_format == "single"
+    assert structured_config()().checkpoint_format is None  # resolved by dp_sharding
 
 
 def test_dcp_refuses_a_model_that_keeps_a_parameter_in_pieces():

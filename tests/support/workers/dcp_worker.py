@@ -5,7 +5,9 @@ Usage: torchrun --nproc-per-node N tests/support/workers/dcp_worker.py SPEC.json
 A run: {"pp", "steps", "resume" (a path or "last"), "ckpt_dir" (ModelCheckpoint's dirpath, saving
 last.ckpt at the last step), "tied", "damage" (how to spoil "resume" first, on rank 0), "save_memory"
 (save twice after the fit, once per format, measuring rank 0's peak RSS growth), "repack_to" ([step, ranks]),
-"poison_save" (a path: after the fit, a NaN into one weight of the last rank, then save there)}. Every data-parallel
+"poison_save" (a path: after the fit, a NaN into one weight of the last rank, then save there), "fsdp"
+(dp_sharding="fsdp"; checkpoint_format then defaults by it unless "format" is given), "probe_load" (after the fit,
+every rank loads "resume" again and reports what it read: its own entries, sharded or whole)}. Every data-parallel
 layout sees the same global batches (no shuffling), so losses compare across layouts. Rank 0 writes per run its losses, the
 error every rank raised (if any) and the bytes of the DCP files it saved.
 """
@@ -80,6 +82,25 @@ def peak_rss_growth(fn) -> int:
     return hwm() - before
 
 
+def probe_load(strategy, path: str) -> list[dict]:
+    """Every rank's reading of ``path`` (the strategy's own load, as a resume does): how many of its
+    entries came back as DTensor shards, and the elements it read against those of the whole entries."""
+    from torch.distributed.tensor import DTensor
+
+    ckpt = strategy.load_checkpoint(path)
+    own = set(strategy.lightning_module.state_dict())
+    read = [v for k, v in ckpt["state_dict"].items() if k in own]
+    read += [v for sd in ckpt.get("optimizer_states", []) for st in sd["state"].values() for v in st.values()
+             if torch.is_tensor(v) and v.device.type != "meta" and v.dim() > 0]
+    shards = [v for v in read if isinstance(v, DTensor)]
+    report = {"entries": len(read), "sharded": len(shards),
+              "read_numel": sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel() for v in read),
+              "whole_numel": sum(v.numel() for v in read)}
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return reports
+
+
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pp = cfg["pp"]
@@ -89,7 +110,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         from tests.support.workers.common import SGDGPT
 
         model = make_model(cfg, SGDGPT)
-    strategy = DynMoStrategy(pipeline_parallel=pp, microbatches=4, checkpoint_format=cfg.get("format", "dcp"),
+    fmt = cfg.get("format", None if cfg.get("fsdp") else "dcp")  # None: by dp_sharding (fsdp: dcp)
+    strategy = DynMoStrategy(pipeline_parallel=pp, microbatches=4, checkpoint_format=fmt,
+                             dp_sharding="fsdp" if cfg.get("fsdp") else "replicate",
                              rebalance=cfg.get("rebalance", "never"), rebalance_interval=1, balancer="uniform",
                              timeout=120, repack=cfg.get("repack", "off"))
     rec = LossRecorder()
@@ -126,6 +149,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             with torch.no_grad():
                 next(trainer.lightning_module.parameters()).view(-1)[0] = float("nan")
         trainer.save_checkpoint(cfg["poison_save"])
+    if cfg.get("probe_load") and error is None:
+        result["probe_load"] = probe_load(strategy, cfg["resume"])
     if cfg.get("save_memory") and error is None:
         growth = {}
         for fmt in ("dcp", "single"):  # the control: the gathered file grows rank 0 by the whole state

@@ -66,6 +66,22 @@ class MidWindowRebalance(L.Callback):
             self.moves += 1
 
 
+class StarveOnOneReplica(L.Callback):
+    """On data-parallel replica 1 only, pipeline layer ``layer``'s submodule ``name`` contributes
+    nothing and gets no gradient (its output detached and zeroed): a parameter used by one replica
+    and not the other, as MoE routing or early exit can make it."""
+
+    def __init__(self, layer: int, name: str) -> None:
+        self.layer, self.name = layer, name
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_dynmo.protocol import RemoteLayer, pipeline_layers_of
+
+        layer = pipeline_layers_of(pl_module)[self.layer]
+        if trainer.strategy.distributed_sampler_kwargs["rank"] == 1 and not isinstance(layer, RemoteLayer):
+            layer.get_submodule(self.name).register_forward_hook(lambda m, args, out: out.detach() * 0)
+
+
 def count_replica_averages() -> list[int]:
     """Count the strategy's data-parallel gradient averages (the real function, called through)."""
     from lightning_dynmo.strategy import strategy as module
@@ -183,6 +199,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         timeout=cfg.get("timeout", 120),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
         dp_sharding=cfg.get("dp_sharding", "replicate"),
+        checkpoint_format=cfg.get("checkpoint_format", "single"),  # the full state below is gathered onto rank 0
     )
     averages = count_replica_averages()
     rec = LossRecorder()
@@ -194,6 +211,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         from lightning_dynmo import LayerFreezing
 
         callbacks.append(LayerFreezing(schedule={int(k): int(v) for k, v in cfg["freeze"].items()}))
+    if cfg.get("starve"):  # [layer, submodule]
+        callbacks.append(StarveOnOneReplica(int(cfg["starve"][0]), cfg["starve"][1]))
     if cfg.get("request_repack"):
         step, target = cfg["request_repack"]
         callbacks.append(RepackRequest(int(step), target))
@@ -231,6 +250,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         callbacks=callbacks,
         default_root_dir=os.path.join(out_dir, f"run{idx}"),  # each run's rebalance_history / cost_trace
     )
+    if cfg.get("meta"):  # built on the meta device; setup materialises this rank's layers
+        with trainer.init_module(empty_init=True):
+            model = make_model(cfg)
+        assert all(p.is_meta for p in model.parameters())
     val = eval_loader(cfg, cfg["batch"]) if evaluate else None
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), val_dataloaders=val, ckpt_path=cfg.get("resume"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -240,9 +263,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     optim_tensors = sum(1 for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
                         if torch.is_tensor(v) and v.numel() > 1)
     local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.lightning_module.parameters())
+    frozen = [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
+    frozen_with_state = sum(1 for p in frozen for opt in trainer.optimizers if opt.state.get(p))
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
-             list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel)
+             list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel,
+             (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))))
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
@@ -255,6 +281,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "strategy_released_ranks_per_rank": [x[7] for x in per_rank],
               "repack_to_returned_per_rank": [x[8] for x in per_rank],
               "local_param_numel_per_rank": [x[9] for x in per_rank],
+              "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
