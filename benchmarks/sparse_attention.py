@@ -33,6 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from _cuda_timing import cuda_round_robin
 from _harness import round_robin
 from lightning_dynmo import sparse
 from lightning_dynmo.sparse import BlockLayout, block_sparse_attention
@@ -104,23 +105,6 @@ def bench(t, threads, args, rounds):
     return rows, summary
 
 
-def _cuda_round_robin(fns: dict, rounds: int) -> dict:
-    for fn in fns.values():  # warm-up (and compilation)
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[k].append(start.elapsed_time(end))
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def _mask_build_ms(layout, t, repeats=20):
     """One uncached BlockMask build (what every call paid before the mask was kept on the layout)."""
     from lightning_dynmo.sparse.flex import flex_block_mask
@@ -166,7 +150,7 @@ def bench_cuda(args, rounds):
         for target, layout in layouts.items():
             fns[f"kernel@{target:g}"] = _step(
                 lambda q, k, v, lay=layout: block_sparse_attention(q, k, v, lay, backend="kernel"), q, k, v, g)
-    ms = _cuda_round_robin(fns, rounds)
+    ms = cuda_round_robin(fns, rounds)
     ours = "ours" if route in ("flex", "kernel") else "reference"  # the dense masked fallback is never "ours"
     if ours == "reference":
         print(f"WARNING: backend='auto' ran the dense masked reference on CUDA "
