@@ -61,7 +61,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_ms(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+def median_ms(run: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median wall milliseconds of ``run`` after one warm-up call (device-synchronised): the
+    measurement behind every measured kernel choice (attention here, linear layers in dispatch)."""
     run()  # warm-up (and compilation)
     _sync(device)
     times = []
@@ -82,7 +84,7 @@ def fastest(key: Hashable, trials: Mapping[str, Callable[[], Callable[[], None]]
             _CHOICES[key] = next(iter(trials))
         else:
             with torch.inference_mode(False), torch.enable_grad():
-                times = {name: _median_ms(prepare(), torch.device(device), repeats) for name, prepare in trials.items()}
+                times = {name: median_ms(prepare(), torch.device(device), repeats) for name, prepare in trials.items()}
             _TIMES[key] = times
             _CHOICES[key] = min(times, key=times.get)
     return _CHOICES[key]

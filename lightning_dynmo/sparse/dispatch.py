@@ -14,13 +14,13 @@ collective (``GradualPruning`` broadcasts the data-parallel group's first rank's
 from __future__ import annotations
 
 import os
-import time
 from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import _ops
+from .backend_choice import median_ms
 from .linear import MaskedLinear, SparseLinear
 from .semi_structured import SemiStructuredCache, semi_structured_linear, semi_structured_unavailable
 
@@ -37,21 +37,9 @@ def _bucket(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time(fn, device: torch.device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of ``fn`` (one measurement routine for every measured choice)."""
+    return median_ms(fn, device, repeats) / 1e3
 
 
 def _fwd_bwd(layer: nn.Module, x: Tensor):
