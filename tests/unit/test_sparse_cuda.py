@@ -320,3 +320,12 @@ def test_cuda_spmm_without_input_features_is_the_bias(monkeypatch, kernel):
     b = torch.randn(3, device="cuda")
     y = torch.ops.ldsparse.spmm(crow, col, torch.zeros(0, device="cuda"), torch.zeros(5, 0, device="cuda"), b)
     torch.testing.assert_close(y, b.expand(5, 3))
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_spmm_rejects_an_unknown_kernel_name(monkeypatch):
+    monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", "v3")
+    crow, col = torch.tensor([0, 1], dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="LDSPARSE_SPMM_KERNEL must be v1 or v2"):
+        torch.ops.ldsparse.spmm(crow, col, torch.ones(1, device="cuda"), torch.ones(2, 1, device="cuda"), None)

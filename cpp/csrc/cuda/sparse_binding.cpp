@@ -42,7 +42,10 @@ const void* ptr_or_null(const c10::optional<at::Tensor>& t) { return t.has_value
 // time both); v1 stays the default until a GPU run has measured v2 (sparse_kernels.cuh).
 bool staged_kernel_selected() {
   const char* v = std::getenv("LDSPARSE_SPMM_KERNEL");
-  return v != nullptr && std::string(v) == "v2";
+  const std::string name = v == nullptr ? "" : v;
+  TORCH_CHECK(name.empty() || name == "v1" || name == "v2",
+              "LDSPARSE_SPMM_KERNEL must be v1 or v2 (or unset: v1), got '", name, "'");
+  return name == "v2";
 }
 
 void check_launch(cudaError_t err, const char* op) {
