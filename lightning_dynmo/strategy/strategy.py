@@ -232,7 +232,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))
         sharding = self.options.dp_sharding is DpSharding.FSDP and self.topology.dp > 1
         if sharding:  # what FSDP units cannot hold yet, refused on every rank before anything moves
-            check_fsdp_composition(tied=bool(find_tied_parameters(layers, self._layers_attr)),
+            check_fsdp_composition(tied=bool(self.tied),
                                    expert_parallel=self.options.expert_parallel,
                                    precision=str(self.precision_plugin.precision),
                                    pruning=any(isinstance(c, GradualPruning) for c in trainer.callbacks))
