@@ -2,8 +2,8 @@
 forward+backward on CUDA.
 
 * SpMM (DynMo paper, figure 2; Sputnik's setup): y = x W^T with M = N = K = 4096 in fp32 with
-  TF32 off, W unstructured at each sparsity: ours (``torch.ops.ldsparse.spmm``; the default kernel
-  and the staged v2 kernel, ``LDSPARSE_SPMM_KERNEL=v2``), cuSPARSE
+  TF32 off, W unstructured at each sparsity: ours (``torch.ops.ldsparse.spmm`` with each kernel
+  ``LDSPARSE_SPMM_KERNEL`` offers: v1 tiled, v2 staged, v3 entry stream), cuSPARSE
   (``torch.sparse.mm`` on a CSR weight: W x^T) and cuBLAS (``x @ W.t()``), plus cuBLAS timed a
   second time as the run's noise floor.
 * Layer: ``SparseLinear`` vs ``nn.Linear`` forward+backward, at 4096 (fp32) and at the GPT-2
@@ -51,29 +51,35 @@ def spmm_figure(sparsities, rounds: int, size: int = 4096) -> list[dict]:
         vals = wm[mask].contiguous()
         w_csr = wm.to_sparse_csr()
         ref = x @ wm.t()
-        err = _check(torch.ops.ldsparse.spmm(crow, col, vals, x, None), ref, f"spmm at sparsity {s}", 1e-4)
-        with _spmm_kernel("v2"):
-            err_v2 = _check(torch.ops.ldsparse.spmm(crow, col, vals, x, None), ref, f"spmm v2 at sparsity {s}", 1e-4)
-
-        def v2():
-            with _spmm_kernel("v2"):
-                return torch.ops.ldsparse.spmm(crow, col, vals, x, None)
-        ms = cuda_round_robin({
-            "cublas": lambda: x @ wm.t(),
-            "ours": lambda: torch.ops.ldsparse.spmm(crow, col, vals, x, None),
-            "ours_v2": v2,
-            "cusparse": lambda: torch.sparse.mm(w_csr, x.t()),
-            "cublas_control": lambda: x @ wm.t(),
-        }, rounds)
-        row = {"sparsity": s, **{f"{k}_ms": round(v, 4) for k, v in ms.items()}, "max_rel_err": err,
-               "max_rel_err_v2": err_v2, "v2_speedup_vs_cublas": round(ms["cublas"] / ms["ours_v2"], 2),
-               "speedup_vs_cublas": round(ms["cublas"] / ms["ours"], 2),
-               "speedup_vs_cusparse": round(ms["cusparse"] / ms["ours"], 2),
+        fns = {"cublas": lambda: x @ wm.t()}
+        errs = {}
+        for k in KERNELS:
+            with _spmm_kernel(k):
+                errs[k] = _check(torch.ops.ldsparse.spmm(crow, col, vals, x, None), ref, f"spmm {k} at sparsity {s}",
+                                 1e-4)
+            fns[f"ours_{k}"] = _with_kernel(k, lambda: torch.ops.ldsparse.spmm(crow, col, vals, x, None))
+        fns["cusparse"] = lambda: torch.sparse.mm(w_csr, x.t())
+        fns["cublas_control"] = lambda: x @ wm.t()
+        ms = cuda_round_robin(fns, rounds)
+        row = {"sparsity": s, **{f"{k}_ms": round(v, 4) for k, v in ms.items()},
+               **{f"max_rel_err_{k}": e for k, e in errs.items()},
+               **{f"speedup_vs_cublas_{k}": round(ms["cublas"] / ms[f"ours_{k}"], 2) for k in KERNELS},
+               **{f"speedup_vs_cusparse_{k}": round(ms["cusparse"] / ms[f"ours_{k}"], 2) for k in KERNELS},
                "cusparse_vs_cublas": round(ms["cublas"] / ms["cusparse"], 2),
                "noise_floor": round(abs(ms["cublas_control"] / ms["cublas"] - 1), 3)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+KERNELS = ("v1", "v2", "v3")  # LDSPARSE_SPMM_KERNEL values (fp32; bf16 always runs v1)
+
+
+def _with_kernel(name: str, fn):
+    def run():
+        with _spmm_kernel(name):
+            return fn()
+    return run
 
 
 @contextlib.contextmanager
@@ -113,19 +119,26 @@ def layer_fwd_bwd(in_f: int, out_f: int, tokens: int, dtype, sparsities, rounds:
             masked.weight.copy_(dense.weight * mask)
             masked.bias.copy_(dense.bias)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        _check(ours(x), masked(x), f"SparseLinear {in_f}x{out_f} {dtype} at {s}", tol)
-        x.grad = None
-        ours(x).backward(g)
-        gx, gv = x.grad.clone(), ours.values.grad.clone()
-        x.grad = None
-        masked(x).backward(g)
-        _check(gx, x.grad, f"SparseLinear input grad {in_f}x{out_f} {dtype} at {s}", tol)
-        _check(gv, masked.weight.grad[mask], f"SparseLinear weight grad {in_f}x{out_f} {dtype} at {s}", tol)
-        ms = cuda_round_robin({"dense": _fwd_bwd(dense, x, g), "ours": _fwd_bwd(ours, x, g),
-                               "dense_control": _fwd_bwd(dense, x, g)}, rounds)
+        kernels = KERNELS if dtype == torch.float32 else ("v1",)
+        fns = {"dense": _fwd_bwd(dense, x, g)}
+        for k in kernels:
+            with _spmm_kernel(k):
+                _check(ours(x), masked(x), f"SparseLinear {k} {in_f}x{out_f} {dtype} at {s}", tol)
+                x.grad = None
+                ours.zero_grad(set_to_none=True)
+                ours(x).backward(g)
+            gx, gv = x.grad.clone(), ours.values.grad.clone()
+            x.grad = None
+            masked.zero_grad(set_to_none=True)
+            masked(x).backward(g)
+            _check(gx, x.grad, f"SparseLinear {k} input grad {in_f}x{out_f} {dtype} at {s}", tol)
+            _check(gv, masked.weight.grad[mask], f"SparseLinear {k} weight grad {in_f}x{out_f} {dtype} at {s}", tol)
+            fns[f"ours_{k}"] = _with_kernel(k, _fwd_bwd(ours, x, g))
+        fns["dense_control"] = _fwd_bwd(dense, x, g)
+        ms = cuda_round_robin(fns, rounds)
         row = {"in": in_f, "out": out_f, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""),
                "sparsity": s, **{f"{k}_fwd_bwd_ms": round(v, 4) for k, v in ms.items()},
-               "speedup_vs_dense": round(ms["dense"] / ms["ours"], 2),
+               **{f"speedup_vs_dense_{k}": round(ms["dense"] / ms[f"ours_{k}"], 2) for k in kernels},
                "noise_floor": round(abs(ms["dense_control"] / ms["dense"] - 1), 3)}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -138,8 +151,9 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     s = [r["sparsity"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(s, [r["speedup_vs_cublas"] for r in rows], "o-", label="ours v1 (ldsparse.spmm)")
-    ax.plot(s, [r["v2_speedup_vs_cublas"] for r in rows], "^-", label="ours v2 (staged, LDSPARSE_SPMM_KERNEL=v2)")
+    labels = {"v1": "ours v1 (tiled)", "v2": "ours v2 (staged)", "v3": "ours v3 (entry stream)"}
+    for k, marker in zip(KERNELS, "o^D"):
+        ax.plot(s, [r[f"speedup_vs_cublas_{k}"] for r in rows], marker + "-", label=f"{labels[k]}, LDSPARSE_SPMM_KERNEL={k}")
     ax.plot(s, [r["cusparse_vs_cublas"] for r in rows], "s--", label="cuSPARSE (torch.sparse.mm)")
     ax.axhline(1.0, color="gray", lw=1, label="cuBLAS (dense)")
     ax.set_yscale("log")
@@ -172,17 +186,18 @@ def main(args) -> dict:
     summary = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "quick": args.quick, "rounds": rounds, "tf32": False,
-        "spmm_speedup_vs_cublas_at_75": by[0.75]["speedup_vs_cublas"],
-        "spmm_speedup_vs_cublas_at_90": by[0.9]["speedup_vs_cublas"],
-        "spmm_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL", "v1"),
-        "spmm_v2_speedup_vs_cublas_at_75": by[0.75]["v2_speedup_vs_cublas"],
-        "spmm_v2_speedup_vs_cublas_at_90": by[0.9]["v2_speedup_vs_cublas"],
-        "spmm_min_speedup_vs_cusparse": min(r["speedup_vs_cusparse"] for r in figure),
-        "spmm_crossover_vs_cublas": min((r["sparsity"] for r in figure if r["speedup_vs_cublas"] >= 1), default=None),
-        "fwd_bwd_speedup_vs_dense_at_90": big[0.9]["speedup_vs_dense"],
-        "fwd_bwd_crossover_vs_dense": min((r["sparsity"] for r in layers["4096x4096x4096_fp32"]
-                                          if r["speedup_vs_dense"] >= 1), default=None),
-        "gpt_mlp_fwd_bwd_speedup_at_90": {k: v[0]["speedup_vs_dense"] for k, v in layers.items() if "8192" in k},
+        "default_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL") or "v1",
+        "spmm_speedup_vs_cublas_at_75": {k: by[0.75][f"speedup_vs_cublas_{k}"] for k in KERNELS},
+        "spmm_speedup_vs_cublas_at_90": {k: by[0.9][f"speedup_vs_cublas_{k}"] for k in KERNELS},
+        "spmm_min_speedup_vs_cusparse": {k: min(r[f"speedup_vs_cusparse_{k}"] for r in figure) for k in KERNELS},
+        "spmm_crossover_vs_cublas": {k: min((r["sparsity"] for r in figure if r[f"speedup_vs_cublas_{k}"] >= 1),
+                                            default=None) for k in KERNELS},
+        "fwd_bwd_speedup_vs_dense_at_90": {k: big[0.9][f"speedup_vs_dense_{k}"] for k in KERNELS},
+        "fwd_bwd_crossover_vs_dense": {k: min((r["sparsity"] for r in layers["4096x4096x4096_fp32"]
+                                               if r[f"speedup_vs_dense_{k}"] >= 1), default=None) for k in KERNELS},
+        "gpt_mlp_fwd_bwd_speedup_at_90": {name: {key[len("speedup_vs_dense_"):]: v for key, v in rows[0].items()
+                                                 if key.startswith("speedup_vs_dense_")}
+                                          for name, rows in layers.items() if "8192" in name},
         "noise_floor": max(r["noise_floor"] for r in figure),
         "figure": figure, "layers": layers,
     }

@@ -11,14 +11,15 @@
 #              fails the step instead of falling back); the log ends with ninja's per-file times
 #   kernels    the CUDA module imports and registers its ops
 #   cuda_tests pytest -m cuda over tests/unit (sparse kernels, 2:4, FlexAttention route, > 2M tokens)
-#   sanitize   compute-sanitizer memcheck on the sparse CUDA tests (SANITIZER_TOOLS for more tools)
-#   train      scripts/gpu_train_check.py: GPT-2-small in bf16, eager and torch.compile'd
-#   profile    benchmarks/block_profile.py --device cuda: the per-layer cost profile on this GPU
 #   spmm       benchmarks/sparse_linear.py --device cuda --figure: the seed's SpMM figure (ours vs
-#              cuSPARSE vs cuBLAS, fp32) and SparseLinear forward+backward vs nn.Linear
+#              cuSPARSE vs cuBLAS, fp32, every LDSPARSE_SPMM_KERNEL) and SparseLinear fwd+bwd vs nn.Linear
 #   semi       benchmarks/semi_structured.py: 2:4 sparsity (bf16, tensor cores) vs dense
 #   attention  benchmarks/sparse_attention.py --device cuda --quick: block-sparse attention vs SDPA
+#   train      scripts/gpu_train_check.py: GPT-2-small in bf16, eager and torch.compile'd
 #   dcp        scripts/gpu_dcp_check.py: checkpoint_format="dcp" with CUDA tensors over NCCL (resume exact)
+#   profile    benchmarks/block_profile.py --device cuda: the per-layer cost profile on this GPU
+#   sanitize   compute-sanitizer memcheck on the sparse CUDA tests (SANITIZER_TOOLS for more tools)
+# GPU_CHECK_DEADLINE=<epoch seconds> fits the run into a hard wall-clock limit (steps cut or skipped).
 # Without a GPU it prints {"gpu": false, ...} and exits 0: nothing here can run on a CPU.
 # The machine needs torch (CUDA build), nvcc, ninja, lightning, pytest, hypothesis, hydra-core,
 # omegaconf and matplotlib.
@@ -39,10 +40,24 @@ limit_of() {  # 3x the step's last measured seconds, at least 30
   "$PY" -c "import json,sys; b=json.load(open('scripts/gpu_check_budget.json')); print(max(30, int(3*b.get(sys.argv[1], 60))))" "$1"
 }
 
+# GPU_CHECK_DEADLINE (epoch seconds, optional): a device call has a hard wall-clock limit; steps
+# are cut to the time left and skipped (rc 125, named in the log) when under 20 s remain, so the
+# summary line is always printed and says which steps did not run.
+DEADLINE="${GPU_CHECK_DEADLINE:-}"
+
 step() {  # step NAME CMD...: run CMD under NAME's limit, log to $out/NAME.log, record rc + seconds
   local name="$1"; shift
   [[ " $STEPS " == *" $name "* ]] || return 0
   local limit; limit=$(limit_of "$name")
+  if [[ -n "$DEADLINE" ]]; then
+    local left=$(( DEADLINE - $(date +%s) ))
+    if (( left < 20 )); then
+      echo "== $name: skipped, ${left}s left before GPU_CHECK_DEADLINE" | tee "$out/$name.log"
+      echo "{\"step\": \"$name\", \"rc\": 125, \"seconds\": 0.0, \"limit\": 0}" >> "$results"
+      return 0
+    fi
+    (( left < limit )) && limit=$left
+  fi
   local t0; t0=$(date +%s%N)
   echo "== $name (limit ${limit}s): $*"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
@@ -73,13 +88,14 @@ export -f build ninja_times; export PY arch
 step build bash -c build
 step kernels "$PY" -c "from lightning_dynmo.sparse._ops import cuda_kernels_available as a, cuda_kernels_missing_reason as r; assert a(), r(); print('CUDA kernels built')"
 step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/unit
-step sanitize env SANITIZER_TOOLS="${SANITIZER_TOOLS:-memcheck}" bash cpp/sanitize_cuda.sh
-step train "$PY" scripts/gpu_train_check.py
-step profile "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile.json"
+# The figures first, the slowest check (the sanitizer) last: a run cut by its deadline loses least.
 step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out"
 step semi "$PY" benchmarks/semi_structured.py --rounds 20
 step attention "$PY" benchmarks/sparse_attention.py --device cuda --quick
+step train "$PY" scripts/gpu_train_check.py
 step dcp "$PY" scripts/gpu_dcp_check.py
+step profile "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile.json"
+step sanitize env SANITIZER_TOOLS="${SANITIZER_TOOLS:-memcheck}" bash cpp/sanitize_cuda.sh
 
 "$PY" - "$out" <<'PYEOF'
 import json, re, sys

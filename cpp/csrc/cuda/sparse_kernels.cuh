@@ -290,6 +290,203 @@ inline cudaError_t launch_spmm_staged(const int32_t* chunk_ptr, const int32_t* c
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------------------- SpMM v3 (fp32)
+// The "entry stream" kernel.  What bounds unstructured SpMM on Hopper (the roofline behind v1's
+// figures): every FMA needs one distinct dense value, so x must come from shared memory at 4
+// bytes a lane per FMA; shared memory delivers 128 bytes a clock per SM while the SM issues 128
+// fp32 FMAs a clock, so no SIMT SpMM exceeds 25 % of fp32 peak (A100: 50 %, hence Sputnik's
+// lead there).  v3 spends that budget on FMAs only:
+//   * The non-zeros are re-laid per call (spmm_stream_plan below) as one stream ordered by
+//     (row tile, chunk, row): entry = (value, column's offset in the shared x tile).  A block's
+//     entries of a chunk are contiguous, so they are copied to shared memory with coalesced
+//     8-byte cp.async one chunk ahead; where each row starts is read from the same scan.
+//   * A block owns 64 rows x 256 tokens: 8 warps x 8 rows, 8 tokens a lane, so a non-zero costs
+//     one broadcast load + 8 conflict-free loads + 8 FMAs (v1: 1 + 4 + 4 from global).
+//   * x is staged [column][token] with pitch 257 by 4-byte cp.async (coalesced along K,
+//     conflict-free stores and loads), so no staging registers: 64 accumulators, 2 blocks an SM
+//     (one block's barrier wait is the other's compute).
+//   * Output goes through shared memory so y is written in coalesced 256-byte rows.
+//   * Row tiles vary fastest in the grid: the resident blocks share a few token tiles of x
+//     (4 MB each), which stay in L2.
+// One barrier per chunk: the copies of chunk c + 1 go into the other buffer, which every warp
+// left at the previous barrier.  fp32 only.  A row has at most kChunk entries in a chunk (valid
+// CSR: sorted, unique columns); the copies and loops are clamped to the buffer all the same, so
+// a corrupt pattern gives wrong numbers, never out-of-bounds shared memory.
+namespace v3 {
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarp * kWarps;                       // 256
+constexpr int kRowsPerWarp = 8;
+constexpr int kRows = kWarps * kRowsPerWarp;                    // 64 rows a block
+constexpr int kTokensPerLane = 8;
+constexpr int kTokens = kWarp * kTokensPerLane;                 // 256 tokens a block
+constexpr int kPitch = kTokens + 1;                             // x tile [column][token]
+constexpr int kXFloats = kChunk * kPitch;
+constexpr int kMaxEntries = kRows * kChunk;                     // a dense chunk
+constexpr int kOutPitch = kRows + 1;                            // y tile [token][row]
+constexpr size_t kSmem = 2 * (static_cast<size_t>(kXFloats) * sizeof(float) +
+                              static_cast<size_t>(kMaxEntries) * sizeof(int2));
+static_assert(static_cast<size_t>(kTokens) * kOutPitch * sizeof(float) <= kSmem, "y tile reuses the buffers");
+static_assert((2 * kXFloats * sizeof(float)) % sizeof(int2) == 0, "entry buffers are 8-byte aligned");
+}  // namespace v3
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(gmem));
+}
+
+// Plan: one thread per (chunk c, row r) copies the row's entries of chunk c to
+// stream[scan[(tile(r) * chunks + c) * kRows + r % kRows] ...] as (value bits, column offset in
+// the shared x tile).  chunk_ptr as for v1 (c-major).
+__global__ void spmm_stream_scatter_kernel(const int32_t* __restrict__ chunk_ptr, const int32_t* __restrict__ col,
+                                           const float* __restrict__ values, const int32_t* __restrict__ scan,
+                                           int2* __restrict__ stream, int rows, int chunks) {
+  const int64_t total = static_cast<int64_t>(chunks) * rows;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t c = e / rows;
+    const int r = static_cast<int>(e - c * rows);
+    const int begin = chunk_ptr[e], end = chunk_ptr[e + rows];
+    const int64_t slot = (static_cast<int64_t>(r / v3::kRows) * chunks + c) * v3::kRows + r % v3::kRows;
+    int2* out = stream + scan[slot];
+    const int64_t k0 = c * kChunk;
+    for (int p = begin; p < end; ++p)
+      out[p - begin] = make_int2(__float_as_int(values[p]), static_cast<int>(col[p] - k0) * v3::kPitch);
+  }
+}
+
+// grid = (row tiles, min(token tiles, kMaxGridY)), block = v3::kThreads, dynamic smem v3::kSmem.
+// scan: int32 [row tiles * chunks * kRows + 1], exclusive prefix of the entry counts in stream order.
+__global__ void __launch_bounds__(v3::kThreads, 2)
+spmm_stream_kernel(const int32_t* __restrict__ scan, const int2* __restrict__ stream, const float* __restrict__ x,
+                   const float* __restrict__ bias, float* __restrict__ y, int rows, int K, int n, int chunks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* xs = reinterpret_cast<float*>(smem_raw);                                   // [2][kChunk][v3::kPitch]
+  int2* es = reinterpret_cast<int2*>(smem_raw + 2 * v3::kXFloats * sizeof(float));      // [2][v3::kMaxEntries]
+  float* ys = reinterpret_cast<float*>(smem_raw);                                   // [v3::kTokens][v3::kOutPitch]
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int rt = blockIdx.x;
+  const int r0 = rt * v3::kRows;
+  const int64_t g0 = static_cast<int64_t>(rt) * chunks;  // stream group of (rt, chunk 0)
+  const auto group_start = [&](int64_t g) { return scan[g * v3::kRows]; };
+  const int token_tiles = static_cast<int>((static_cast<int64_t>(n) + v3::kTokens - 1) / v3::kTokens);
+
+  for (int tile = blockIdx.y; tile < token_tiles; tile += gridDim.y) {
+    const int64_t t0 = static_cast<int64_t>(tile) * v3::kTokens;
+    // Copy chunk c's x tile and the block's entries [bs, be) into buffer c & 1 (async).
+    const auto stage = [&](int c, int bs, int be) {
+      float* xb = xs + (c & 1) * v3::kXFloats + lane * v3::kPitch;
+      const int64_t k = static_cast<int64_t>(c) * kChunk + lane;
+      const bool k_ok = k < K;
+#pragma unroll 4
+      for (int i = 0; i < v3::kTokens / v3::kWarps; ++i) {
+        const int tt = warp + v3::kWarps * i;
+        const int64_t t = t0 + tt;
+        const bool ok = k_ok && t < n;
+        cp_async4(xb + tt, ok ? x + t * K + k : x, ok);
+      }
+      int2* eb = es + (c & 1) * v3::kMaxEntries;
+      const int end = min(be, bs + v3::kMaxEntries);
+      for (int e = bs + static_cast<int>(threadIdx.x); e < end; e += v3::kThreads) cp_async8(eb + (e - bs), stream + e);
+      cp_async_commit();
+    };
+    // Row starts of this warp's 8 rows (lanes 0..8) in chunk c's group.
+    const auto row_starts = [&](int c) {
+      return lane <= v3::kRowsPerWarp ? scan[(g0 + c) * v3::kRows + warp * v3::kRowsPerWarp + lane] : 0;
+    };
+
+    float acc[v3::kRowsPerWarp][v3::kTokensPerLane];
+#pragma unroll
+    for (int i = 0; i < v3::kRowsPerWarp; ++i)
+#pragma unroll
+      for (int j = 0; j < v3::kTokensPerLane; ++j) acc[i][j] = 0.f;
+
+    int bs = group_start(g0), be = group_start(g0 + 1);
+    int starts = row_starts(0);
+    int bs1 = 0, be1 = 0;
+    if (chunks > 1) {
+      bs1 = be;
+      be1 = group_start(g0 + 2);
+    }
+    __syncthreads();  // the previous token tile is done with the buffers
+    stage(0, bs, be);
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int c = 0; c < chunks; ++c) {
+      const bool more = c + 1 < chunks;
+      int starts1 = 0, bs2 = 0, be2 = 0;
+      if (more) {
+        stage(c + 1, bs1, be1);
+        starts1 = row_starts(c + 1);
+        if (c + 2 < chunks) {
+          bs2 = be1;
+          be2 = group_start(g0 + c + 3);
+        }
+      }
+      const float* xb = xs + (c & 1) * v3::kXFloats + lane;
+      const int2* eb = es + (c & 1) * v3::kMaxEntries;
+      const int local = min(max(starts - bs, 0), v3::kMaxEntries);  // row starts in the buffer
+      int s = __shfl_sync(kFull, local, 0);
+#pragma unroll
+      for (int i = 0; i < v3::kRowsPerWarp; ++i) {
+        const int e = __shfl_sync(kFull, local, i + 1);
+#pragma unroll 2
+        for (int q = s; q < e; ++q) {
+          const int2 en = eb[q];
+          const float w = __int_as_float(en.x);
+          const float* b = xb + en.y;
+#pragma unroll
+          for (int j = 0; j < v3::kTokensPerLane; ++j) acc[i][j] = fmaf(w, b[j * kWarp], acc[i][j]);
+        }
+        s = e;
+      }
+      cp_async_wait<0>();
+      __syncthreads();  // chunk c + 1 has landed; every warp is done with buffer c & 1
+      bs = bs1;
+      be = be1;
+      bs1 = bs2;
+      be1 = be2;
+      starts = starts1;
+    }
+    // y tile through shared memory: [token][row], then 256-byte rows of y.
+#pragma unroll
+    for (int i = 0; i < v3::kRowsPerWarp; ++i)
+#pragma unroll
+      for (int j = 0; j < v3::kTokensPerLane; ++j) ys[(lane + j * kWarp) * v3::kOutPitch + warp * v3::kRowsPerWarp + i] = acc[i][j];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < v3::kTokens * v3::kRows; idx += v3::kThreads) {
+      const int tt = idx / v3::kRows, rr = idx % v3::kRows;
+      const int64_t t = t0 + tt;
+      const int r = r0 + rr;
+      if (t < n && r < rows) y[t * rows + r] = ys[tt * v3::kOutPitch + rr] + (bias ? bias[r] : 0.f);
+    }
+  }
+}
+
+inline cudaError_t launch_spmm_stream_scatter(const int32_t* chunk_ptr, const int32_t* col, const float* values,
+                                              const int32_t* scan, int2* stream, int rows, int chunks,
+                                              cudaStream_t cuda_stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t work = static_cast<int64_t>(chunks) * rows;
+  const int64_t b = (work + 255) / 256;
+  spmm_stream_scatter_kernel<<<static_cast<unsigned>(b < 65535 * 16 ? (b > 0 ? b : 1) : 65535 * 16), 256, 0,
+                               cuda_stream>>>(chunk_ptr, col, values, scan, stream, rows, chunks);
+  return cudaGetLastError();
+}
+
+inline cudaError_t launch_spmm_stream(const int32_t* scan, const int2* stream, const float* x, const float* bias,
+                                      float* y, int rows, int K, int n, int chunks, cudaStream_t cuda_stream) {
+  if (rows == 0 || n == 0) return cudaSuccess;
+  const cudaError_t err = cudaFuncSetAttribute(spmm_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(v3::kSmem));
+  if (err != cudaSuccess) return err;
+  const int64_t row_tiles = (static_cast<int64_t>(rows) + v3::kRows - 1) / v3::kRows;
+  const int64_t token_tiles = (static_cast<int64_t>(n) + v3::kTokens - 1) / v3::kTokens;
+  const dim3 grid(static_cast<unsigned>(row_tiles),
+                  static_cast<unsigned>(token_tiles < kMaxGridY ? token_tiles : kMaxGridY));
+  spmm_stream_kernel<<<grid, v3::kThreads, v3::kSmem, cuda_stream>>>(scan, stream, x, bias, y, rows, K, n, chunks);
+  return cudaGetLastError();
+}
+
 // out[p] = dense[r * K + col[p]] for every non-zero p of row r: the weight gradient restricted
 // to the pattern, from the dense gradient cuBLAS computes. One warp per row.
 template <typename T>
