@@ -3,7 +3,7 @@ forward+backward on CUDA.
 
 * SpMM (DynMo paper, figure 2; Sputnik's setup): y = x W^T with M = N = K = 4096 in fp32 with
   TF32 off, W unstructured at each sparsity: ours (``torch.ops.ldsparse.spmm`` with each kernel
-  ``LDSPARSE_SPMM_KERNEL`` offers: v1 tiled, v2 staged, v3 entry stream), cuSPARSE
+  ``LDSPARSE_SPMM_KERNEL`` offers: v1 tiled, v2 staged, v3-v5 entry stream), cuSPARSE
   (``torch.sparse.mm`` on a CSR weight: W x^T) and cuBLAS (``x @ W.t()``), plus cuBLAS timed a
   second time as the run's noise floor.
 * Layer: ``SparseLinear`` vs ``nn.Linear`` forward+backward, at 4096 (fp32) and at the GPT-2
@@ -53,13 +53,18 @@ torch.cuda.synchronize()
 """
 
 
-def healthy_kernels() -> tuple[str, ...]:
+def healthy_kernels(wanted=None) -> tuple[str, ...]:
     """The kernels that give the dense product on a few small cases, each tried in its own process:
     a kernel that faults poisons its CUDA context, and must not take the others' figures with it."""
     import subprocess
     import sys
     ok = []
+    unknown = set(wanted or ()) - set(KERNELS)
+    if unknown:
+        raise SystemExit(f"--kernels: unknown {sorted(unknown)}; choose from {list(KERNELS)}")
     for k in KERNELS:
+        if wanted and k not in wanted and k != "v1":
+            continue
         r = subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, "LDSPARSE_SPMM_KERNEL": k},
                            capture_output=True, text=True, timeout=120)
         if r.returncode == 0:
@@ -103,7 +108,7 @@ def spmm_figure(sparsities, rounds: int, kernels, size: int = 4096) -> list[dict
     return rows
 
 
-KERNELS = ("v1", "v2", "v3")  # LDSPARSE_SPMM_KERNEL values (fp32; bf16 always runs v1)
+KERNELS = ("v1", "v2", "v3", "v4", "v5")  # LDSPARSE_SPMM_KERNEL values (fp32; bf16 always runs v1)
 
 
 def _with_kernel(name: str, fn):
@@ -182,8 +187,9 @@ def _plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     s = [r["sparsity"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    labels = {"v1": "ours v1 (tiled)", "v2": "ours v2 (staged)", "v3": "ours v3 (entry stream)"}
-    for k, marker in zip(KERNELS, "o^D"):
+    labels = {"v1": "ours v1 (tiled)", "v2": "ours v2 (staged)", "v3": "ours v3 (entry stream 64x256)",
+              "v4": "ours v4 (entry stream 128x128)", "v5": "ours v5 (entry stream 256x128)"}
+    for k, marker in zip(KERNELS, "o^Dvs"):
         if f"speedup_vs_cublas_{k}" not in rows[0]:
             continue
         ax.plot(s, [r[f"speedup_vs_cublas_{k}"] for r in rows], marker + "-", label=f"{labels[k]}, LDSPARSE_SPMM_KERNEL={k}")
@@ -207,7 +213,7 @@ def main(args) -> dict:
                          "SparseLinear would time the densifying reference path, which is not our kernel")
     torch.backends.cuda.matmul.allow_tf32 = False
     rounds = args.rounds or (5 if args.quick else 15)
-    kernels = healthy_kernels()
+    kernels = healthy_kernels(getattr(args, "kernels", None))
     if "v1" not in kernels:
         raise SystemExit("the default SpMM kernel (v1) fails its probe: no figure")
     figure = spmm_figure(FIGURE_SPARSITIES, rounds, kernels)
@@ -223,7 +229,7 @@ def main(args) -> dict:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "quick": args.quick, "rounds": rounds, "tf32": False,
         "default_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL") or "v1",
-        "kernels_timed": list(kernels), "kernels_failing_probe": [k for k in KERNELS if k not in kernels],
+        "kernels_timed": list(kernels), "kernels_failing_probe": [k for k in (args.kernels or KERNELS) if k not in kernels],
         "spmm_speedup_vs_cublas_at_75": {k: by[0.75][f"speedup_vs_cublas_{k}"] for k in kernels},
         "spmm_speedup_vs_cublas_at_90": {k: by[0.9][f"speedup_vs_cublas_{k}"] for k in kernels},
         "spmm_min_speedup_vs_cusparse": {k: min(r[f"speedup_vs_cusparse_{k}"] for r in figure) for k in kernels},

@@ -92,6 +92,8 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--figure", action="store_true", help="(cuda) write the SpMM figure as a PNG")
     ap.add_argument("--out-dir", default="benchmarks/results", help="(cuda) where --figure writes")
+    ap.add_argument("--kernels", nargs="+", default=None, metavar="vN",
+                    help="(cuda) the LDSPARSE_SPMM_KERNEL values to time (default: all; v1 always)")
     args = ap.parse_args()
     if args.device == "cuda":
         import _sparse_linear_cuda

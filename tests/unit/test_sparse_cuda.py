@@ -13,6 +13,8 @@ from torch import nn
 from lightning_dynmo import sparse
 from lightning_dynmo.sparse import SparseLinear
 
+SPMM_KERNELS = ["v1", "v2", "v3", "v4", "v5"]  # LDSPARSE_SPMM_KERNEL (v2-v5 fp32; bf16 runs v1)
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "cpp", "check_cuda_compile.sh")
 
 
@@ -50,7 +52,7 @@ def _rounded_reference(layer, x, g):
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("kernel", SPMM_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,in_f,out_f,density", [(1, 64, 48, 0.3), (257, 96, 130, 0.1),
                                                         (1024, 768, 3072, 0.1), (64, 32, 16, 0.0)])
@@ -293,13 +295,13 @@ def test_attention_cuda_matches_cpu_kernel():
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("kernel", SPMM_KERNELS)
 @pytest.mark.parametrize("tokens,in_f,out_f,density", [
     (1, 1, 1, 1.0), (127, 33, 129, 0.5), (129, 64, 255, 1.0), (300, 4096, 130, 0.02),
-    (1000, 97, 1000, 0.3), (257, 31, 7, 0.0), (255, 65, 63, 1.0), (513, 96, 65, 0.7)])
+    (1000, 97, 1000, 0.3), (257, 31, 7, 0.0), (255, 65, 63, 1.0), (513, 96, 65, 0.7), (129, 40, 257, 0.6)])
 def test_cuda_spmm_kernels_match_the_dense_product(monkeypatch, kernel, tokens, in_f, out_f, density):
     """Every SpMM kernel (LDSPARSE_SPMM_KERNEL; v2 and v3 are fp32-only, bf16 stays on v1)
-    against the dense product: tile edges in rows (v1/v2 128, v3 64), tokens (128 / 256) and
+    against the dense product: tile edges in rows (64, 128, 256), tokens (128 / 256) and
     columns (32-column chunks), dense chunks (a full entry buffer), empty rows, several token tiles."""
     monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", kernel)
     from lightning_dynmo.sparse.linear import csr_pattern
@@ -316,7 +318,7 @@ def test_cuda_spmm_kernels_match_the_dense_product(monkeypatch, kernel, tokens, 
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("kernel", SPMM_KERNELS)
 def test_cuda_spmm_without_input_features_is_the_bias(monkeypatch, kernel):
     monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", kernel)
     crow, col = torch.zeros(4, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32, device="cuda")
@@ -328,7 +330,7 @@ def test_cuda_spmm_without_input_features_is_the_bias(monkeypatch, kernel):
 @pytest.mark.cuda
 @cuda
 def test_cuda_spmm_rejects_an_unknown_kernel_name(monkeypatch):
-    monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", "v4")
+    monkeypatch.setenv("LDSPARSE_SPMM_KERNEL", "v6")
     crow, col = torch.tensor([0, 1], dtype=torch.int32, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="LDSPARSE_SPMM_KERNEL must be v1, v2 or v3"):
+    with pytest.raises(RuntimeError, match="LDSPARSE_SPMM_KERNEL must be one of v1, v2, v3, v4, v5"):
         torch.ops.ldsparse.spmm(crow, col, torch.ones(1, device="cuda"), torch.ones(2, 1, device="cuda"), None)

@@ -27,16 +27,18 @@ cudaError_t spmm_build_chunk_ptr(const int32_t* crow, const int32_t* col, int32_
 // staged: the v2 kernel (fp32 only; sparse_kernels.cuh says why), else v1.
 cudaError_t spmm(Dtype dtype, const int32_t* chunk_ptr, const int32_t* col, const void* values, const void* x,
                  const void* bias, void* y, int rows, int K, int n, int chunks, bool staged, cudaStream_t stream);
-// v3, the entry-stream kernel (fp32; sparse_kernels.cuh says why).  Plan, per call: scan = int32
-// [spmm_stream_scan_size(rows, chunks)], the exclusive prefix of the per-(row tile, chunk, row)
-// entry counts in that order (rows padded to spmm_stream_tile_rows() with zero counts); stream =
-// int32 pairs [nnz][2] filled by spmm_stream_scatter from chunk_ptr.
-int spmm_stream_tile_rows();
-int64_t spmm_stream_scan_size(int rows, int chunks);
+// v3-v5, the entry-stream kernels (fp32; sparse_kernels.cuh says why), `variant` 3, 4 or 5 (their
+// tile geometries).  Plan, per call: scan = int32 [spmm_stream_scan_size(rows, chunks, variant)],
+// the exclusive prefix of the per-(row tile, chunk, row) entry counts in that order (rows padded
+// to spmm_stream_tile_rows(variant) with zero counts); stream = int32 pairs [nnz][2] filled by
+// spmm_stream_scatter from chunk_ptr.
+int spmm_stream_tile_rows(int variant);
+int64_t spmm_stream_scan_size(int rows, int chunks, int variant);
 cudaError_t spmm_stream_scatter(const int32_t* chunk_ptr, const int32_t* col, const float* values,
-                                const int32_t* scan, int32_t* stream, int rows, int chunks, cudaStream_t cuda_stream);
+                                const int32_t* scan, int32_t* stream, int rows, int chunks, int variant,
+                                cudaStream_t cuda_stream);
 cudaError_t spmm_stream(const int32_t* scan, const int32_t* stream, const float* x, const float* bias, float* y,
-                        int rows, int K, int n, int chunks, cudaStream_t cuda_stream);
+                        int rows, int K, int n, int chunks, int variant, cudaStream_t cuda_stream);
 // out[p] = dense[row(p) * K + col[p]].
 cudaError_t csr_gather(Dtype dtype, const int32_t* crow, const int32_t* col, const void* dense, void* out,
                        int rows, int K, cudaStream_t stream);

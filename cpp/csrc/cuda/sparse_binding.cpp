@@ -4,8 +4,8 @@
 // SparseLinear builds valid patterns (columns sorted within each row).
 //
 //   spmm:  the tiled kernel on token-major x and y (no transposes), row starts per column chunk
-//          computed per call by a binary-search kernel (no sort); LDSPARSE_SPMM_KERNEL=v2 / v3 pick
-//          the staged / entry-stream fp32 kernels.
+//          computed per call by a binary-search kernel (no sort); LDSPARSE_SPMM_KERNEL=v2 picks the
+//          staged, v3 / v4 / v5 the entry-stream fp32 kernels.
 //   sddmm: the dense gradient g^T x on cuBLAS (tensor cores for bf16), gathered at the pattern.
 //          One dense [rows, K] temporary; at the sparsities pruning reaches this beats any
 //          SIMT SDDMM we measured, and it is exact (fp32 accumulation, one rounding).
@@ -39,14 +39,14 @@ kc::Dtype dtype_of(const at::Tensor& x) { return x.scalar_type() == at::kFloat ?
 const void* ptr_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 // LDSPARSE_SPMM_KERNEL picks the fp32 SpMM kernel (read per call, so one process can time them
-// side by side): v1 (tiled), v2 (staged), v3 (entry stream).  bf16 always runs v1.
-enum class Kernel { v1, v2, v3 };
-Kernel selected_kernel() {
+// side by side): 1 (v1, tiled), 2 (v2, staged), 3-5 (v3-v5, entry stream, three tile shapes).
+// bf16 always runs v1.
+int selected_kernel() {
   const char* v = std::getenv("LDSPARSE_SPMM_KERNEL");
   const std::string name = v == nullptr ? "" : v;
-  TORCH_CHECK(name.empty() || name == "v1" || name == "v2" || name == "v3",
-              "LDSPARSE_SPMM_KERNEL must be v1, v2 or v3 (or unset: v1), got '", name, "'");
-  return name == "v3" ? Kernel::v3 : name == "v2" ? Kernel::v2 : Kernel::v1;
+  TORCH_CHECK(name.empty() || name == "v1" || name == "v2" || name == "v3" || name == "v4" || name == "v5",
+              "LDSPARSE_SPMM_KERNEL must be one of v1, v2, v3, v4, v5 (or unset: v1), got '", name, "'");
+  return name.empty() ? 1 : name[1] - '0';
 }
 
 void check_launch(cudaError_t err, const char* op) {
@@ -56,16 +56,16 @@ void check_launch(cudaError_t err, const char* op) {
 // v3: lay the non-zeros out as the entry stream (per call: the pattern's counts per row tile,
 // chunk and row, their prefix, and one scatter), then run the stream kernel.
 void spmm_stream_cuda(const at::Tensor& chunk_ptr, const at::Tensor& col, const at::Tensor& vals, const at::Tensor& x,
-                      const c10::optional<at::Tensor>& bias, at::Tensor& y, int chunks) {
-  const char* op = "ldsparse.spmm (v3)";
+                      const c10::optional<at::Tensor>& bias, at::Tensor& y, int chunks, int variant) {
+  const char* op = "ldsparse.spmm (entry stream)";
   const int64_t rows = y.size(1), n = x.size(0), K = x.size(1);
-  const int64_t tile = kc::spmm_stream_tile_rows();
+  const int64_t tile = kc::spmm_stream_tile_rows(variant);
   const int64_t padded = (rows + tile - 1) / tile * tile;
   const auto starts = chunk_ptr.view({chunks + 1, rows});
   auto counts = starts.narrow(0, 1, chunks) - starts.narrow(0, 0, chunks);  // [chunks, rows]
   if (padded != rows) counts = at::constant_pad_nd(counts, {0, padded - rows});
   counts = counts.view({chunks, padded / tile, tile}).permute({1, 0, 2}).reshape({-1});
-  const int64_t slots = kc::spmm_stream_scan_size(static_cast<int>(rows), chunks);
+  const int64_t slots = kc::spmm_stream_scan_size(static_cast<int>(rows), chunks, variant);
   TORCH_CHECK(slots == counts.numel() + 1, op, ": internal plan size mismatch");
   auto scan = at::zeros({slots}, chunk_ptr.options());
   scan.narrow(0, 1, slots - 1).copy_(at::cumsum(counts, 0, at::kInt));
@@ -73,10 +73,11 @@ void spmm_stream_cuda(const at::Tensor& chunk_ptr, const at::Tensor& col, const 
   const auto stream = c10::cuda::getCurrentCUDAStream();
   check_launch(kc::spmm_stream_scatter(chunk_ptr.data_ptr<int32_t>(), col.data_ptr<int32_t>(), vals.data_ptr<float>(),
                                        scan.data_ptr<int32_t>(), stream_entries.data_ptr<int32_t>(),
-                                       static_cast<int>(rows), chunks, stream), op);
+                                       static_cast<int>(rows), chunks, variant, stream), op);
   check_launch(kc::spmm_stream(scan.data_ptr<int32_t>(), stream_entries.data_ptr<int32_t>(), x.data_ptr<float>(),
                                bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                               static_cast<int>(rows), static_cast<int>(K), static_cast<int>(n), chunks, stream), op);
+                               static_cast<int>(rows), static_cast<int>(K), static_cast<int>(n), chunks, variant,
+                               stream), op);
 }
 
 at::Tensor spmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const at::Tensor& values,
@@ -99,14 +100,14 @@ at::Tensor spmm_cuda(const at::Tensor& crow_in, const at::Tensor& col_in, const 
   auto chunk_ptr = at::empty({(chunks + 1) * rows}, crow.options());
   check_launch(kc::spmm_build_chunk_ptr(crow.data_ptr<int32_t>(), col.data_ptr<int32_t>(),
                                         chunk_ptr.data_ptr<int32_t>(), static_cast<int>(rows), chunks, stream), op);
-  const Kernel kernel = x.scalar_type() == at::kFloat ? selected_kernel() : Kernel::v1;
-  if (kernel == Kernel::v3) {
-    spmm_stream_cuda(chunk_ptr, col, vals, x, bias, y, chunks);
+  const int kernel = x.scalar_type() == at::kFloat ? selected_kernel() : 1;
+  if (kernel >= 3) {
+    spmm_stream_cuda(chunk_ptr, col, vals, x, bias, y, chunks, kernel);
     return y;
   }
   check_launch(kc::spmm(dtype_of(x), chunk_ptr.data_ptr<int32_t>(), col.data_ptr<int32_t>(), vals.data_ptr(),
                         x.data_ptr(), ptr_or_null(bias), y.data_ptr(), static_cast<int>(rows), static_cast<int>(K),
-                        static_cast<int>(n), chunks, kernel == Kernel::v2, stream), op);
+                        static_cast<int>(n), chunks, kernel == 2, stream), op);
   return y;
 }
 

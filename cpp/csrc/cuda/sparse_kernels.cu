@@ -26,21 +26,40 @@ cudaError_t spmm(Dtype dtype, const int32_t* chunk_ptr, const int32_t* col, cons
                         static_cast<const B*>(bias), static_cast<B*>(y), rows, K, n, chunks, stream);
 }
 
-int spmm_stream_tile_rows() { return v3::kRows; }
-int64_t spmm_stream_scan_size(int rows, int chunks) {
-  const int64_t tiles = (static_cast<int64_t>(rows) + v3::kRows - 1) / v3::kRows;
-  return tiles * chunks * v3::kRows + 1;
+namespace {
+template <class Fn>
+auto with_tile(int variant, Fn fn) {
+  if (variant == 4) return fn(StreamV4{});
+  if (variant == 5) return fn(StreamV5{});
+  return fn(StreamV3{});
+}
+}  // namespace
+
+int spmm_stream_tile_rows(int variant) {
+  return with_tile(variant, [](auto tile) { return decltype(tile)::kRows; });
+}
+
+int64_t spmm_stream_scan_size(int rows, int chunks, int variant) {
+  const int64_t tile = spmm_stream_tile_rows(variant);
+  return (static_cast<int64_t>(rows) + tile - 1) / tile * chunks * tile + 1;
 }
 
 cudaError_t spmm_stream_scatter(const int32_t* chunk_ptr, const int32_t* col, const float* values,
-                                const int32_t* scan, int32_t* stream, int rows, int chunks, cudaStream_t cuda_stream) {
-  return launch_spmm_stream_scatter(chunk_ptr, col, values, scan, reinterpret_cast<int2*>(stream), rows, chunks,
-                                    cuda_stream);
+                                const int32_t* scan, int32_t* stream, int rows, int chunks, int variant,
+                                cudaStream_t cuda_stream) {
+  return with_tile(variant, [&](auto tile) {
+    using Tile = decltype(tile);
+    return launch_spmm_stream_scatter(chunk_ptr, col, values, scan, reinterpret_cast<int2*>(stream), rows, chunks,
+                                      Tile::kRows, Tile::kPitch, cuda_stream);
+  });
 }
 
 cudaError_t spmm_stream(const int32_t* scan, const int32_t* stream, const float* x, const float* bias, float* y,
-                        int rows, int K, int n, int chunks, cudaStream_t cuda_stream) {
-  return launch_spmm_stream(scan, reinterpret_cast<const int2*>(stream), x, bias, y, rows, K, n, chunks, cuda_stream);
+                        int rows, int K, int n, int chunks, int variant, cudaStream_t cuda_stream) {
+  return with_tile(variant, [&](auto tile) {
+    return launch_spmm_stream<decltype(tile)>(scan, reinterpret_cast<const int2*>(stream), x, bias, y, rows, K, n,
+                                              chunks, cuda_stream);
+  });
 }
 
 cudaError_t csr_gather(Dtype dtype, const int32_t* crow, const int32_t* col, const void* dense, void* out,

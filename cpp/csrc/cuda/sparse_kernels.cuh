@@ -312,22 +312,32 @@ inline cudaError_t launch_spmm_staged(const int32_t* chunk_ptr, const int32_t* c
 // left at the previous barrier.  fp32 only.  A row has at most kChunk entries in a chunk (valid
 // CSR: sorted, unique columns); the copies and loops are clamped to the buffer all the same, so
 // a corrupt pattern gives wrong numbers, never out-of-bounds shared memory.
-namespace v3 {
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarp * kWarps;                       // 256
-constexpr int kRowsPerWarp = 8;
-constexpr int kRows = kWarps * kRowsPerWarp;                    // 64 rows a block
-constexpr int kTokensPerLane = 8;
-constexpr int kTokens = kWarp * kTokensPerLane;                 // 256 tokens a block
-constexpr int kPitch = kTokens + 1;                             // x tile [column][token]
-constexpr int kXFloats = kChunk * kPitch;
-constexpr int kMaxEntries = kRows * kChunk;                     // a dense chunk
-constexpr int kOutPitch = kRows + 1;                            // y tile [token][row]
-constexpr size_t kSmem = 2 * (static_cast<size_t>(kXFloats) * sizeof(float) +
-                              static_cast<size_t>(kMaxEntries) * sizeof(int2));
-static_assert(static_cast<size_t>(kTokens) * kOutPitch * sizeof(float) <= kSmem, "y tile reuses the buffers");
-static_assert((2 * kXFloats * sizeof(float)) % sizeof(int2) == 0, "entry buffers are 8-byte aligned");
-}  // namespace v3
+// The tile geometry, one struct per variant (LDSPARSE_SPMM_KERNEL): v3 64 rows x 256 tokens,
+// v4 128 x 128 and v5 256 x 128 (fewer row tiles stage x fewer times: x moves from L2 to shared
+// memory once per row tile, the cost that stays when the non-zeros are few).
+template <int WARPS, int ROWS_PER_WARP, int TOKENS_PER_LANE, int MIN_BLOCKS>
+struct StreamTile {
+  static constexpr int kWarps = WARPS;
+  static constexpr int kThreads = kWarp * WARPS;
+  static constexpr int kRowsPerWarp = ROWS_PER_WARP;
+  static constexpr int kRows = WARPS * ROWS_PER_WARP;
+  static constexpr int kTokensPerLane = TOKENS_PER_LANE;
+  static constexpr int kTokens = kWarp * TOKENS_PER_LANE;
+  static constexpr int kPitch = kTokens + 1;                    // x tile [column][token]
+  static constexpr int kXFloats = kChunk * kPitch;
+  static constexpr int kMaxEntries = kRows * kChunk;            // a dense chunk
+  static constexpr int kOutPitch = kRows + 1;                   // y tile [token][row]
+  static constexpr int kMinBlocks = MIN_BLOCKS;
+  static constexpr size_t kBuffers = 2 * (static_cast<size_t>(kXFloats) * sizeof(float) +
+                                          static_cast<size_t>(kMaxEntries) * sizeof(int2));
+  static constexpr size_t kOut = static_cast<size_t>(kTokens) * kOutPitch * sizeof(float);
+  static constexpr size_t kSmem = kBuffers > kOut ? kBuffers : kOut;
+  static_assert((2 * kXFloats * sizeof(float)) % sizeof(int2) == 0, "entry buffers are 8-byte aligned");
+  static_assert((kTokens * kChunk) % kThreads == 0, "x staging splits evenly");
+};
+using StreamV3 = StreamTile<8, 8, 8, 2>;
+using StreamV4 = StreamTile<8, 16, 4, 2>;
+using StreamV5 = StreamTile<16, 16, 4, 1>;
 
 __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -339,66 +349,68 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
 // the shared x tile).  chunk_ptr as for v1 (c-major).
 __global__ void spmm_stream_scatter_kernel(const int32_t* __restrict__ chunk_ptr, const int32_t* __restrict__ col,
                                            const float* __restrict__ values, const int32_t* __restrict__ scan,
-                                           int2* __restrict__ stream, int rows, int chunks) {
+                                           int2* __restrict__ stream, int rows, int chunks, int tile_rows,
+                                           int pitch) {
   const int64_t total = static_cast<int64_t>(chunks) * rows;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t c = e / rows;
     const int r = static_cast<int>(e - c * rows);
     const int begin = chunk_ptr[e], end = chunk_ptr[e + rows];
-    const int64_t slot = (static_cast<int64_t>(r / v3::kRows) * chunks + c) * v3::kRows + r % v3::kRows;
+    const int64_t slot = (static_cast<int64_t>(r / tile_rows) * chunks + c) * tile_rows + r % tile_rows;
     int2* out = stream + scan[slot];
     const int64_t k0 = c * kChunk;
     for (int p = begin; p < end; ++p)
-      out[p - begin] = make_int2(__float_as_int(values[p]), static_cast<int>(col[p] - k0) * v3::kPitch);
+      out[p - begin] = make_int2(__float_as_int(values[p]), static_cast<int>(col[p] - k0) * pitch);
   }
 }
 
-// grid = (row tiles, min(token tiles, kMaxGridY)), block = v3::kThreads, dynamic smem v3::kSmem.
+// grid = (row tiles, min(token tiles, kMaxGridY)), block = Tile::kThreads, dynamic smem Tile::kSmem.
 // scan: int32 [row tiles * chunks * kRows + 1], exclusive prefix of the entry counts in stream order.
-__global__ void __launch_bounds__(v3::kThreads, 2)
+template <class Tile>
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks)
 spmm_stream_kernel(const int32_t* __restrict__ scan, const int2* __restrict__ stream, const float* __restrict__ x,
                    const float* __restrict__ bias, float* __restrict__ y, int rows, int K, int n, int chunks) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* xs = reinterpret_cast<float*>(smem_raw);                                   // [2][kChunk][v3::kPitch]
-  int2* es = reinterpret_cast<int2*>(smem_raw + 2 * v3::kXFloats * sizeof(float));      // [2][v3::kMaxEntries]
-  float* ys = reinterpret_cast<float*>(smem_raw);                                   // [v3::kTokens][v3::kOutPitch]
+  float* xs = reinterpret_cast<float*>(smem_raw);                                   // [2][kChunk][Tile::kPitch]
+  int2* es = reinterpret_cast<int2*>(smem_raw + 2 * Tile::kXFloats * sizeof(float));      // [2][Tile::kMaxEntries]
+  float* ys = reinterpret_cast<float*>(smem_raw);                                   // [Tile::kTokens][Tile::kOutPitch]
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const int rt = blockIdx.x;
-  const int r0 = rt * v3::kRows;
+  const int r0 = rt * Tile::kRows;
   const int64_t g0 = static_cast<int64_t>(rt) * chunks;  // stream group of (rt, chunk 0)
-  const auto group_start = [&](int64_t g) { return scan[g * v3::kRows]; };
-  const int token_tiles = static_cast<int>((static_cast<int64_t>(n) + v3::kTokens - 1) / v3::kTokens);
+  const auto group_start = [&](int64_t g) { return scan[g * Tile::kRows]; };
+  const int token_tiles = static_cast<int>((static_cast<int64_t>(n) + Tile::kTokens - 1) / Tile::kTokens);
 
   for (int tile = blockIdx.y; tile < token_tiles; tile += gridDim.y) {
-    const int64_t t0 = static_cast<int64_t>(tile) * v3::kTokens;
+    const int64_t t0 = static_cast<int64_t>(tile) * Tile::kTokens;
     // Copy chunk c's x tile and the block's entries [bs, be) into buffer c & 1 (async).
     const auto stage = [&](int c, int bs, int be) {
-      float* xb = xs + (c & 1) * v3::kXFloats + lane * v3::kPitch;
+      float* xb = xs + (c & 1) * Tile::kXFloats + lane * Tile::kPitch;
       const int64_t k = static_cast<int64_t>(c) * kChunk + lane;
       const bool k_ok = k < K;
 #pragma unroll 4
-      for (int i = 0; i < v3::kTokens / v3::kWarps; ++i) {
-        const int tt = warp + v3::kWarps * i;
+      for (int i = 0; i < Tile::kTokens / Tile::kWarps; ++i) {
+        const int tt = warp + Tile::kWarps * i;
         const int64_t t = t0 + tt;
         const bool ok = k_ok && t < n;
         cp_async4(xb + tt, ok ? x + t * K + k : x, ok);
       }
-      int2* eb = es + (c & 1) * v3::kMaxEntries;
-      const int end = min(be, bs + v3::kMaxEntries);
-      for (int e = bs + static_cast<int>(threadIdx.x); e < end; e += v3::kThreads) cp_async8(eb + (e - bs), stream + e);
+      int2* eb = es + (c & 1) * Tile::kMaxEntries;
+      const int end = min(be, bs + Tile::kMaxEntries);
+      for (int e = bs + static_cast<int>(threadIdx.x); e < end; e += Tile::kThreads) cp_async8(eb + (e - bs), stream + e);
       cp_async_commit();
     };
     // Row starts of this warp's 8 rows (lanes 0..8) in chunk c's group.
     const auto row_starts = [&](int c) {
-      return lane <= v3::kRowsPerWarp ? scan[(g0 + c) * v3::kRows + warp * v3::kRowsPerWarp + lane] : 0;
+      return lane <= Tile::kRowsPerWarp ? scan[(g0 + c) * Tile::kRows + warp * Tile::kRowsPerWarp + lane] : 0;
     };
 
-    float acc[v3::kRowsPerWarp][v3::kTokensPerLane];
+    float acc[Tile::kRowsPerWarp][Tile::kTokensPerLane];
 #pragma unroll
-    for (int i = 0; i < v3::kRowsPerWarp; ++i)
+    for (int i = 0; i < Tile::kRowsPerWarp; ++i)
 #pragma unroll
-      for (int j = 0; j < v3::kTokensPerLane; ++j) acc[i][j] = 0.f;
+      for (int j = 0; j < Tile::kTokensPerLane; ++j) acc[i][j] = 0.f;
 
     int bs = group_start(g0), be = group_start(g0 + 1);
     int starts = row_starts(0);
@@ -422,12 +434,12 @@ spmm_stream_kernel(const int32_t* __restrict__ scan, const int2* __restrict__ st
           be2 = group_start(g0 + c + 3);
         }
       }
-      const float* xb = xs + (c & 1) * v3::kXFloats + lane;
-      const int2* eb = es + (c & 1) * v3::kMaxEntries;
-      const int local = min(max(starts - bs, 0), v3::kMaxEntries);  // row starts in the buffer
+      const float* xb = xs + (c & 1) * Tile::kXFloats + lane;
+      const int2* eb = es + (c & 1) * Tile::kMaxEntries;
+      const int local = min(max(starts - bs, 0), Tile::kMaxEntries);  // row starts in the buffer
       int s = __shfl_sync(kFull, local, 0);
 #pragma unroll
-      for (int i = 0; i < v3::kRowsPerWarp; ++i) {
+      for (int i = 0; i < Tile::kRowsPerWarp; ++i) {
         const int e = __shfl_sync(kFull, local, i + 1);
 #pragma unroll 2
         for (int q = s; q < e; ++q) {
@@ -435,7 +447,7 @@ spmm_stream_kernel(const int32_t* __restrict__ scan, const int2* __restrict__ st
           const float w = __int_as_float(en.x);
           const float* b = xb + en.y;
 #pragma unroll
-          for (int j = 0; j < v3::kTokensPerLane; ++j) acc[i][j] = fmaf(w, b[j * kWarp], acc[i][j]);
+          for (int j = 0; j < Tile::kTokensPerLane; ++j) acc[i][j] = fmaf(w, b[j * kWarp], acc[i][j]);
         }
         s = e;
       }
@@ -449,41 +461,43 @@ spmm_stream_kernel(const int32_t* __restrict__ scan, const int2* __restrict__ st
     }
     // y tile through shared memory: [token][row], then 256-byte rows of y.
 #pragma unroll
-    for (int i = 0; i < v3::kRowsPerWarp; ++i)
+    for (int i = 0; i < Tile::kRowsPerWarp; ++i)
 #pragma unroll
-      for (int j = 0; j < v3::kTokensPerLane; ++j) ys[(lane + j * kWarp) * v3::kOutPitch + warp * v3::kRowsPerWarp + i] = acc[i][j];
+      for (int j = 0; j < Tile::kTokensPerLane; ++j) ys[(lane + j * kWarp) * Tile::kOutPitch + warp * Tile::kRowsPerWarp + i] = acc[i][j];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < v3::kTokens * v3::kRows; idx += v3::kThreads) {
-      const int tt = idx / v3::kRows, rr = idx % v3::kRows;
+    for (int idx = threadIdx.x; idx < Tile::kTokens * Tile::kRows; idx += Tile::kThreads) {
+      const int tt = idx / Tile::kRows, rr = idx % Tile::kRows;
       const int64_t t = t0 + tt;
       const int r = r0 + rr;
-      if (t < n && r < rows) y[t * rows + r] = ys[tt * v3::kOutPitch + rr] + (bias ? bias[r] : 0.f);
+      if (t < n && r < rows) y[t * rows + r] = ys[tt * Tile::kOutPitch + rr] + (bias ? bias[r] : 0.f);
     }
   }
 }
 
 inline cudaError_t launch_spmm_stream_scatter(const int32_t* chunk_ptr, const int32_t* col, const float* values,
-                                              const int32_t* scan, int2* stream, int rows, int chunks,
-                                              cudaStream_t cuda_stream) {
+                                              const int32_t* scan, int2* stream, int rows, int chunks, int tile_rows,
+                                              int pitch, cudaStream_t cuda_stream) {
   if (rows == 0) return cudaSuccess;
   const int64_t work = static_cast<int64_t>(chunks) * rows;
   const int64_t b = (work + 255) / 256;
   spmm_stream_scatter_kernel<<<static_cast<unsigned>(b < 65535 * 16 ? (b > 0 ? b : 1) : 65535 * 16), 256, 0,
-                               cuda_stream>>>(chunk_ptr, col, values, scan, stream, rows, chunks);
+                               cuda_stream>>>(chunk_ptr, col, values, scan, stream, rows, chunks, tile_rows, pitch);
   return cudaGetLastError();
 }
 
-inline cudaError_t launch_spmm_stream(const int32_t* scan, const int2* stream, const float* x, const float* bias,
-                                      float* y, int rows, int K, int n, int chunks, cudaStream_t cuda_stream) {
+template <class Tile>
+cudaError_t launch_spmm_stream(const int32_t* scan, const int2* stream, const float* x, const float* bias, float* y,
+                               int rows, int K, int n, int chunks, cudaStream_t cuda_stream) {
   if (rows == 0 || n == 0) return cudaSuccess;
-  const cudaError_t err = cudaFuncSetAttribute(spmm_stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(v3::kSmem));
+  const cudaError_t err = cudaFuncSetAttribute(spmm_stream_kernel<Tile>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(Tile::kSmem));
   if (err != cudaSuccess) return err;
-  const int64_t row_tiles = (static_cast<int64_t>(rows) + v3::kRows - 1) / v3::kRows;
-  const int64_t token_tiles = (static_cast<int64_t>(n) + v3::kTokens - 1) / v3::kTokens;
+  const int64_t row_tiles = (static_cast<int64_t>(rows) + Tile::kRows - 1) / Tile::kRows;
+  const int64_t token_tiles = (static_cast<int64_t>(n) + Tile::kTokens - 1) / Tile::kTokens;
   const dim3 grid(static_cast<unsigned>(row_tiles),
                   static_cast<unsigned>(token_tiles < kMaxGridY ? token_tiles : kMaxGridY));
-  spmm_stream_kernel<<<grid, v3::kThreads, v3::kSmem, cuda_stream>>>(scan, stream, x, bias, y, rows, K, n, chunks);
+  spmm_stream_kernel<Tile><<<grid, Tile::kThreads, Tile::kSmem, cuda_stream>>>(scan, stream, x, bias, y, rows, K, n,
+                                                                             chunks);
   return cudaGetLastError();
 }
 
