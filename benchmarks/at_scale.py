@@ -33,8 +33,10 @@ import sys
 import tempfile
 import time
 
-from _harness import launch
-from dynamism_cases import load
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the summary imports the package
+
+from _harness import launch  # noqa: E402
+from dynamism_cases import load  # noqa: E402
 
 CASES = ("freezing", "early_exit", "pruning", "moe_dropless")
 

@@ -73,6 +73,19 @@ class Timer:
 
 
 NOT_GRAPHED: list[str] = []  # measurements that could not be captured as CUDA graphs (eager times)
+_GENERATORS: dict = {}
+
+
+def randn(*shape, device, dtype, requires_grad=False):
+    """Inputs from a private generator: a CUDA-graph capture that fails (recorded in NOT_GRAPHED)
+    leaves the default CUDA generator mid-capture ("Offset increment outside graph capture"), and
+    the eager measurements after it must still be able to draw inputs (torch 2.11, H200)."""
+    import torch
+
+    key = str(device)
+    if key not in _GENERATORS:
+        _GENERATORS[key] = torch.Generator(device=device).manual_seed(0)
+    return torch.randn(tuple(shape), device=device, dtype=dtype, generator=_GENERATORS[key], requires_grad=requires_grad)
 
 
 class _WithLoss:
@@ -113,7 +126,7 @@ def fwd_bwd(timer, module, make_input, needs_input_grad=True, loss_fn=None, grap
 
     def bsetup():
         y = fn(make_input(needs_input_grad))
-        return y, torch.randn_like(y)
+        return y, randn(*y.shape, device=y.device, dtype=y.dtype)
 
     def brun(state):
         y, g = state
@@ -147,7 +160,7 @@ def measure(device_name: str, quick: bool) -> dict:
     }
 
     def act(tokens):
-        return lambda grad: torch.randn(mb, tokens, hidden, device=device, dtype=dtype, requires_grad=grad)
+        return lambda grad: randn(mb, tokens, hidden, device=device, dtype=dtype, requires_grad=grad)
 
     class Core(torch.nn.Module):
         """Causal attention alone: [mb, t, 3C] (q|k|v) -> [mb, t, C], as inside the block."""
@@ -172,8 +185,8 @@ def measure(device_name: str, quick: bool) -> dict:
         rows["forward_ms"].append(fw)
         rows["backward_ms"].append(bw)
         rows["backward_weights_only_ms"].append(bw_w)
-        afw, abw = fwd_bwd(timer, core, lambda grad, t=t: torch.randn(mb, t, 3 * hidden, device=device, dtype=dtype,
-                                                                   requires_grad=grad))
+        afw, abw = fwd_bwd(timer, core, lambda grad, t=t: randn(mb, t, 3 * hidden, device=device, dtype=dtype,
+                                                             requires_grad=grad))
         attn["fractions"].append(f)
         attn["forward_ms"].append(afw)
         attn["backward_ms"].append(abw)
@@ -182,8 +195,8 @@ def measure(device_name: str, quick: bool) -> dict:
     ln_mlp = torch.nn.Sequential(block.ln_2, block.mlp)
     mlp = {"tokens": [], "forward_ms": [], "backward_ms": []}
     for n in MLP_TOKENS[:3] if quick else MLP_TOKENS:
-        fw, bw = fwd_bwd(timer, ln_mlp, lambda grad, n=n: torch.randn(1, n, hidden, device=device, dtype=dtype,
-                                                                    requires_grad=grad))
+        fw, bw = fwd_bwd(timer, ln_mlp, lambda grad, n=n: randn(1, n, hidden, device=device, dtype=dtype,
+                                                              requires_grad=grad))
         mlp["tokens"].append(n)
         mlp["forward_ms"].append(fw)
         mlp["backward_ms"].append(bw)

@@ -12,6 +12,9 @@ rotated each round; ratios paired within rounds, median over rounds):
                   optimizer step (``2:4_cached`` reuses it: what micro-batches after the first pay);
 * ``2:4T``        a transposable 2:4 mask (2:4 in rows and columns of each 4x4 tile), so the
                   input gradient runs on the sparse kernels too (compressed every call).
+* ``*_cutlass``   the same on torch's CUTLASS kernels (``LDSPARSE_SEMI_BACKEND=cutlass``) where the
+                  others use cuSPARSELt: torch 2.11's cuSPARSELt matmul rebuilds its plan on every
+                  call (pytorch/pytorch#177866), a fixed cost CUTLASS does not pay.
 
 Correctness: outputs and gradients of each 2:4 variant against the masked dense layer in bf16
 (relative error by norm); a failure exits 1. Without CUDA it prints ``{"gpu": false}`` and
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -75,8 +79,17 @@ def _check(layer, x, g) -> dict:
             "sparse_input_grad": layer._semi_cache.sparse_t is not None}
 
 
-def _step(layer, x, g, backward: bool, recompress: bool):
+def _step(layer, x, g, backward: bool, recompress: bool, backend: str = ""):
     def run():
+        if backend:
+            os.environ["LDSPARSE_SEMI_BACKEND"] = backend
+        try:
+            _run()
+        finally:
+            if backend:
+                os.environ.pop("LDSPARSE_SEMI_BACKEND", None)
+
+    def _run():
         if recompress and getattr(layer, "_semi_cache", None) is not None:
             layer._semi_cache.key = None  # an optimizer step changed the weight
         if not backward:
@@ -101,6 +114,7 @@ def _time_round_robin(fns: dict, rounds: int) -> dict:
     events = {k: [] for k in names}
     for r in range(rounds):
         for k in rotated(names, r):
+            torch.cuda.synchronize()  # each call starts on an idle GPU: no overlap with the previous variant
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fns[k]()
@@ -121,16 +135,30 @@ def bench_shape(in_f: int, out_f: int, tokens: int, rounds: int) -> dict:
     rowwise, transposable = _layer(in_f, out_f, "2:4", 1), _layer(in_f, out_f, "2:4T", 1)
     checks = {"2:4": _check(rowwise, x, g), "2:4T": _check(transposable, x, g)}
     out = {"checks": checks, "backend": type(rowwise._semi_cache.sparse).__name__}
+    cutlass = out["backend"] != "SparseSemiStructuredTensorCUTLASS"  # else the default is CUTLASS already
+    if cutlass:
+        rowwise_c, transposable_c = _layer(in_f, out_f, "2:4", 1), _layer(in_f, out_f, "2:4T", 1)
+        os.environ["LDSPARSE_SEMI_BACKEND"] = "cutlass"
+        try:
+            checks["2:4_cutlass"] = _check(rowwise_c, x, g)
+            checks["2:4T_cutlass"] = _check(transposable_c, x, g)
+        finally:
+            os.environ.pop("LDSPARSE_SEMI_BACKEND", None)
     for backward in (False, True):
         fns = {"dense": _step(dense, x, g, backward, False), "dense_twin": _step(twin, x, g, backward, False),
                "2:4": _step(rowwise, x, g, backward, True), "2:4_cached": _step(rowwise, x, g, backward, False),
                "2:4T": _step(transposable, x, g, backward, True)}
+        if cutlass:
+            fns.update({"2:4_cutlass": _step(rowwise_c, x, g, backward, True, "cutlass"),
+                        "2:4_cutlass_cached": _step(rowwise_c, x, g, backward, False, "cutlass"),
+                        "2:4T_cutlass": _step(transposable_c, x, g, backward, True, "cutlass")})
         ms = _time_round_robin(fns, rounds)
         tag = "fwd_bwd" if backward else "fwd"
         out[f"ms_{tag}"] = {k: round(statistics.median(v), 4) for k, v in ms.items()}
         # speedup = dense time / variant time, paired per round (speedup() takes rates: invert ms)
         rate = {k: [1.0 / t for t in v] for k, v in ms.items()}
-        out[f"speedup_{tag}"] = {k: round(speedup(rate[k], [rate["dense"]]), 4) for k in ("2:4", "2:4_cached", "2:4T")}
+        out[f"speedup_{tag}"] = {k: round(speedup(rate[k], [rate["dense"]]), 4) for k in fns
+                                 if k.startswith("2:4")}
         out[f"speedup_{tag}_ci95"] = {k: bootstrap_ratio(rate[k], [rate["dense"]]) for k in ("2:4", "2:4T")}
         out[f"noise_floor_{tag}"] = round(resolution(rate["dense_twin"], rate["dense"]), 4)
     return out
@@ -155,12 +183,16 @@ def main() -> int:
     result["speedup_fwd_bwd_2to4_transposable"] = {k: v["speedup_fwd_bwd"]["2:4T"] for k, v in shapes.items()}
     result["speedup_fwd_2to4"] = {k: v["speedup_fwd"]["2:4"] for k, v in shapes.items()}
     result["noise_floor_fwd_bwd"] = {k: v["noise_floor_fwd_bwd"] for k, v in shapes.items()}
+    for name in ("2:4_cutlass", "2:4_cutlass_cached", "2:4_cached"):
+        if all(name in v["speedup_fwd_bwd"] for v in shapes.values()):
+            result[f"speedup_fwd_bwd_{name.replace(':', 'to')}"] = {k: v["speedup_fwd_bwd"][name] for k, v in shapes.items()}
     tol = 2e-2  # bf16 products summed in a different order
     correct = all(c["y"] < tol and c["grad_x"] < tol and c["grad_w"] < tol and c["grad_b"] < tol
                   and c["grad_w_zero_where_pruned"] for v in shapes.values() for c in v["checks"].values())
     transposed_sparse = all(v["checks"]["2:4T"]["sparse_input_grad"] for v in shapes.values())
     result["correct"] = correct and transposed_sparse
     result["meets_target"] = all(s >= TARGET for s in result["speedup_fwd_bwd_2to4"].values())
+    result["meets_target_cutlass"] = all(s >= TARGET for s in result.get("speedup_fwd_bwd_2to4_cutlass", {0: 0}).values())
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
     return 0 if result["correct"] else 1

@@ -27,6 +27,8 @@ dense.
 """
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import torch
@@ -46,14 +48,29 @@ def is_2to4(mask: Tensor) -> bool:
     return bool((mask.reshape(mask.shape[0], -1, 4).sum(-1) <= 2).all())
 
 
+SEMI_BACKENDS = ("cusparselt", "cutlass")
+
+
 def semi_structured_backend() -> Optional[type]:
-    """torch's semi-structured tensor class this build uses (cuSPARSELt preferred), or None."""
+    """torch's semi-structured tensor class this build uses, or None.
+
+    ``LDSPARSE_SEMI_BACKEND`` (read per call) picks ``cusparselt`` or ``cutlass``; unset, cuSPARSELt
+    where torch has it. Why a choice: torch 2.11's cuSPARSELt matmul rebuilds its descriptors and
+    plan on every call (a fixed cost of about half a millisecond, pytorch/pytorch#177866), which
+    the CUTLASS kernels do not pay."""
     sparse = torch.sparse
     if not hasattr(sparse, "to_sparse_semi_structured"):
         return None
+    wanted = os.environ.get("LDSPARSE_SEMI_BACKEND", "")
+    if wanted and wanted not in SEMI_BACKENDS:
+        raise ValueError(f"LDSPARSE_SEMI_BACKEND must be one of {SEMI_BACKENDS} (or unset), got {wanted!r}")
     cusparselt = getattr(torch.backends, "cusparselt", None)
-    if cusparselt is not None and cusparselt.is_available() and hasattr(sparse, "SparseSemiStructuredTensorCUSPARSELT"):
+    has_lt = (cusparselt is not None and cusparselt.is_available()
+              and hasattr(sparse, "SparseSemiStructuredTensorCUSPARSELT"))
+    if wanted != "cutlass" and has_lt:
         return sparse.SparseSemiStructuredTensorCUSPARSELT
+    if wanted == "cusparselt":
+        raise RuntimeError("LDSPARSE_SEMI_BACKEND=cusparselt, but this torch build has no cuSPARSELt")
     return getattr(sparse, "SparseSemiStructuredTensorCUTLASS", None)
 
 
@@ -91,9 +108,9 @@ class SemiStructuredCache:
 
     @torch.no_grad()
     def get(self, weight: Tensor, mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor], Tensor]:
-        key = (weight.data_ptr(), weight._version, mask.data_ptr(), mask._version, dtype)
+        cls = semi_structured_backend()
+        key = (weight.data_ptr(), weight._version, mask.data_ptr(), mask._version, dtype, cls)
         if key != self.key:
-            cls = semi_structured_backend()
             masked = (weight.detach().to(dtype) * mask).contiguous()
             self.sparse = cls.from_dense(masked)
             mask_t = mask.t()

@@ -268,3 +268,16 @@ def test_kernel_choice_override_and_candidates(monkeypatch):
         monkeypatch.setenv("LDSPARSE_CROSSOVER", "1.0")  # CSR wins below density 1
         assert choose_linear_kernel(64, 32, 256, "cpu", torch.float32, 0.5) == "csr"
         assert choose_linear_kernel(64, 32, 256, "cpu", torch.float32, 1.0) == "dense"
+
+
+def test_semi_structured_backend_choice_is_validated(monkeypatch):
+    """LDSPARSE_SEMI_BACKEND picks torch's CUTLASS or cuSPARSELt 2:4 kernels; anything else is an error
+    that names the choices (not a silent fallback)."""
+    from lightning_dynmo.sparse.semi_structured import semi_structured_backend
+    if not hasattr(torch.sparse, "SparseSemiStructuredTensorCUTLASS"):
+        pytest.skip("this torch has no semi-structured tensors")
+    monkeypatch.setenv("LDSPARSE_SEMI_BACKEND", "cutlass")
+    assert semi_structured_backend() is torch.sparse.SparseSemiStructuredTensorCUTLASS
+    monkeypatch.setenv("LDSPARSE_SEMI_BACKEND", "cusparse")
+    with pytest.raises(ValueError, match="LDSPARSE_SEMI_BACKEND must be one of"):
+        semi_structured_backend()
