@@ -19,7 +19,8 @@
 #   dcp        scripts/gpu_dcp_check.py: checkpoint_format="dcp" with CUDA tensors over NCCL (resume exact)
 #   profile    benchmarks/block_profile.py --device cuda: the per-layer cost profile on this GPU
 #   sanitize   compute-sanitizer memcheck on the sparse CUDA tests (SANITIZER_TOOLS for more tools)
-# GPU_CHECK_DEADLINE=<epoch seconds> fits the run into a hard wall-clock limit (steps cut or skipped).
+# GPU_CHECK_DEADLINE=<epoch seconds> fits the run into a hard wall-clock limit (steps cut or skipped);
+# CUDA_TESTS_K (a pytest -k expression) and SPMM_KERNELS ("v3 v4") narrow those two steps for a rerun.
 # Without a GPU it prints {"gpu": false, ...} and exits 0: nothing here can run on a CPU.
 # The machine needs torch (CUDA build), nvcc, ninja, lightning, pytest, hypothesis, hydra-core,
 # omegaconf and matplotlib.
@@ -87,9 +88,9 @@ build() {
 export -f build ninja_times; export PY arch
 step build bash -c build
 step kernels "$PY" -c "from lightning_dynmo.sparse._ops import cuda_kernels_available as a, cuda_kernels_missing_reason as r; assert a(), r(); print('CUDA kernels built')"
-step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/unit
+step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} tests/unit
 # The figures first, the slowest check (the sanitizer) last: a run cut by its deadline loses least.
-step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out"
+step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out" ${SPMM_KERNELS:+--kernels $SPMM_KERNELS}
 step semi "$PY" benchmarks/semi_structured.py --rounds 20
 step attention "$PY" benchmarks/sparse_attention.py --device cuda --quick
 step train "$PY" scripts/gpu_train_check.py
