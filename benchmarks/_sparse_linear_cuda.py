@@ -155,7 +155,7 @@ def layer_fwd_bwd(in_f: int, out_f: int, tokens: int, dtype, sparsities, rounds:
             masked.weight.copy_(dense.weight * mask)
             masked.bias.copy_(dense.bias)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        timed = kernels if dtype == torch.float32 else ("v1",)  # v2, v3: fp32 only
+        timed = kernels if dtype == torch.float32 else ("v1",)  # v2-v5: fp32 only
         fns = {"dense": _fwd_bwd(dense, x, g)}
         for k in timed:
             with _spmm_kernel(k):
@@ -228,7 +228,7 @@ def main(args) -> dict:
     summary = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "quick": args.quick, "rounds": rounds, "tf32": False,
-        "default_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL") or "v1",
+        "default_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL") or "v5",
         "kernels_timed": list(kernels), "kernels_failing_probe": [k for k in (args.kernels or KERNELS) if k not in kernels],
         "spmm_speedup_vs_cublas_at_75": {k: by[0.75][f"speedup_vs_cublas_{k}"] for k in kernels},
         "spmm_speedup_vs_cublas_at_90": {k: by[0.9][f"speedup_vs_cublas_{k}"] for k in kernels},

@@ -137,6 +137,16 @@ def bench_shape(in_f: int, out_f: int, tokens: int, rounds: int) -> dict:
     out = {"checks": checks, "backend": type(rowwise._semi_cache.sparse).__name__}
     cutlass = out["backend"] != "SparseSemiStructuredTensorCUTLASS"  # else the default is CUTLASS already
     if cutlass:
+        from lightning_dynmo.sparse.semi_structured import semi_structured_unavailable
+        os.environ["LDSPARSE_SEMI_BACKEND"] = "cutlass"
+        try:
+            why = semi_structured_unavailable(x.device, dt, out_f, in_f)
+        finally:
+            os.environ.pop("LDSPARSE_SEMI_BACKEND", None)
+        if why is not None:
+            out["cutlass_skipped"] = why
+            cutlass = False
+    if cutlass:
         rowwise_c, transposable_c = _layer(in_f, out_f, "2:4", 1), _layer(in_f, out_f, "2:4T", 1)
         os.environ["LDSPARSE_SEMI_BACKEND"] = "cutlass"
         try:

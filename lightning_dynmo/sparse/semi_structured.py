@@ -57,7 +57,8 @@ def semi_structured_backend() -> Optional[type]:
     ``LDSPARSE_SEMI_BACKEND`` (read per call) picks ``cusparselt`` or ``cutlass``; unset, cuSPARSELt
     where torch has it. Why a choice: torch 2.11's cuSPARSELt matmul rebuilds its descriptors and
     plan on every call (a fixed cost of about half a millisecond, pytorch/pytorch#177866), which
-    the CUTLASS kernels do not pay."""
+    the CUTLASS kernels do not pay -- but those run on compute capability 8.x only (A100), so on
+    Hopper cuSPARSELt is the one 2:4 route (:func:`semi_structured_unavailable` says so)."""
     sparse = torch.sparse
     if not hasattr(sparse, "to_sparse_semi_structured"):
         return None
@@ -87,6 +88,11 @@ def semi_structured_unavailable(device: torch.device, dtype: torch.dtype, out_fe
     cls = semi_structured_backend()
     if cls is None:
         return "this torch build has no semi-structured sparse tensors"
+    if cls.__name__.endswith("CUTLASS") and torch.cuda.get_device_capability(device)[0] != 8:
+        # torch's CUTLASS 2:4 kernels are built for sm8x only (an H200 run: "sparse_semi_structured_mad_op:
+        # Supported only on GPUs with compute capability 8.x")
+        return ("torch's CUTLASS 2:4 kernels run on compute capability 8.x only; unset LDSPARSE_SEMI_BACKEND "
+                "(cuSPARSELt) on this GPU")
     c = cls._DTYPE_SHAPE_CONSTRAINTS[dtype]
     for rows, cols in ((out_features, in_features), (in_features, out_features)):
         if rows % c.sparse_min_rows or cols % c.sparse_min_cols:

@@ -3,9 +3,10 @@
 // contents are trusted on the GPU (reading them would sync and break CUDA-graph capture), and
 // SparseLinear builds valid patterns (columns sorted within each row).
 //
-//   spmm:  the tiled kernel on token-major x and y (no transposes), row starts per column chunk
-//          computed per call by a binary-search kernel (no sort); LDSPARSE_SPMM_KERNEL=v2 picks the
-//          staged, v3 / v4 / v5 the entry-stream fp32 kernels.
+//   spmm:  fp32: the entry-stream kernel v5 (sparse_kernels.cuh), its plan built per call from
+//          the CSR (row starts per column chunk by a binary-search kernel, a prefix sum, a scatter;
+//          no sort); bf16: the tiled kernel v1.  Both on token-major x and y (no transposes).
+//          LDSPARSE_SPMM_KERNEL=v1..v5 picks another fp32 kernel.
 //   sddmm: the dense gradient g^T x on cuBLAS (tensor cores for bf16), gathered at the pattern.
 //          One dense [rows, K] temporary; at the sparsities pruning reaches this beats any
 //          SIMT SDDMM we measured, and it is exact (fp32 accumulation, one rounding).
@@ -39,14 +40,16 @@ kc::Dtype dtype_of(const at::Tensor& x) { return x.scalar_type() == at::kFloat ?
 const void* ptr_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr() : nullptr; }
 
 // LDSPARSE_SPMM_KERNEL picks the fp32 SpMM kernel (read per call, so one process can time them
-// side by side): 1 (v1, tiled), 2 (v2, staged), 3-5 (v3-v5, entry stream, three tile shapes).
+// side by side): v1 (tiled), v2 (staged), v3-v5 (entry stream in three tile shapes).  Unset: v5,
+// the fastest at every sparsity from 70 % on an H200 (benchmarks/results/2026-11-28-gpu.md).
 // bf16 always runs v1.
+constexpr int kDefaultKernel = 5;
 int selected_kernel() {
   const char* v = std::getenv("LDSPARSE_SPMM_KERNEL");
   const std::string name = v == nullptr ? "" : v;
   TORCH_CHECK(name.empty() || name == "v1" || name == "v2" || name == "v3" || name == "v4" || name == "v5",
-              "LDSPARSE_SPMM_KERNEL must be one of v1, v2, v3, v4, v5 (or unset: v1), got '", name, "'");
-  return name.empty() ? 1 : name[1] - '0';
+              "LDSPARSE_SPMM_KERNEL must be one of v1, v2, v3, v4, v5 (or unset: v5), got '", name, "'");
+  return name.empty() ? kDefaultKernel : name[1] - '0';
 }
 
 void check_launch(cudaError_t err, const char* op) {
