@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh            # last line: one JSON object; exit 0 when every step passed
 #   GPU_CHECK_OUT=dir bash scripts/gpu_check.sh        # keep logs, figures and the profile in dir
-#   GPU_CHECK_STEPS="build kernels spmm" bash scripts/gpu_check.sh   # a subset, in this order
+#   GPU_CHECK_STEPS="build kernels spmm" bash scripts/gpu_check.sh   # a subset (run in the order below)
 #
 # Steps (each under its own time limit, 3x its last measured time from scripts/gpu_check_budget.json,
 # so one slow step cannot eat the others' time):
@@ -19,8 +19,11 @@
 #   dcp        scripts/gpu_dcp_check.py: checkpoint_format="dcp" with CUDA tensors over NCCL (resume exact)
 #   profile    benchmarks/block_profile.py --device cuda: the per-layer cost profile on this GPU
 #   sanitize   compute-sanitizer memcheck on the sparse CUDA tests (SANITIZER_TOOLS for more tools)
+#   ncu        (not in the default steps) Nsight Compute on the default SpMM kernel at 90 % and 99 %
+#              sparsity: speed of light, memory and warp-stall sections (what bounds the kernel)
 # GPU_CHECK_DEADLINE=<epoch seconds> fits the run into a hard wall-clock limit (steps cut or skipped);
-# CUDA_TESTS_K (a pytest -k expression) and SPMM_KERNELS ("v3 v4") narrow those two steps for a rerun.
+# CUDA_TESTS_K (a pytest -k expression) narrows the CUDA tests; SPMM_KERNELS (default "v5": the fp32
+# default beside v1, the bf16 one; "v2 v3 v4 v5" times them all) picks the figure's kernels.
 # Without a GPU it prints {"gpu": false, ...} and exits 0: nothing here can run on a CPU.
 # The machine needs torch (CUDA build), nvcc, ninja, lightning, pytest, hypothesis, hydra-core,
 # omegaconf and matplotlib.
@@ -90,13 +93,25 @@ step build bash -c build
 step kernels "$PY" -c "from lightning_dynmo.sparse._ops import cuda_kernels_available as a, cuda_kernels_missing_reason as r; assert a(), r(); print('CUDA kernels built')"
 step cuda_tests "$PY" -m pytest -q -p no:cacheprovider -m cuda ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} tests/unit
 # The figures first, the slowest check (the sanitizer) last: a run cut by its deadline loses least.
-step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out" ${SPMM_KERNELS:+--kernels $SPMM_KERNELS}
+step spmm "$PY" benchmarks/sparse_linear.py --device cuda --quick --figure --out-dir "$out" --kernels ${SPMM_KERNELS:-v5}
 step semi "$PY" benchmarks/semi_structured.py --rounds 20
 step attention "$PY" benchmarks/sparse_attention.py --device cuda --quick
 step train "$PY" scripts/gpu_train_check.py
 step dcp "$PY" scripts/gpu_dcp_check.py
 step profile "$PY" benchmarks/block_profile.py --device cuda --out "$out/profile.json"
 step sanitize env SANITIZER_TOOLS="${SANITIZER_TOOLS:-memcheck}" bash cpp/sanitize_cuda.sh
+ncu_spmm() {  # needs ncu and GPU performance-counter access (containers may deny it: ERR_NVGPUCTRPERM)
+  local NCU; NCU="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  [[ -x "$NCU" ]] || { echo "ncu not found"; return 2; }
+  for s in 0.9 0.99; do
+    echo "== ncu, sparsity $s"
+    "$NCU" --kernel-name regex:spmm_stream_kernel --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      "$PY" benchmarks/spmm_ncu_target.py --sparsity "$s" || return 1
+  done
+}
+export -f ncu_spmm
+step ncu bash -c ncu_spmm
 
 "$PY" - "$out" <<'PYEOF'
 import json, re, sys
