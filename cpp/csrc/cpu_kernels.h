@@ -88,6 +88,11 @@ static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typenam
 }
 #endif
 
+// Whether a tile of TT tokens moves through 8x8 register transposes: only where 8 values fit one
+// native vector (fp32 on AVX2, fp32 and fp64 on AVX-512), since wider GCC vectors live in memory.
+template <typename T, int TT>
+constexpr bool kTranspose8 = TT % 8 == 0 && 8 * static_cast<int>(sizeof(T)) <= LDSPARSE_VBYTES;
+
 #ifdef LDSPARSE_HAS_SHUFFLEVECTOR
 // 8x8 transpose in registers: o[m][k] = a[k][m] (24 shuffles instead of 64 scalar copies).
 template <typename T>
@@ -118,7 +123,7 @@ static inline void store_rows_transposed(const T* buf, int64_t nr, int64_t tt, T
                                          int64_t rb) {
   int64_t r8 = 0;
 #ifdef LDSPARSE_HAS_SHUFFLEVECTOR
-  if constexpr (TT % 8 == 0) {
+  if constexpr (kTranspose8<T, TT>) {
     using V8 = typename Vec<T, 8>::type;
     const int64_t tt8 = tt & ~int64_t(7), nr8 = nr & ~int64_t(7);
     for (int64_t i8 = 0; i8 < tt8; i8 += 8) {
@@ -244,7 +249,7 @@ static void pack_tile(const T* src, int64_t ld, int64_t t0, int64_t tt, int64_t 
                       T* tile) {
   int64_t fdone = f0;
 #ifdef LDSPARSE_HAS_SHUFFLEVECTOR
-  if constexpr (TT % 8 == 0) {  // 8 tokens x 8 features at a time, transposed in registers
+  if constexpr (kTranspose8<T, TT>) {  // 8 tokens x 8 features at a time, transposed in registers
     using V8 = typename Vec<T, 8>::type;
     const int64_t tt8 = tt & ~int64_t(7), f8 = f0 + ((f1 - f0) & ~int64_t(7));
     for (int64_t fb = f0; fb < f8; fb += 8) {
