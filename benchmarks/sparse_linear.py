@@ -2,7 +2,8 @@
 forward+backward, across sparsities, in one process with the same thread count.
 
 Methods are timed round-robin (one call of each per round) so drift from other load on the
-machine hits all of them alike; each number is the median over rounds.  Prints one JSON
+machine hits all of them alike; each number is the median over rounds.  Dense is timed twice
+per round (``dense_control``): their spread is the run's noise floor.  Prints one JSON
 object as the last line.
 
     python benchmarks/sparse_linear.py [--quick] [--threads 2]
@@ -65,12 +66,15 @@ def bench_shape(in_f, out_f, tokens, sparsities, rounds, torch_sparse_min):
         with_ts = s >= torch_sparse_min
         row = {"in": in_f, "out": out_f, "tokens": tokens, "sparsity": s}
         for backward, tag in ((False, "fwd"), (True, "fwd_bwd")):
-            fns = {"dense": _dense_step(dense, x, g, backward), "ours": _dense_step(ours, x, g, backward)}
+            # dense twice: the control pair whose spread is this run's noise floor
+            fns = {"dense": _dense_step(dense, x, g, backward), "ours": _dense_step(ours, x, g, backward),
+                   "dense_control": _dense_step(dense, x, g, backward)}
             if with_ts:
                 fns["torch_sparse"] = _torch_sparse_step(w_csr, bias, x, g, backward)
             ms = round_robin(fns, rounds)
             for k in ("dense", "torch_sparse", "ours"):
                 row[f"{k}_{tag}_ms"] = round(ms[k], 2) if k in ms else None
+            row[f"noise_floor_{tag}"] = round(abs(ms["dense_control"] / ms["dense"] - 1), 3)
         row["speedup_vs_dense"] = round(row["dense_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], 2)
         if with_ts:
             row["speedup_vs_torch_sparse"] = round(row["torch_sparse_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], 2)
@@ -116,6 +120,10 @@ def main():
         "threads": args.threads, "quick": args.quick, "rounds": rounds, "torch": torch.__version__,
         "speedup_vs_dense_at_90": gpt[0.9]["speedup_vs_dense"],
         "speedup_vs_torch_sparse_at_90": gpt[0.9]["speedup_vs_torch_sparse"],
+        # |dense_control / dense - 1|, the same configuration timed twice side by side: a speedup
+        # closer to 1 than this is noise
+        "noise_floor_at_90": gpt[0.9]["noise_floor_fwd_bwd"],
+        "noise_floor_max": max(r[f"noise_floor_{t}"] for v in results.values() for r in v for t in ("fwd", "fwd_bwd")),
         "crossover_sparsity": _crossover(results["768x3072x2048"], "fwd_bwd"),
         "crossover_sparsity_fwd": _crossover(results["768x3072x2048"], "fwd"),
         "crossover_sparsity_by_shape": {k: _crossover(v, "fwd_bwd") for k, v in results.items()},

@@ -19,6 +19,9 @@ struct CpuKernels {
   Spmm spmm[kNumTileWidths];
   Sddmm sddmm[kNumTileWidths];
   Pack pack[kNumTileWidths];
+  // Widest tile (index) whose SDDMM keeps g's row in vector registers; wider ones read it
+  // from L1 with every FMA, two loads per FMA (AVX2 fp32: 32 tokens).
+  int sddmm_widest_in_registers;
 };
 
 #define LDSPARSE_DECLARE_ISA(isa)              \

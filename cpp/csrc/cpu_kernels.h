@@ -88,6 +88,63 @@ static inline typename Vec<T, 4>::type hsum4(typename Vec<T, N>::type a, typenam
 }
 #endif
 
+// Whether a tile of TT tokens moves through 8x8 register transposes: only where 8 values fit one
+// native vector (fp32 on AVX2, fp32 and fp64 on AVX-512), since wider GCC vectors live in memory.
+template <typename T, int TT>
+constexpr bool kTranspose8 = TT % 8 == 0 && 8 * static_cast<int>(sizeof(T)) <= LDSPARSE_VBYTES;
+
+#ifdef LDSPARSE_HAS_SHUFFLEVECTOR
+// 8x8 transpose in registers: o[m][k] = a[k][m] (24 shuffles instead of 64 scalar copies).
+template <typename T>
+static inline void transpose8(const typename Vec<T, 8>::type (&a)[8], typename Vec<T, 8>::type (&o)[8]) {
+  typename Vec<T, 8>::type b[8], c[8];
+  for (int k = 0; k < 8; k += 2) {  // interleave row pairs
+    b[k] = __builtin_shufflevector(a[k], a[k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    b[k + 1] = __builtin_shufflevector(a[k], a[k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int k = 0; k < 8; k += 4) {  // then pairs of pairs
+    c[k] = __builtin_shufflevector(b[k], b[k + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    c[k + 1] = __builtin_shufflevector(b[k], b[k + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    c[k + 2] = __builtin_shufflevector(b[k + 1], b[k + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    c[k + 3] = __builtin_shufflevector(b[k + 1], b[k + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int k = 0; k < 4; ++k) {  // then the two halves
+    o[k] = __builtin_shufflevector(c[k], c[k + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    o[k + 4] = __builtin_shufflevector(c[k], c[k + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+#endif
+
+// y[i * ldy + rb + r] = buf[r * TT + i] for r < nr, i < tt: a block of finished rows (lanes =
+// tokens) written out token-major, each token's rows in one go.  8x8 register transposes where
+// the block is whole; the scalar strided copy they replace was ~15 % of the AVX2 SpMM (issue 32).
+template <typename T, int TT>
+static inline void store_rows_transposed(const T* buf, int64_t nr, int64_t tt, T* y, int64_t ldy,
+                                         int64_t rb) {
+  int64_t r8 = 0;
+#ifdef LDSPARSE_HAS_SHUFFLEVECTOR
+  if constexpr (kTranspose8<T, TT>) {
+    using V8 = typename Vec<T, 8>::type;
+    const int64_t tt8 = tt & ~int64_t(7), nr8 = nr & ~int64_t(7);
+    for (int64_t i8 = 0; i8 < tt8; i8 += 8) {
+      for (r8 = 0; r8 < nr8; r8 += 8) {
+        V8 a[8], o[8];
+        for (int k = 0; k < 8; ++k) a[k] = load<V8>(buf + (r8 + k) * TT + i8);
+        transpose8<T>(a, o);
+        for (int m = 0; m < 8; ++m) store(y + (i8 + m) * ldy + rb + r8, o[m]);
+      }
+    }
+    for (int64_t i = tt8; i < tt; ++i)
+      for (int64_t r = 0; r < nr8; ++r) y[i * ldy + rb + r] = buf[r * TT + i];
+    r8 = nr8;
+  }
+#endif
+  for (int64_t i = 0; i < tt; ++i) {
+    T* yr = y + i * ldy + rb;
+    for (int64_t r = r8; r < nr; ++r) yr[r] = buf[r * TT + i];
+  }
+}
+
 // y[i * ldy + r] = bias[r] + sum_j val[j] * tile[col[j] * TT + i], rows r in [r0, r1), i < tt.
 // A tile row wider than kAccVecs vectors is done in panels of kAccVecs vectors (one pass over
 // the CSR row each), so the accumulators always stay in registers.
@@ -131,13 +188,12 @@ static void spmm_rows(const int32_t* crow, const int32_t* col, const T* val, int
         }
       }
     }
-    const int64_t nr = re - rb;
-    for (int64_t i = 0; i < tt; ++i) {
-      T* yr = y + i * ldy + rb;
-      for (int64_t r = 0; r < nr; ++r) yr[r] = buf[r * TT + i];
-    }
+    store_rows_transposed<T, TT>(buf, re - rb, tt, y, ldy, rb);
   }
 }
+
+template <typename T, int TT>
+constexpr bool sddmm_g_in_registers() { return TT / kLanes<T> + 12 <= LDSPARSE_VREGS; }
 
 // out[j] += dot(gtile[(row(j) - g0) * TT : +TT], tile[col[j] * TT : +TT]) for rows [r0, r1);
 // gtile holds only rows [g0, ...).  Four non-zeros at a time: independent FMA chains and
@@ -150,8 +206,8 @@ static void sddmm_rows(const int32_t* crow, const int32_t* col, int64_t r0, int6
   constexpr int L = kLanes<T>, NV = TT / L;
   static_assert(TT % L == 0, "tile width must be a whole number of vectors");
   // g's row stays in registers while it leaves room for the 4 sums and their operands;
-  // wider rows (fp32 tiles of 128 on AVX2) read it from L1 with every FMA instead.
-  constexpr bool kGRegs = NV + 12 <= LDSPARSE_VREGS;
+  // wider rows (fp32 tiles of 64 and 128 on AVX2) read it from L1 with every FMA instead.
+  constexpr bool kGRegs = sddmm_g_in_registers<T, TT>();
   for (int64_t r = r0; r < r1; ++r) {
     V g[kGRegs ? NV : 1];
     const T* grow = gtile + (r - g0) * TT;
@@ -191,8 +247,29 @@ static void sddmm_rows(const int32_t* crow, const int32_t* col, int64_t r0, int6
 template <typename T, int TT>
 static void pack_tile(const T* src, int64_t ld, int64_t t0, int64_t tt, int64_t f0, int64_t f1,
                       T* tile) {
+  int64_t fdone = f0;
+#ifdef LDSPARSE_HAS_SHUFFLEVECTOR
+  if constexpr (kTranspose8<T, TT>) {  // 8 tokens x 8 features at a time, transposed in registers
+    using V8 = typename Vec<T, 8>::type;
+    const int64_t tt8 = tt & ~int64_t(7), f8 = f0 + ((f1 - f0) & ~int64_t(7));
+    for (int64_t fb = f0; fb < f8; fb += 8) {
+      T* dst = tile + (fb - f0) * TT;
+      for (int64_t i8 = 0; i8 < tt8; i8 += 8) {
+        V8 a[8], o[8];
+        for (int k = 0; k < 8; ++k) a[k] = load<V8>(src + (t0 + i8 + k) * ld + fb);
+        transpose8<T>(a, o);
+        for (int m = 0; m < 8; ++m) store(dst + m * TT + i8, o[m]);
+      }
+      for (int64_t i = tt8; i < tt; ++i)
+        for (int64_t f = 0; f < 8; ++f) dst[f * TT + i] = src[(t0 + i) * ld + fb + f];
+      for (int64_t f = 0; f < 8; ++f)
+        for (int64_t i = tt; i < TT; ++i) dst[f * TT + i] = T(0);
+    }
+    fdone = f8;
+  }
+#endif
   constexpr int64_t FB = 16;  // 16 source features per pass: one cache line per token read
-  for (int64_t fb = f0; fb < f1; fb += FB) {
+  for (int64_t fb = fdone; fb < f1; fb += FB) {
     const int64_t fe = fb + FB < f1 ? fb + FB : f1;
     T* dst = tile + (fb - f0) * TT;
     for (int64_t i = 0; i < tt; ++i) {

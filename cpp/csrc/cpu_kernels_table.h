@@ -14,7 +14,11 @@ static CpuKernels<T> make_table() {
       {sddmm_rows<T, 16>, sddmm_rows<T, 32>, sddmm_rows<T, 64>,
        sddmm_rows<T, 128>},
       {pack_tile<T, 16>, pack_tile<T, 32>, pack_tile<T, 64>,
-       pack_tile<T, 128>}};
+       pack_tile<T, 128>},
+      sddmm_g_in_registers<T, 128>()  ? 3
+      : sddmm_g_in_registers<T, 64>() ? 2
+      : sddmm_g_in_registers<T, 32>() ? 1
+                                      : 0};
 }
 
 const CpuKernels<float>& kernels_f32() {
