@@ -25,7 +25,10 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=4096)
     ap.add_argument("--kernel", default=None, help="LDSPARSE_SPMM_KERNEL for the run (v1..v5; default: as set)")
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="one launch after the check")
     args = ap.parse_args()
+    if args.quick:
+        args.launches = 1
     if args.kernel:
         os.environ["LDSPARSE_SPMM_KERNEL"] = args.kernel
     import torch

@@ -299,7 +299,8 @@ inline cudaError_t launch_spmm_staged(const int32_t* chunk_ptr, const int32_t* c
 // bytes a lane per FMA; shared memory delivers 128 bytes a clock per SM while the SM issues 128
 // fp32 FMAs a clock, so no SIMT SpMM exceeds 25 % of fp32 peak (A100: 50 %, hence Sputnik's
 // lead there).  v3 spends that budget on FMAs only:
-//   * The non-zeros are re-laid per call (spmm_stream_plan below) as one stream ordered by
+//   * The non-zeros are re-laid per call (the binding's plan: chunk_ptr, a prefix sum and
+//     spmm_stream_scatter_kernel below) as one stream ordered by
 //     (row tile, chunk, row): entry = (value, column's offset in the shared x tile).  A block's
 //     entries of a chunk are contiguous, so they are copied to shared memory with coalesced
 //     8-byte cp.async one chunk ahead; where each row starts is read from the same scan.
