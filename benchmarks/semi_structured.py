@@ -16,6 +16,11 @@ rotated each round; ratios paired within rounds, median over rounds):
                   others use cuSPARSELt: torch 2.11's cuSPARSELt matmul rebuilds its plan on every
                   call (pytorch/pytorch#177866), a fixed cost CUTLASS does not pay.
 
+Forward+backward is also captured per variant in a CUDA graph and replayed
+(``speedup_fwd_bwd_graphed``): the host's work (cuSPARSELt's per-call plan among it) taken out,
+the figure a captured training step would see; a variant that cannot be captured is named in
+``graph_capture_failed``. ``--no-graphs`` skips it.
+
 Correctness: outputs and gradients of each 2:4 variant against the masked dense layer in bf16
 (relative error by norm); a failure exits 1. Without CUDA it prints ``{"gpu": false}`` and
 exits 0. Prints one JSON object as the last line; ``speedup_fwd_bwd_2to4`` is per shape.
@@ -38,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _cuda_timing import graphed_round_robin  # noqa: E402
 from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
 
 SHAPES = ((1024, 4096), (4096, 1024))  # (in_features, out_features): GPT-2-medium's MLP
@@ -124,7 +130,7 @@ def _time_round_robin(fns: dict, rounds: int) -> dict:
     return {k: [s.elapsed_time(e) for s, e in v] for k, v in events.items()}
 
 
-def bench_shape(in_f: int, out_f: int, tokens: int, rounds: int) -> dict:
+def bench_shape(in_f: int, out_f: int, tokens: int, rounds: int, graphs: list | None = None) -> dict:
     dt = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, in_f, device="cuda", dtype=dt, generator=gen).requires_grad_()
@@ -171,13 +177,26 @@ def bench_shape(in_f: int, out_f: int, tokens: int, rounds: int) -> dict:
                                  if k.startswith("2:4")}
         out[f"speedup_{tag}_ci95"] = {k: bootstrap_ratio(rate[k], [rate["dense"]]) for k in ("2:4", "2:4T")}
         out[f"noise_floor_{tag}"] = round(resolution(rate["dense_twin"], rate["dense"]), 4)
+        if backward and graphs is not None:  # captured later, after every eager timing (see main)
+            graphs.append((f"{in_f}x{out_f}", fns, x))
     return out
+
+
+def graphed_fwd_bwd(fns: dict, x, rounds: int) -> dict:
+    """The forward+backward steps ``fns`` replayed from CUDA graphs: the host's share (cuSPARSELt's
+    per-call plan among it) taken out; a variant that cannot be captured is named with why."""
+    graphed = graphed_round_robin(fns, rounds, probe=lambda: x.grad)
+    got = graphed["ms"]
+    if "dense" in got:
+        graphed["speedup"] = {k: round(got["dense"] / v, 4) for k, v in got.items() if k != "dense"}
+    return graphed
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timings")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"gpu": False, "skipped": "no CUDA GPU: 2:4 semi-structured kernels need one",
@@ -186,13 +205,23 @@ def main() -> int:
     t0 = time.perf_counter()
     result = {"gpu": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "tokens": args.tokens, "dtype": "bfloat16", "rounds": args.rounds, "target": TARGET, "shapes": {}}
+    graphs = None if args.no_graphs else []
     for in_f, out_f in SHAPES:
-        result["shapes"][f"{in_f}x{out_f}"] = bench_shape(in_f, out_f, args.tokens, args.rounds)
+        result["shapes"][f"{in_f}x{out_f}"] = bench_shape(in_f, out_f, args.tokens, args.rounds, graphs)
     shapes = result["shapes"]
+    # CUDA graphs last: a capture that fails can leave torch's default CUDA generator mid-capture,
+    # which would break any later eager call that draws from it (benchmarks/block_profile.py saw it)
+    for key, fns, x in graphs or ():
+        shapes[key]["cuda_graph_fwd_bwd"] = graphed_fwd_bwd(fns, x, args.rounds)
     result["speedup_fwd_bwd_2to4"] = {k: v["speedup_fwd_bwd"]["2:4"] for k, v in shapes.items()}
     result["speedup_fwd_bwd_2to4_transposable"] = {k: v["speedup_fwd_bwd"]["2:4T"] for k, v in shapes.items()}
     result["speedup_fwd_2to4"] = {k: v["speedup_fwd"]["2:4"] for k, v in shapes.items()}
     result["noise_floor_fwd_bwd"] = {k: v["noise_floor_fwd_bwd"] for k, v in shapes.items()}
+    graphed = {k: v["cuda_graph_fwd_bwd"].get("speedup", {}) for k, v in shapes.items() if "cuda_graph_fwd_bwd" in v}
+    if graphed:  # device-bound: what a captured (or deeply queued) training step would see
+        result["speedup_fwd_bwd_graphed"] = graphed
+        result["graph_capture_failed"] = {k: v["cuda_graph_fwd_bwd"]["failed"] for k, v in shapes.items()
+                                          if v.get("cuda_graph_fwd_bwd", {}).get("failed")}
     for name in ("2:4_cutlass", "2:4_cutlass_cached", "2:4_cached"):
         if all(name in v["speedup_fwd_bwd"] for v in shapes.values()):
             result[f"speedup_fwd_bwd_{name.replace(':', 'to')}"] = {k: v["speedup_fwd_bwd"][name] for k, v in shapes.items()}

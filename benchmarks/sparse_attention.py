@@ -18,7 +18,11 @@ route -- ``block_sparse_attention(backend="auto")``, which takes FlexAttention o
 whichever it measured faster, with the layout's BlockMask built once -- at block densities
 1, 1/2, 1/4, 1/8, against dense causal SDPA and SDPA again (the control). CUDA events,
 round-robin, medians. The JSON names the route taken; the dense masked reference is reported as
-"reference", never as "ours". ``docs/benchmarks.md`` says how to read it.
+"reference", never as "ours". At batch 1 the eager calls are bound by the host (Python and launches:
+see ``host_issue_vs_total_ms``), so SDPA and our route at densities 1 and 1/8 are also captured in
+CUDA graphs and replayed (``cuda_graph``): the device-bound figure a model step reaches when it is
+graphed or queues enough work ahead. ``--batch`` scales the work per call. ``docs/benchmarks.md``
+says how to read it.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _cuda_timing import cuda_round_robin
+from _cuda_timing import cuda_round_robin, graphed_round_robin
 from _harness import round_robin
 from lightning_dynmo import sparse
 from lightning_dynmo.sparse import BlockLayout, block_sparse_attention
@@ -173,6 +177,18 @@ def bench_cuda(args, rounds):
     ms = cuda_round_robin(fns, rounds)
     host = {name: _host_issue_ms(fns[name]) for name in ("sdpa", f"auto@{DENSITIES[-1]:g}",
                                                           f"flex_raw@{DENSITIES[-1]:g}") if name in fns}
+    graphed = {}
+    if not args.no_graphs:  # the same calls with the host taken out (_cuda_timing.cuda_graph_of)
+        cands = {"sdpa": sdpa, "sdpa_control": sdpa}
+        for target in (DENSITIES[0], DENSITIES[-1]):
+            cands[f"auto@{target:g}"] = fns[f"auto@{target:g}"]
+        graphed = graphed_round_robin(cands, rounds, probe=lambda: q.grad)
+        got = graphed["ms"]
+        if "sdpa" in got and "sdpa_control" in got:
+            graphed["noise_floor"] = round(got["sdpa"] / got["sdpa_control"], 3)
+        graphed["speedup_vs_sdpa_fwd_bwd"] = {
+            name.split("@")[1]: round(got["sdpa"] / value, 2)
+            for name, value in got.items() if name.startswith("auto@") and "sdpa" in got}
     ours = "ours" if route in ("flex", "kernel") else "reference"  # the dense masked fallback is never "ours"
     if ours == "reference":
         print(f"WARNING: backend='auto' ran the dense masked reference on CUDA "
@@ -204,6 +220,9 @@ def bench_cuda(args, rounds):
         # host (Python + launch) ms per call and device-bound ms per call over back-to-back calls: where
         # issue ~ total, the GPU waits for the host and the kernel's speed does not show
         "host_issue_vs_total_ms": host,
+        # the same forward+backward replayed from a CUDA graph (host work taken out): the device-bound
+        # speedup; "failed" names a call that could not be captured, with why
+        "cuda_graph": {**graphed, "route": route if ours == "ours" else "reference"} if graphed else None,
         "results": rows,
     }
 
@@ -220,6 +239,8 @@ def main():
     ap.add_argument("--block", type=int, default=None, help="CPU: 64; CUDA: 128 (FlexAttention's tile)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--no-graphs", action="store_true",
+                    help="CUDA: skip the CUDA-graph replay timings (the host-free figure)")
     args = ap.parse_args()
     on_cuda = args.device == "cuda"
     args.seq = args.seq or ([4096] if on_cuda else [1024, 2048])
