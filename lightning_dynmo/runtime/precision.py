@@ -15,10 +15,14 @@ single-process ``training_step``), which changes two things for a plugin with a 
   inf/NaN in the gradients *this rank* holds. If one stage overflowed and another did not, one
   rank would skip its step and the other would not, and their scales would drift apart.
   :func:`install_found_inf_agreement` makes ``unscale_`` all-reduce (MAX) the found-inf flag over
-  the pipeline group, so every stage skips together and ``scaler.update()`` backs off the same
-  scale everywhere. (Data-parallel replicas hold the same averaged gradients, so they agree
-  already.) A rank released by re-packing holds no gradients; it records "no inf" so that the
-  scaler's bookkeeping stays valid without joining the collective.
+  the pipeline group and then over the stage's data-parallel group, so every rank skips together
+  and ``scaler.update()`` backs off the same scale everywhere. The second all-reduce is needed
+  wherever replicas hold different gradients: an expert shard lives on some replicas only
+  (``expert_parallel > 1``), and under ``dp_sharding="fsdp"`` each replica holds a different
+  shard of every gradient; without it, an overflow in one replica's shard made that replica skip
+  while the others stepped, and the replicas' weights silently drifted apart. A rank released by
+  re-packing holds no gradients; it records "no inf" so that the scaler's bookkeeping stays valid
+  without joining the collectives.
 
 Supported: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"16-true"`` and
 ``"64-true"`` (Lightning's ``Precision``, ``MixedPrecision``, ``HalfPrecision`` and
@@ -108,10 +112,12 @@ def unscale_losses(plugin, losses: list[torch.Tensor] | None) -> list[torch.Tens
 
 
 def install_found_inf_agreement(plugin, group: Callable[[], object], active: Callable[[], bool],
-                                device: Callable[[], torch.device]) -> None:
+                                device: Callable[[], torch.device],
+                                replica_group: Callable[[], object] = lambda: None) -> None:
     """Make ``plugin.scaler.unscale_`` agree on found-inf over the pipeline group ``group()``
-    (see the module docstring). Only this scaler instance is changed; a plugin without a scaler
-    is left alone. Idempotent."""
+    (``None``: the world), then over the data-parallel group ``replica_group()`` (``None``: no
+    replicas) (see the module docstring). Only this scaler instance is changed; a plugin without a
+    scaler is left alone. Idempotent."""
     scaler = getattr(plugin, "scaler", None)
     if scaler is None or getattr(scaler, "_dynmo_found_inf_agreement", False):
         return
@@ -128,6 +134,9 @@ def install_found_inf_agreement(plugin, group: Callable[[], object], active: Cal
             flag = torch.maximum(flag, value.to(dev, torch.float32))
         if active() and dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group())
+            replicas = replica_group()
+            if replicas is not None:  # expert shards and FSDP shards differ between replicas
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=replicas)
         if not found:  # this rank holds no gradients of this optimizer
             found[dev] = flag
         for key in list(found):

@@ -128,7 +128,8 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
             group, active = (lambda: self.pipeline_group), (lambda: not self.released)
             positions = lambda opt: self.optimizer_layout.positions(self.lightning_module, self.optimizers, opt)  # noqa: E731
             install_global_norm_clipping(plugin, positions, group, active, self.expert_shards)
-            install_found_inf_agreement(plugin, group, active, lambda: self.root_device)
+            install_found_inf_agreement(plugin, group, active, lambda: self.root_device,
+                                        lambda: self.data_parallel_group)
 
     @override
     @contextmanager

@@ -37,7 +37,7 @@ def results(tmp_path_factory):
                                                       dict(DATA, dp=2, steps=STEPS + MORE), dict(AUTO_DATA, dp=2)],
                                         nproc=None)
     ep_ckpt = os.path.join(tmp / "ep2", "moe_ckpt0", "last.ckpt")  # where run 0 of the job saves
-    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed = _launch(tmp / "ep2", [
+    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed, ep_fp16 = _launch(tmp / "ep2", [
         dict(EP_RUN, save_ckpt=True),
         dict(EP_RUN, steps=STEPS + MORE, resume=ref["ckpt"]),
         dict(EP_RUN, steps=STEPS + MORE, expert_parallel=1, resume=ep_ckpt),
@@ -45,9 +45,11 @@ def results(tmp_path_factory):
         dict(EP_RUN, schedule="zero_bubble"),  # split dI/dW backward: expert all_to_all inside both halves
         dict(EP_RUN, checkpointing=True),  # recompute replays the dispatch all_to_all in backward
         dict(EP_RUN, balancer="partition_param", repack=1),  # each replica packs onto one rank, keeping its expert group
+        # fp16 with a grad scaler: at step 1 an expert gradient overflows on replica 0 only
+        dict(EP_RUN, precision="16-mixed", inf_at=[1, "experts."]),
     ], nproc=4)
     return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep,
-                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed)
+                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed, ep_fp16=ep_fp16)
 
 
 def test_each_replica_holds_half_of_the_experts(results):
@@ -110,6 +112,21 @@ def test_expert_parallel_repacked_onto_one_rank_per_replica_matches_single_proce
     sg, sr = torch.load(got["state"]), torch.load(ref["state"])
     for k in sr:
         torch.testing.assert_close(sg[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)
+
+
+def test_an_overflow_in_one_replicas_expert_shard_is_skipped_by_every_replica(results):
+    """16-mixed: expert shards differ between replicas, so their grad-scaler inf checks can
+    disagree. Every rank must skip the step and back off the same scale, or the replicas' shared
+    weights drift apart silently (they did before found-inf was agreed over the replicas too)."""
+    run = results["ep_fp16"]
+    scales = run["scales_per_rank"]
+    assert all(s == scales[0] for s in scales), scales
+    assert scales[0][1] == scales[0][0] / 2, scales[0]  # the step with the overflow was skipped, once
+    digests = run["shared_digest_per_rank"]  # rank g: stage g % 2 of replica g // 2
+    for stage in (0, 1):
+        a, b = digests[stage], digests[2 + stage]
+        assert a.keys() == b.keys() and a, (stage, sorted(a), sorted(b))
+        assert all(a[k] == b[k] for k in a), {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
 
 def test_checkpoint_saved_under_expert_parallel_loads_into_one_process(results):

@@ -61,6 +61,30 @@ class GradNorms(L.Callback):
         self.after.append(self._norm(trainer, pl_module))
 
 
+class InfInReplicaZero(L.Callback):
+    """At step ``step``, one gradient entry of the first parameter whose name contains ``name`` is
+    set to inf, after backward and before the scaler's inf check, on the ranks of data-parallel
+    replica 0 only (an overflow the other replicas do not see); records the scale after every step
+    and, at the end, a digest of every parameter this rank holds outside the experts."""
+
+    def __init__(self, step: int, name: str) -> None:
+        self.step, self.name, self.scales, self.digest = step, name, [], {}
+
+    def on_after_backward(self, trainer, pl_module):
+        if trainer.global_step == self.step and trainer.strategy.topology.dp_rank(trainer.global_rank) == 0:
+            for n, p in pl_module.named_parameters():
+                if self.name in n and p.grad is not None:
+                    p.grad.view(-1)[0] = float("inf")
+                    return
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+
+    def on_train_end(self, trainer, pl_module):
+        self.digest = {n: float(p.detach().double().sum()) for n, p in pl_module.named_parameters()
+                       if "experts." not in n and p.device.type != "meta" and p.numel()}
+
+
 class LoadSignal(L.Callback):
     """Per step: under the pipeline, the strategy's combined ``layer_load`` and, per rank, each
     local MoE block's own relative work (its monitoring window, restarted every step); in a single
@@ -134,6 +158,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     rec, monitor, norms = LossRecorder(), MoELoadMonitor(cfg.get("monitor_threshold", 0.05)), GradNorms()
     signal = LoadSignal()
     callbacks = [rec, monitor, norms, signal]
+    if cfg.get("precision") == "16-mixed":  # fp16 with a grad scaler (Lightning makes "16-mixed" bf16 on CPU)
+        from lightning.pytorch.plugins.precision import MixedPrecision
+        kw["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
+    inf = InfInReplicaZero(*cfg["inf_at"]) if cfg.get("inf_at") else None
+    if inf is not None:
+        callbacks.append(inf)
     ckpt_dir = os.path.join(out_dir, f"moe_ckpt{idx}")
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
@@ -161,6 +191,11 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         history, per_rank, local_load = [], [expert_rows], []
     result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank,
               "layer_load": signal.combined, "local_load_per_rank": local_load, "routing_rows": signal.rows}
+    if inf is not None and pipeline:
+        scales, digests = [None] * world, [None] * world
+        torch.distributed.all_gather_object(scales, inf.scales)
+        torch.distributed.all_gather_object(digests, inf.digest)
+        result["scales_per_rank"], result["shared_digest_per_rank"] = scales, digests
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"moe_state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"moe_optim{idx}.pt")
