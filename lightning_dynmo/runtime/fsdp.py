@@ -43,6 +43,12 @@ Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded
 no graph and get no gradient, and :func:`~lightning_dynmo.dynamic.freeze_layer` pops their
 optimizer state (the frozen shards carry none).
 
+Precision: ``bf16-mixed`` and ``16-mixed`` are autocast over fp32 parameters, so shards,
+reduce-scattered gradients and optimizer state stay fp32 and the math is ``replicate``'s (FSDP2's
+``MixedPrecisionPolicy`` is not used: bf16 all-gathers would change it). A grad scaler's inf check
+is agreed over the replicas too (``runtime/precision.py``): each replica checks a different shard.
+``bf16-true`` shards bf16 parameters.
+
 The optimizer keeps its groups and positions: each parameter is swapped in place
 (:func:`~lightning_dynmo.runtime.optimizer_layout.replace_param`), so Adam's ``exp_avg`` becomes
 a DTensor shard of the same values, and ``step`` is kept.
@@ -165,6 +171,10 @@ class ShardedLayers:
                 layer.reshard()
 
 
+#: autocast over fp32 parameters (the shards, gradients and optimizer state stay fp32), and fp32
+FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
+
+
 def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, pruning: bool) -> None:
     """What ``dp_sharding="fsdp"`` does not compose with yet, refused at setup with the reason."""
     problems = []
@@ -174,9 +184,8 @@ def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, 
     if expert_parallel > 1:
         problems.append(f"expert_parallel={expert_parallel} (experts are already split over the replicas; sharding "
                         "them again over the same replicas is not supported)")
-    if precision not in ("32-true", "32"):
-        problems.append(f"precision={precision!r} (only fp32 is supported and tested; FSDP2's MixedPrecisionPolicy "
-                        "is not wired in)")
+    if precision not in FSDP_PRECISIONS:
+        problems.append(f"precision={precision!r} (supported under fsdp: {', '.join(FSDP_PRECISIONS)})")
     if pruning:
         problems.append("gradual pruning (a pruned layer swaps its parameters for new ones, which FSDP units "
                         "cannot adopt after sharding)")

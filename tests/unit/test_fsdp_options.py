@@ -22,14 +22,15 @@ def test_hydra_types_dp_sharding_as_a_string():
     assert config_type(typing.get_type_hints(PipelineOptions)["dp_sharding"]) is str
 
 
-def test_fsdp_accepts_plain_fp32_models():
-    check_fsdp_composition(tied=False, expert_parallel=1, precision="32-true", pruning=False)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
+def test_fsdp_accepts_plain_models_in_the_tested_precisions(precision):
+    check_fsdp_composition(tied=False, expert_parallel=1, precision=precision, pruning=False)
 
 
 @pytest.mark.parametrize("kw, reason", [
     ({"expert_parallel": 2}, "expert_parallel=2 .experts are already split over the replicas"),
     ({"tied": True}, "tied parameters"),
-    ({"precision": "16-mixed"}, "precision='16-mixed'"),
+    ({"precision": "16-true"}, "precision='16-true' .supported under fsdp: 32-true"),
     ({"pruning": True}, "gradual pruning"),
 ])
 def test_fsdp_refuses_what_it_cannot_shard_naming_the_reason(kw, reason):

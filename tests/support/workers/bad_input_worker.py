@@ -160,7 +160,7 @@ CASES = {
     # dp_sharding="fsdp" refuses what its FSDP units cannot hold yet (one stage x two replicas)
     "fsdp_tied": lambda out: fit(model=make_model(dict(CFG, tied=True)), pipeline_parallel=1, dp_sharding="fsdp"),
     "fsdp_half_precision": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp",
-                                           trainer_kw={"precision": "bf16-mixed"}),
+                                           trainer_kw={"precision": "16-true"}),
     "fsdp_pruning": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp", callbacks=[GradualPruning()]),
 }
 

@@ -50,14 +50,17 @@ class InfGradient(L.Callback):
     """At step ``step``, sets one gradient entry of parameter ``name`` to inf (on the rank that
     holds it; single process: always), before the scaler's inf check."""
 
-    def __init__(self, step: int, name: str):
-        self.step, self.name = step, name
+    def __init__(self, step: int, name: str, replica: int | None = None):
+        self.step, self.name, self.replica = step, name, replica  # replica: on that data-parallel replica only
 
     def on_after_backward(self, trainer, pl_module):
         if trainer.global_step == self.step:
             p = dict(pl_module.named_parameters()).get(self.name)
             if p is not None and p.grad is not None:
-                p.grad.view(-1)[0] = float("inf")
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # an FSDP shard: its local piece
+                if self.replica is None or trainer.strategy.topology.dp_rank(trainer.global_rank) == self.replica:
+                    if grad.numel():
+                        grad.view(-1)[0] = float("inf")
 
 
 class ScaleRecorder(L.Callback):
@@ -88,6 +91,7 @@ def trainer_for(cfg: dict, callbacks: list, out_dir: str) -> L.Trainer:
         balancer=cfg.get("balancer", "uniform"), rebalance=cfg.get("rebalance", "never"), rebalance_interval=1,
         partition=cfg.get("partition"), memory_capacity=cfg.get("memory_capacity"),
         activation_checkpointing=cfg.get("checkpointing", False), plot=False, timeout=120,
+        dp_sharding=cfg.get("dp_sharding", "replicate"), checkpoint_format=cfg.get("checkpoint_format"),
     )
     return L.Trainer(
         strategy=strategy, accelerator="cpu", devices=world, max_steps=cfg["steps"], logger=False,
@@ -101,7 +105,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     init_path = os.path.join(out_dir, f"init{idx}.pt")
     callbacks = [rec, scales, InitialState(init_path)]
     if cfg.get("inf_at"):
-        callbacks.append(InfGradient(*cfg["inf_at"]))
+        callbacks.append(InfGradient(*cfg["inf_at"], replica=cfg.get("inf_replica")))
     trainer = trainer_for(cfg, callbacks, out_dir)
     if cfg.get("meta"):
         with trainer.init_module(empty_init=True):
@@ -113,7 +117,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     strategy = trainer.strategy
     ckpt = strategy.engines.checkpointing
     local = {"recompute": sorted(i for d in ckpt.decisions.values() for i in d),
-             "layers": strategy.local_layer_indices()}
+             "layers": strategy.local_layer_indices(), "scales": scales.scales}
     per_rank = [None] * strategy.world_size
     torch.distributed.all_gather_object(per_rank, local)
     state = strategy.lightning_module_state_dict()
