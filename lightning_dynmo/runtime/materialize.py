@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -115,10 +115,14 @@ class MaterializeStats:
 
 def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iterable[int],
                          optimizers: Iterable[torch.optim.Optimizer] = (),
-                         device: torch.device | str = "cpu") -> MaterializeStats | None:
+                         device: torch.device | str = "cpu",
+                         after_layer: Callable[[int], None] | None = None) -> MaterializeStats | None:
     """Materialise this rank's pipeline layers ``indices`` of a module built on the meta device
     (the others must already be :class:`~lightning_dynmo.protocol.RemoteLayer`), re-bind the
     optimizers to the new parameters and check that nothing is left on the meta device.
+    ``after_layer(i)`` runs as soon as layer ``i`` is materialised and its optimizer slots are
+    re-bound, before the next layer is allocated: ``dp_sharding="fsdp"`` shards it there, so a
+    stage's layers are never whole at once (the setup peak is one whole layer plus the shards).
     Returns ``None`` (and does nothing) for a module without meta tensors."""
     if not has_meta_tensors(module) and not _meta_leftovers(module):
         return None
@@ -133,14 +137,14 @@ def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iter
                     "materialising layers one by one would untie it. Build this model on a real device, or untie "
                     "the weights before building it on the meta device"
                 )
-    mapping: dict[nn.Parameter, nn.Parameter] = {}
     nbytes = 0
     for i in indices:
         layer = layers[i]
         if has_meta_tensors(layer):
-            mapping.update(materialize_layer(module, i, layer, device))
+            rebind_optimizers(optimizers, materialize_layer(module, i, layer, device))
             nbytes += sum(t.numel() * t.element_size() for _, t in layer_tensors(layer))
-    rebind_optimizers(optimizers, mapping)
+            if after_layer is not None:
+                after_layer(i)
     leftovers = _meta_leftovers(module)
     if leftovers:
         raise MaterializationError(

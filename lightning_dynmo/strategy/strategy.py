@@ -251,17 +251,20 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
                 layers, self.layout, self.root_device, self.global_rank, self.last_microbatches))
         optimizers = self.optimizers if fitting else ()
+        if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
+            self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
+                                                self._layers_attr, module, optimizers, self.optimizer_layout)
+        # built on the meta device: each layer is sharded as soon as it is allocated (never the whole stage)
+        shard_each = (lambda i: self.sharded_layers.shard([i])) if sharding else None
         place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
-                           self.optimizer_layout, self.expert_parallel)
+                           self.optimizer_layout, self.expert_parallel, after_materialize=shard_each)
         if self.topology.dp == 1:
             # One replica: every rank already loads the same batches; Lightning's injected
             # DistributedSampler would reshuffle a shuffle=False loader (it forces shuffle=True).
             trainer._accelerator_connector.use_distributed_sampler = False
         self.model_to_device()
         self.tied.align(layers, optimizers)  # tied copies: one object per rank, equal values
-        if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
-            self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
-                                                self._layers_attr, module, optimizers, self.optimizer_layout)
+        if sharding:  # layers built whole (not on the meta device) are sharded here, on their device
             self.sharded_layers.shard(self.local_layer_indices())
         self.profiler = PipelineProfiler(self.root_device)
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(

@@ -101,6 +101,31 @@ def test_optimizer_is_recorded_on_meta_and_rebound_to_local_parameters():
         assert torch.equal(v, ref[k]), k
 
 
+def test_after_layer_sees_each_layer_real_and_its_optimizer_slots_rebound_before_the_next_is_allocated():
+    """``dp_sharding="fsdp"`` shards in ``after_layer``: at that moment layer i must be real, its
+    parameters already in the optimizer, and the later local layers still on the meta device (so
+    a stage is never whole at once)."""
+    model = meta_gpt()
+    opt = model.configure_optimizers()["optimizer"]
+    layers = model.pipeline_layers()
+    own = [2, 3, 4]
+    for i in range(len(layers)):
+        if i not in own:
+            layers[i] = RemoteLayer(i)
+    OptimizerLayout.keep_only_local(model, [opt])
+    seen = []
+
+    def after(i):
+        in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+        seen.append(i)
+        assert not has_meta_tensors(layers[i])
+        assert all(id(p) in in_opt for p in layers[i].parameters())
+        assert all(has_meta_tensors(layers[j]) for j in own if j > i)
+
+    materialize_pipeline(model, layers, own, [opt], after_layer=after)
+    assert seen == own and not has_meta_tensors(model)
+
+
 class NoInit(nn.Module):
     def __init__(self):
         super().__init__()
