@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
-    reduce_device, request_rebalance
+    pipeline_reduce_group, reduce_device, request_rebalance
 from ..dynamic.freezing import freeze_layer, layer_grad_norm, plasticity, snapshot_layer
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,9 @@ class LayerFreezing(Callback):
       steps, each not-yet-frozen layer's gradient norm is averaged over the interval; a layer is
       converged when the relative change ``|g_now - g_prev| / g_prev`` of that average between two
       consecutive intervals is below ``threshold``. The per-layer sums are one fixed-size vector
-      all-reduced over ``strategy.pipeline_group``.
+      all-reduced over ``strategy.pipeline_group`` and averaged over the data-parallel replicas
+      (which differ where they hold different parts of a layer: expert shards, FSDP shards), so
+      every rank decides the same.
     * **Schedule** (``schedule={step: n}``): from optimizer step ``step`` on, at least the first
       ``n`` layers are frozen. ``threshold=None`` with a schedule: schedule only.
 
@@ -218,7 +220,14 @@ class LayerFreezing(Callback):
         if self.threshold is None or self._window_steps < self.interval or self._window is None:
             return
         vec = torch.tensor(self._window, dtype=torch.float64, device=reduce_device(trainer, pl_module))
-        mean = (all_reduce_over_pipeline(trainer, vec) / self._window_steps).cpu().tolist()
+        vec = all_reduce_over_pipeline(trainer, vec)
+        dp_group = getattr(trainer.strategy, "data_parallel_group", None)
+        if pipeline_reduce_group(trainer)[0] and dp_group is not None:
+            # replicas hold the same averaged gradients, except where they hold different parts of a
+            # layer (expert shards under expert_parallel, FSDP shards): their mean, so all decide alike
+            dist.all_reduce(vec, group=dp_group)
+            vec /= dist.get_world_size(dp_group)
+        mean = (vec / self._window_steps).cpu().tolist()
         self._window, self._window_steps = [0.0] * len(mean), 0
         prev, self._prev = self._prev, mean
         if prev is None or len(prev) != len(mean):

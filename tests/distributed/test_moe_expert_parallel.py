@@ -37,7 +37,7 @@ def results(tmp_path_factory):
                                                       dict(DATA, dp=2, steps=STEPS + MORE), dict(AUTO_DATA, dp=2)],
                                         nproc=None)
     ep_ckpt = os.path.join(tmp / "ep2", "moe_ckpt0", "last.ckpt")  # where run 0 of the job saves
-    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed, ep_fp16 = _launch(tmp / "ep2", [
+    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed, ep_fp16, ep_freeze = _launch(tmp / "ep2", [
         dict(EP_RUN, save_ckpt=True),
         dict(EP_RUN, steps=STEPS + MORE, resume=ref["ckpt"]),
         dict(EP_RUN, steps=STEPS + MORE, expert_parallel=1, resume=ep_ckpt),
@@ -47,9 +47,11 @@ def results(tmp_path_factory):
         dict(EP_RUN, balancer="partition_param", repack=1),  # each replica packs onto one rank, keeping its expert group
         # fp16 with a grad scaler: at step 1 an expert gradient overflows on replica 0 only
         dict(EP_RUN, precision="16-mixed", inf_at=[1, "experts."]),
+        # gradient-norm freezing: a MoE layer's norm differs between replicas (each holds other experts)
+        dict(EP_RUN, freezing={"threshold": 1e-9, "interval": 1}),
     ], nproc=4)
     return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep,
-                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed, ep_fp16=ep_fp16)
+                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed, ep_fp16=ep_fp16, ep_freeze=ep_freeze)
 
 
 def test_each_replica_holds_half_of_the_experts(results):
@@ -127,6 +129,15 @@ def test_an_overflow_in_one_replicas_expert_shard_is_skipped_by_every_replica(re
         a, b = digests[stage], digests[2 + stage]
         assert a.keys() == b.keys() and a, (stage, sorted(a), sorted(b))
         assert all(a[k] == b[k] for k in a), {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+def test_gradient_norm_freezing_decides_on_the_same_numbers_on_every_replica(results):
+    """LayerFreezing(criterion="grad_norm") freezes from per-layer gradient norms; an MoE layer's
+    norm differs between replicas that hold different experts, so the numbers are averaged over
+    the replicas too: every rank sees the same vector and takes the same decision."""
+    run = results["ep_freeze"]
+    means = run["freezing_means_per_rank"]
+    assert means[0] is not None and all(m == means[0] for m in means), means
 
 
 def test_checkpoint_saved_under_expert_parallel_loads_into_one_process(results):

@@ -164,6 +164,11 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     inf = InfInReplicaZero(*cfg["inf_at"]) if cfg.get("inf_at") else None
     if inf is not None:
         callbacks.append(inf)
+    freezing = None
+    if cfg.get("freezing"):  # LayerFreezing kwargs; its per-layer gradient-norm means are recorded per rank
+        from lightning_dynmo.callbacks import LayerFreezing
+        freezing = LayerFreezing(**cfg["freezing"])
+        callbacks.append(freezing)
     ckpt_dir = os.path.join(out_dir, f"moe_ckpt{idx}")
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
@@ -191,6 +196,10 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         history, per_rank, local_load = [], [expert_rows], []
     result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank,
               "layer_load": signal.combined, "local_load_per_rank": local_load, "routing_rows": signal.rows}
+    if freezing is not None and pipeline:
+        means = [None] * world
+        torch.distributed.all_gather_object(means, freezing._prev)
+        result["freezing_means_per_rank"], result["frozen"] = means, freezing.n_frozen
     if inf is not None and pipeline:
         scales, digests = [None] * world, [None] * world
         torch.distributed.all_gather_object(scales, inf.scales)
