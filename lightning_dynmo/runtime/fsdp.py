@@ -171,7 +171,8 @@ class ShardedLayers:
                 layer.reshard()
 
 
-#: autocast over fp32 parameters (the shards, gradients and optimizer state stay fp32), and fp32
+#: Tested under fsdp (test_fsdp_precision.py): fp32, autocast over fp32 parameters (the shards,
+#: gradients and optimizer state stay fp32) and bf16 parameters sharded as bf16.
 FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 
 
