@@ -176,9 +176,24 @@ class ShardedLayers:
 FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 
 
+def missing_fsdp_capability() -> str | None:
+    """Why this torch cannot run ``dp_sharding="fsdp"`` (``None``: it can). Checked by capability:
+    the unused-parameter guard (``FSDPModule.set_reduce_scatter_unused_params``, see the module
+    docstring) is in torch 2.13 and 2.14, not in 2.10 or 2.11 (2.12 not checked); without it the
+    replicas' reduce-scatters can mismatch (gloo aborts, NCCL hangs or reduces garbage)."""
+    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        return None
+    return (f"torch {torch.__version__} (its FSDP2 lacks FSDPModule.set_reduce_scatter_unused_params, which keeps "
+            "the replicas' reduce-scatters matched when a parameter gets a gradient on one replica only; torch 2.13 "
+            "has it)")
+
+
 def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, pruning: bool) -> None:
     """What ``dp_sharding="fsdp"`` does not compose with yet, refused at setup with the reason."""
     problems = []
+    missing = missing_fsdp_capability()
+    if missing:
+        problems.append(missing)
     if tied:
         problems.append("tied parameters (a tied embedding and LM head live in two stages, and each stage's FSDP "
                         "units own their parameters; sharing one across units is not supported)")
@@ -192,4 +207,4 @@ def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, 
                         "cannot adopt after sharding)")
     if problems:
         raise ValueError("dp_sharding='fsdp' cannot be combined with " + "; ".join(problems)
-                         + ". Use dp_sharding='replicate' for this model.")
+                         + ". Use dp_sharding='replicate' for this model" + (" or torch >= 2.13" if missing else "") + ".")
