@@ -29,6 +29,7 @@ from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models import MoEGPT
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.real_models_worker import InfGradient, ScaleRecorder, precision_kwargs
 
 
 class GradNorms(L.Callback):
@@ -61,28 +62,16 @@ class GradNorms(L.Callback):
         self.after.append(self._norm(trainer, pl_module))
 
 
-class InfInReplicaZero(L.Callback):
-    """At step ``step``, one gradient entry of the first parameter whose name contains ``name`` is
-    set to inf, after backward and before the scaler's inf check, on the ranks of data-parallel
-    replica 0 only (an overflow the other replicas do not see); records the scale after every step
-    and, at the end, a digest of every parameter this rank holds outside the experts."""
+class SharedDigest(L.Callback):
+    """At the end of training, a digest of every parameter this rank holds outside the experts
+    (replicas of a stage must hold equal ones)."""
 
-    def __init__(self, step: int, name: str) -> None:
-        self.step, self.name, self.scales, self.digest = step, name, [], {}
-
-    def on_after_backward(self, trainer, pl_module):
-        if trainer.global_step == self.step and trainer.strategy.topology.dp_rank(trainer.global_rank) == 0:
-            for n, p in pl_module.named_parameters():
-                if self.name in n and p.grad is not None:
-                    p.grad.view(-1)[0] = float("inf")
-                    return
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+    def __init__(self) -> None:
+        self.digest = {}
 
     def on_train_end(self, trainer, pl_module):
         self.digest = {n: float(p.detach().double().sum()) for n, p in pl_module.named_parameters()
-                       if "experts." not in n and p.device.type != "meta" and p.numel()}
+                       if "experts." not in n and p.numel()}
 
 
 class LoadSignal(L.Callback):
@@ -158,12 +147,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     rec, monitor, norms = LossRecorder(), MoELoadMonitor(cfg.get("monitor_threshold", 0.05)), GradNorms()
     signal = LoadSignal()
     callbacks = [rec, monitor, norms, signal]
-    if cfg.get("precision") == "16-mixed":  # fp16 with a grad scaler (Lightning makes "16-mixed" bf16 on CPU)
-        from lightning.pytorch.plugins.precision import MixedPrecision
-        kw["plugins"] = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
-    inf = InfInReplicaZero(*cfg["inf_at"]) if cfg.get("inf_at") else None
-    if inf is not None:
-        callbacks.append(inf)
+    if cfg.get("precision"):
+        kw.update(precision_kwargs(cfg))
+    inf = None
+    if cfg.get("inf_at"):  # [step, parameter name]: inf in that gradient on data-parallel replica 0 only
+        inf = ScaleRecorder(), SharedDigest()
+        callbacks += [InfGradient(*cfg["inf_at"], replica=0), *inf]
     freezing = None
     if cfg.get("freezing"):  # LayerFreezing kwargs; its per-layer gradient-norm means are recorded per rank
         from lightning_dynmo.callbacks import LayerFreezing
@@ -202,8 +191,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         result["freezing_means_per_rank"], result["frozen"] = means, freezing.n_frozen
     if inf is not None and pipeline:
         scales, digests = [None] * world, [None] * world
-        torch.distributed.all_gather_object(scales, inf.scales)
-        torch.distributed.all_gather_object(digests, inf.digest)
+        torch.distributed.all_gather_object(scales, inf[0].scales)
+        torch.distributed.all_gather_object(digests, inf[1].digest)
         result["scales_per_rank"], result["shared_digest_per_rank"] = scales, digests
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"moe_state{idx}.pt")
