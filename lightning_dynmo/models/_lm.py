@@ -92,8 +92,10 @@ class CausalLMModule(L.LightningModule):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*was called before the ``update``.*")
             mean = self.val_loss_mean.compute()
-        if torch.isfinite(mean):
-            self.log("val_ppl", torch.exp(mean), prog_bar=True)
+        if torch.isfinite(mean):  # the same on every rank: compute() reduced it
+            # sync_dist: the mean of equal values is that value; without it Lightning warns every
+            # distributed user to add it
+            self.log("val_ppl", torch.exp(mean), prog_bar=True, sync_dist=True)
         self.val_loss_mean.reset()
 
     def configure_optimizers(self):

@@ -179,8 +179,16 @@ FSDP_PRECISIONS = ("32-true", "32", "bf16-mixed", "16-mixed", "bf16-true")
 def missing_fsdp_capability() -> str | None:
     """Why this torch cannot run ``dp_sharding="fsdp"`` (``None``: it can). Checked by capability:
     the unused-parameter guard (``FSDPModule.set_reduce_scatter_unused_params``, see the module
-    docstring) is in torch 2.13 and 2.14, not in 2.10 or 2.11 (2.12 not checked); without it the
-    replicas' reduce-scatters can mismatch (gloo aborts, NCCL hangs or reduces garbage)."""
+    docstring) is in torch 2.13 and 2.14, not in 2.10, 2.11 or 2.12; without it the replicas'
+    reduce-scatters can mismatch (gloo aborts, NCCL hangs or reduces garbage).
+
+    Bridging the guard is not enough there. Zeros put in the unused parameters' ``.grad`` before
+    the unit's post-backward (what 2.13 reduce-scatters) made the unused-parameter, repack,
+    meta-init and migrate-every-step tests pass on torch 2.11, but under layer freezing 2.11's
+    FSDP2 reduce-scattered different shards than 2.13 from identical unsharded gradients on both
+    replicas (lm_head's reduced shard norm 1.0272 vs 1.0178 at the step after the freeze; the
+    final weights 5e-4 apart; ``replicate`` is equal on both torches). A silent wrong answer, so
+    these torches keep the refusal."""
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         return None
     return (f"torch {torch.__version__} (its FSDP2 lacks FSDPModule.set_reduce_scatter_unused_params, which keeps "

@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
 from ..protocol import state_dict_key
@@ -136,6 +137,24 @@ def check_finite(ckpt: Mapping, path="checkpoint") -> None:
             + (f" and {len(bad) - _MAX_LISTED} more tensors" if len(bad) > _MAX_LISTED else "")
             + "; training from it would only produce NaN losses. Resume from an earlier checkpoint"
         )
+
+
+_WHOLE_SHAPES_ATTR = "_dynmo_whole_state_shapes"
+
+
+def whole_model_state_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The whole model's state-dict shapes, what checkpoints are checked against on every rank.
+
+    Taken from the module the first time a strategy sets it up, while it still holds every layer,
+    and kept on it: setup replaces the layers other ranks own with placeholders, so a later
+    trainer stage with the same module (``trainer.validate(model, ckpt_path="best")`` after
+    ``fit``, or another Trainer) would otherwise see only this rank's layers and refuse every
+    whole-model checkpoint as having "unexpected keys"."""
+    shapes = getattr(module, _WHOLE_SHAPES_ATTR, None)
+    if shapes is None:
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        object.__setattr__(module, _WHOLE_SHAPES_ATTR, shapes)  # a plain attribute, not module state
+    return dict(shapes)
 
 
 def check_model_state(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, Any], strict: bool, name: str) -> None:

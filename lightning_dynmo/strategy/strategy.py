@@ -238,7 +238,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
                                    precision=str(self.precision_plugin.precision),
                                    pruning=any(isinstance(c, GradualPruning) for c in trainer.callbacks))
         self.model = self.precision_plugin.convert_module(self.model)
-        self.full_state_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        self.full_state_shapes = checkpoint.whole_model_state_shapes(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             check_fit(module, layers, self.global_rank)

@@ -3,7 +3,7 @@ weights: after a fit that migrated layers and an explicit ``rebalance_to``, with
 ``pipeline_predict`` hook (a dict per batch) and without it (the logits), with batches that carry
 targets and batches that do not, a partial last batch, and two data-parallel replicas (each rank
 returns its replica's predictions, as under DDP). ``trainer.validate`` on the same trainer
-afterwards still equals single-process validation.
+afterwards still equals single-process validation, and restores a checkpoint (``ckpt_path``).
 """
 from __future__ import annotations
 
@@ -112,6 +112,15 @@ def test_predict_after_migrations_uses_the_moved_layers(two_rank):
 def test_validate_after_predict_equals_single_process(two_rank):
     cfg, res = two_rank["after_migrations"]
     assert res["val_loss"] == pytest.approx(single_process_val_loss(cfg, res["state"]), rel=RTOL)
+
+
+def test_validate_from_a_checkpoint_after_fit_restores_the_weights(two_rank):
+    """``trainer.validate(model, ckpt_path=...)`` after fit: the module then holds placeholders for
+    the other rank's layers, and the whole-model checkpoint used to be refused on every rank
+    ("Unexpected key(s)"). The weights are disturbed before, so only the load gives the loss back."""
+    _, res = two_rank["after_migrations"]
+    assert abs(res["val_loss_disturbed"] - res["val_loss"]) > 0.1, (res["val_loss_disturbed"], res["val_loss"])
+    assert res["val_loss_from_checkpoint"] == pytest.approx(res["val_loss"], rel=RTOL)
 
 
 def test_two_replicas_return_their_replicas_predictions(four_rank):

@@ -54,6 +54,17 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if cfg.get("validate"):
         out = trainer.validate(model, dataloaders=eval_loader(cfg, cfg["batch"]), verbose=False)
         result["val_loss"] = float(out[0]["val_loss"])
+        # a later stage restoring a checkpoint into the module fit left with placeholders for the
+        # other ranks' layers: the weights are disturbed first, so only the load gives val_loss back
+        ckpt = trainer.strategy.broadcast(os.path.join(out_dir, f"run{idx}.ckpt"))
+        trainer.save_checkpoint(ckpt)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))
+        disturbed = trainer.validate(model, dataloaders=eval_loader(cfg, cfg["batch"]), verbose=False)
+        restored = trainer.validate(model, dataloaders=eval_loader(cfg, cfg["batch"]), ckpt_path=ckpt, verbose=False)
+        result["val_loss_disturbed"] = float(disturbed[0]["val_loss"])
+        result["val_loss_from_checkpoint"] = float(restored[0]["val_loss"])
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["predictions"] = os.path.join(out_dir, f"predictions{idx}.pt")
