@@ -302,9 +302,37 @@ def check_not_split(layers, rank: int) -> None:
         )
 
 
-def check_fit(module, layers, rank: int) -> None:
-    """At the setup of a fit: refuse a module an earlier fit split, warn about a skipped training_step."""
+def unsupported_callback_problems(callbacks) -> list[str]:
+    """Lightning callbacks that act on the whole module as if one process held it, each with why
+    and what to use instead (refused at setup: each failed deep inside a step on one rank while
+    the others lost their peer, or would prune by another rule than single-process training)."""
+    from lightning.pytorch import callbacks as cb
+
+    averaging = tuple(c for c in (getattr(cb, "WeightAveraging", None), cb.StochasticWeightAveraging) if c)
+    problems = []
+    for c in callbacks:
+        name = type(c).__name__
+        if isinstance(c, averaging):
+            problems.append(
+                f"{name}: it keeps an averaged copy of the whole module and writes it back, but under the pipeline each "
+                "rank holds only its own layers and layers move between ranks (the copy's shapes stop matching). "
+                "It is not supported yet: train without it (or average saved checkpoints offline)")
+        elif isinstance(c, cb.ModelPruning):
+            problems.append(
+                f"{name}: it would prune each rank's layers by a threshold over that rank's layers only (not the "
+                "model's) and renames pruned weights (weight -> weight_orig), which migrations and the optimizer "
+                "layout key on. Use lightning_dynmo.callbacks.GradualPruning: global magnitude pruning across the "
+                "pipeline whose masks move with their layers")
+    return problems
+
+
+def check_fit(module, layers, rank: int, callbacks=()) -> None:
+    """At the setup of a fit: refuse a module an earlier fit split and callbacks that need the
+    whole module in one process, warn about a skipped training_step."""
     check_not_split(layers, rank)
+    problems = unsupported_callback_problems(callbacks)
+    if problems:
+        raise ValueError(f"rank {rank}: DynMoStrategy cannot train with " + "; ".join(problems) + ".")
     message = skipped_training_step_warning(module)
     if message:
         rank_zero_warn(message)

@@ -241,7 +241,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         self.full_state_shapes = checkpoint.whole_model_state_shapes(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            check_fit(module, layers, self.global_rank)
+            check_fit(module, layers, self.global_rank, trainer.callbacks)
             # Built once on the full model: every parameter's group and hyper-parameters are known
             # globally, so layers can later move between ranks and checkpoints stay portable.
             self.setup_optimizers(trainer)

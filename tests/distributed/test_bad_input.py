@@ -34,6 +34,10 @@ EXPECTED = {
     "fsdp_tied": r"ValueError: dp_sharding='fsdp' cannot be combined with tied parameters",
     "fsdp_half_precision": r"ValueError: dp_sharding='fsdp' cannot be combined with precision='16-true'",
     "fsdp_pruning": r"ValueError: dp_sharding='fsdp' cannot be combined with gradual pruning",
+    "ema_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with EMAWeightAveraging: .*not supported yet",
+    "swa_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with StochasticWeightAveraging: .*not supported",
+    "model_pruning_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with ModelPruning: .*Use "
+                              r"lightning_dynmo.callbacks.GradualPruning",
 }
 # a damaged checkpoint lacks an entry of rank 0's layers and one of rank 1's
 MISSING_KEY = {0: "layers.0.wte.weight", 1: "layers.4.lm_head.weight"}
