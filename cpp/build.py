@@ -76,7 +76,13 @@ def write_build_record(ext_dir: str, name: str, built: bool, why: str) -> None:
         record = json.loads(path.read_text()) if path.exists() else {}
     except ValueError:
         record = {}
-    record[name.rsplit(".", 1)[-1]] = {"built": built, "why": why}
+    entry = {"built": built, "why": why}
+    try:  # a module built against one torch must not load into another (see lightning_dynmo/sparse/_ops.py)
+        import torch
+        entry["torch"] = torch.__version__
+    except ImportError:
+        pass
+    record[name.rsplit(".", 1)[-1]] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 

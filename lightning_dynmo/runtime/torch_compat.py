@@ -1,24 +1,33 @@
 """Where ``torch.distributed.pipelining`` behaves differently across the torch releases we
 support (``setup.py``), made to behave the same, in one place.
 
-Both differences below made torch 2.11 fail on one rank while its peers waited (issue 31):
+Three generations of ``PipelineStage``: torch 2.10/2.11 (no metadata inference: every received
+input has a gradient slot), 2.12 (metadata inference as in 2.13, but a stricter gradient send),
+and 2.13/2.14. The differences made 2.11 fail on one rank while its peers waited (issue 31), and
+2.12 fail at the first step of every run (found in the fifth session of 2026-11-28):
 
 * **Gradient slots of inputs that need none.** torch 2.13 derives per-input gradient metadata:
   a stage input that does not require a gradient (early exit's ``flag``, a padding mask) has no
-  gradient slot, and its producer posts no receive for it. torch <= 2.12 posts a gradient receive
-  for *every* tensor a stage sends, and its sender raises ``"[1] for chunk 0 has gradients None
-  and is expecting to send gradients to stage 0"`` when autograd produced none. We send zeros
-  there: the producer's ``stage_backward`` skips outputs that need no gradient, so the zeros
-  never reach a parameter, and the math is that of torch 2.13.
-* **Receive buffers of integer activations.** torch <= 2.12 marks every receive buffer as needing
-  a gradient, which an integer tensor cannot (targets carried to a chunked LM head, a padding
-  mask): "only Tensors of floating point dtype can require gradients". Only floating-point
-  buffers are marked here (also where a V schedule hands an activation to the next stage on the
-  same rank); integer ones get the zero gradient of the first point.
+  gradient slot, and its producer posts no receive for it; where a slot exists but autograd
+  produced no gradient it sends zeros. torch 2.10/2.11 post a gradient receive for *every* tensor
+  a stage sends, and their sender raises ``"[1] for chunk 0 has gradients None and is expecting
+  to send gradients to stage 0"`` when autograd produced none. We send zeros there: the
+  producer's ``stage_backward`` skips outputs that need no gradient, so the zeros never reach a
+  parameter, and the math is that of torch 2.13. torch 2.12 has 2.13's receive side (no receive
+  without gradient metadata) but 2.11's send side (it raises on a missing gradient, and would
+  send into a receive nobody posted); its sends are made 2.13's.
+* **Receive buffers of integer activations.** torch 2.10/2.11 mark every receive buffer as
+  needing a gradient, which an integer tensor cannot (targets carried to a chunked LM head, a
+  padding mask): "only Tensors of floating point dtype can require gradients". Only
+  floating-point buffers are marked there (also where a V schedule hands an activation to the
+  next stage on the same rank); integer ones get the zero gradient of the first point. torch
+  2.12 takes ``requires_grad`` from the inferred metadata, as 2.13 does.
 * **Warm-up sends to one's own rank.** Before its first step a schedule exchanges a dummy tensor
   with each neighbouring stage. Under a V schedule (``zbv``) two neighbouring stages live on one
-  rank; torch <= 2.12 sends that dummy to itself, which gloo refuses ("Pair is not connected").
+  rank; torch 2.10/2.11 send that dummy to itself, which gloo refuses ("Pair is not connected").
   Stages on one rank pass activations by function call anyway, so the warm-up skips them.
+* **The first stage's inputs** are a ``_RootArgPlaceholder`` on 2.10/2.11 and a ``_RecvInfo``
+  with ``is_root_arg`` set and no buffer from 2.12: neither is received.
 
 * **Split backward through a custom ``autograd.Function``, or of outputs that need no gradient.**
   Zero-bubble schedules split each backward into an input pass (I) and a weight pass (W). torch
@@ -37,10 +46,20 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import stage as _stage
 from torch.distributed.pipelining.stage import _RecvInfo
 
-#: torch <= 2.12: every received input has a gradient slot (see the module docstring).
+#: torch <= 2.12: a stage's gradient sends follow its inputs, not gradient metadata.
 GRADIENT_SLOT_PER_INPUT = not hasattr(PipelineStage, "_get_grad_send_meta")
+#: torch 2.10/2.11: no metadata inference; every receive buffer is marked as needing a gradient.
+LEGACY_STAGE = hasattr(_stage, "_RootArgPlaceholder")
+#: torch 2.12: 2.13's metadata and receives, 2.11's strict gradient sends.
+STRICT_GRADIENT_SEND = GRADIENT_SLOT_PER_INPUT and not LEGACY_STAGE
+
+
+def _receives(info) -> bool:
+    """Whether ``info`` describes an activation received from another stage (with a buffer)."""
+    return isinstance(info, _RecvInfo) and not getattr(info, "is_root_arg", False) and info.buffer is not None
 
 
 def _peer_of(op) -> int | None:
@@ -56,7 +75,7 @@ class PortablePipelineStage(PipelineStage):
         return [op for op in ops if _peer_of(op) != self.group_rank]
 
     def _prepare_forward_infra(self, *args, **kwargs):
-        if not GRADIENT_SLOT_PER_INPUT:
+        if not LEGACY_STAGE:
             return super()._prepare_forward_infra(*args, **kwargs)
         backward = self.has_backward
         self.has_backward = False  # torch <= 2.12 then marks no receive buffer; we mark the floating ones
@@ -67,12 +86,12 @@ class PortablePipelineStage(PipelineStage):
         if backward:
             for infos in self.args_recv_info.values():
                 for info in infos:
-                    if isinstance(info, _RecvInfo) and info.buffer.is_floating_point():
+                    if _receives(info) and info.buffer.is_floating_point():
                         info.buffer.requires_grad_(True)
         return out
 
     def set_local_fwd_input(self, prev_stage_outputs, mb_index: int) -> None:
-        if not GRADIENT_SLOT_PER_INPUT:
+        if not LEGACY_STAGE:
             return super().set_local_fwd_input(prev_stage_outputs, mb_index)
         outputs = prev_stage_outputs if isinstance(prev_stage_outputs, (tuple, list)) else (prev_stage_outputs,)
         for info, tensor in zip(self.args_recv_info[mb_index], outputs):
@@ -85,9 +104,54 @@ class PortablePipelineStage(PipelineStage):
             self._whole_backward_chunks.add(bwd_chunk_id)
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
-        if GRADIENT_SLOT_PER_INPUT:
+        if LEGACY_STAGE:
             self._zero_missing_input_grads(bwd_chunk_id)
         return out
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int):
+        if not STRICT_GRADIENT_SEND or not self.has_backward or self.is_first:
+            return super().get_bwd_send_ops(bwd_chunk_id)
+        # torch 2.12: send what torch 2.13 sends (see the module docstring)
+        if self.grad_send_info is None:
+            self.grad_send_info = self._create_grad_send_info(self.args_recv_info[0])
+        planned = self.grad_send_info
+        grads, sends = [], []
+        for idx, (grad, dest) in enumerate(zip(self.bwd_cache[bwd_chunk_id], planned)):
+            meta = self._grad_send_meta(idx) if dest is not None else None
+            if meta is None:  # the producer posted no receive for it
+                if grad is not None and dest is not None:  # what torch 2.13 raises (dropping it would be silent)
+                    raise RuntimeError(f"Stage {self.stage_index} chunk {bwd_chunk_id} input {idx}: backward produced "
+                                       "a gradient, but the stage's gradient metadata has none for this input, so "
+                                       "the previous stage posted no receive for it")
+                grads.append(None)
+                sends.append(None)
+            else:
+                grads.append(grad if grad is not None else _stage._make_tensor_from_meta(meta, self.device).zero_())
+                sends.append(dest)
+        self.bwd_cache[bwd_chunk_id] = tuple(grads)
+        self.grad_send_info = sends
+        try:
+            return super().get_bwd_send_ops(bwd_chunk_id)
+        finally:
+            self.grad_send_info = planned
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if STRICT_GRADIENT_SEND:  # torch 2.12 keeps the previous micro-batch's gradient for a None; 2.13 zeroes it
+            for info, grad in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs):
+                if grad is None and getattr(info, "buffer", None) is not None:
+                    info.buffer.zero_()
+        return super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+    def _grad_send_meta(self, idx: int):
+        """torch 2.13's ``_get_grad_send_meta``: the gradient metadata of input ``idx``, which is
+        what the producer allocated a receive for."""
+        input_grads = self._stage_meta.input_grads
+        if input_grads is not None and idx < len(input_grads):
+            return input_grads[idx]
+        inputs = self._stage_meta.inputs
+        if inputs is not None and idx < len(inputs) and inputs[idx] is not None:
+            return _stage._derive_grad_metas((inputs[idx],))[0]
+        return None
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
         if bwd_chunk_id in self._whole_backward_chunks:
@@ -125,5 +189,5 @@ class PortablePipelineStage(PipelineStage):
             return
         infos = self.args_recv_info[chunk]
         self.bwd_cache[chunk] = tuple(
-            torch.zeros_like(info.buffer) if g is None and isinstance(info, _RecvInfo) else g
+            torch.zeros_like(info.buffer) if g is None and _receives(info) else g
             for g, info in zip(grads, infos))

@@ -24,14 +24,27 @@ _PKG_DIR = Path(__file__).resolve().parent
 _FIX = "rebuild with `pip install --no-build-isolation -e .` (add FORCE_CUDA=1 for the CUDA kernels)"
 
 
-def build_record(module: str) -> Optional[str]:
-    """What the install recorded about building ``module`` (cpp/build.py writes
-    ``_build_record.json`` beside the modules: built, skipped and why, or the build error)."""
+def _record_entry(module: str) -> dict:
     try:
         entry = json.loads((_PKG_DIR / "_build_record.json").read_text()).get(module)
     except (OSError, ValueError):
-        return None
+        return {}
+    return entry if isinstance(entry, dict) else {}
+
+
+def build_record(module: str) -> Optional[str]:
+    """What the install recorded about building ``module`` (cpp/build.py writes
+    ``_build_record.json`` beside the modules: built, skipped and why, or the build error)."""
+    entry = _record_entry(module)
     return None if not entry or entry.get("built") else str(entry.get("why"))
+
+
+class BuiltForAnotherTorch(ImportError):
+    """The module was built against another torch release than this process runs: C++
+    extensions are not ABI-compatible across releases. Loading one anyway can succeed and still
+    be wrong: a module built on torch 2.13 loaded into 2.12 and registered its kernels under other
+    dispatch keys (every call then failed with "Could not run 'ldsparse::...' with arguments
+    from the 'CPU' backend"), so it is not loaded at all."""
 
 
 def import_failure_cause(module: str, exc: BaseException) -> str:
@@ -43,6 +56,8 @@ def import_failure_cause(module: str, exc: BaseException) -> str:
     """
     built = sorted(p.name for p in _PKG_DIR.glob(f"{module}.*") if p.suffix in (".so", ".pyd"))
     text = str(exc)
+    if isinstance(exc, BuiltForAnotherTorch):
+        return f"{module} is built ({built[0] if built else module}) {text}; {_FIX}"
     if not built:
         recorded = build_record(module)
         at_install = f": the install says {recorded}" if recorded else ""
@@ -57,6 +72,9 @@ def import_failure_cause(module: str, exc: BaseException) -> str:
 
 
 def _load(module: str):
+    built_for = _record_entry(module).get("torch")
+    if built_for and built_for != torch.__version__:
+        return None, BuiltForAnotherTorch(f"against torch {built_for}, but this process runs torch {torch.__version__}")
     try:
         return importlib.import_module(f"{__package__}.{module}"), None
     except Exception as exc:  # ImportError, or OSError/undefined symbols from a stale build

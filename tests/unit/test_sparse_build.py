@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from cpp import build
 from lightning_dynmo.sparse import _ops
@@ -58,7 +59,8 @@ def test_failed_cuda_build_keeps_cpu_and_says_so(monkeypatch, capsys, tmp_path):
     # pip hides that line on a successful install: the record beside the modules keeps it
     pkg = tmp_path / "lightning_dynmo" / "sparse"
     record = json.loads((pkg / build.BUILD_RECORD).read_text())
-    assert record["_C_cuda"] == {"built": False, "why": "the build failed: RuntimeError: nvcc exploded"}
+    assert record["_C_cuda"] == {"built": False, "why": "the build failed: RuntimeError: nvcc exploded",
+                                 "torch": torch.__version__}
     monkeypatch.setattr(_ops, "_PKG_DIR", pkg)
     cause = _ops.import_failure_cause("_C_cuda", ImportError("No module named '_C_cuda'"))
     assert "the install says the build failed: RuntimeError: nvcc exploded" in cause
@@ -77,8 +79,9 @@ def test_skipped_cuda_build_is_recorded_with_its_reason(monkeypatch, tmp_path):
     cls.build_extension(_builder(cls, tmp_path), type("Ext", (), {"name": build.CPU_EXT})())
     pkg = tmp_path / "lightning_dynmo" / "sparse"
     record = json.loads((pkg / build.BUILD_RECORD).read_text())
-    assert record == {"_C_cpu": {"built": True, "why": "built"},
-                      "_C_cuda": {"built": False, "why": "not built: torch 2.13.0+cpu is a CPU-only build"}}
+    assert record == {"_C_cpu": {"built": True, "why": "built", "torch": torch.__version__},
+                      "_C_cuda": {"built": False, "why": "not built: torch 2.13.0+cpu is a CPU-only build",
+                                  "torch": torch.__version__}}
     monkeypatch.setattr(_ops, "_PKG_DIR", pkg)
     cause = _ops.import_failure_cause("_C_cuda", ImportError("No module named '_C_cuda'"))
     assert "the install says not built: torch 2.13.0+cpu is a CPU-only build" in cause
@@ -96,6 +99,25 @@ def test_import_failure_cause_names_the_real_cause(tmp_path, monkeypatch):
     assert "stale build" in stale and "undefined symbol" in stale
     real = _ops.import_failure_cause("_C_cuda", circular)
     assert "real circular import" in real
+
+
+def test_a_module_built_for_another_torch_is_not_loaded(tmp_path, monkeypatch):
+    """A module built against torch 2.13 loaded into 2.12 without an error and registered its
+    kernels under other dispatch keys (every op then failed at its first call); the build record
+    names the torch it was built for, and another torch takes the reference path, saying why."""
+    (tmp_path / "_C_cpu.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    record = {"_C_cpu": {"built": True, "why": "built", "torch": "2.12.1+cu130"}}
+    (tmp_path / build.BUILD_RECORD).write_text(json.dumps(record))
+    monkeypatch.setattr(_ops, "_PKG_DIR", tmp_path)
+    module, err = _ops._load("_C_cpu")
+    assert module is None and isinstance(err, _ops.BuiltForAnotherTorch)
+    cause = _ops.import_failure_cause("_C_cpu", err)
+    assert f"against torch 2.12.1+cu130, but this process runs torch {torch.__version__}" in cause, cause
+    assert "pip install --no-build-isolation -e ." in cause
+    record["_C_cpu"]["torch"] = torch.__version__  # built for this torch: loaded (the installed module)
+    (tmp_path / build.BUILD_RECORD).write_text(json.dumps(record))
+    module, err = _ops._load("_C_cpu")
+    assert (module is not None) == _ops.extension_available(), err
 
 
 def test_reference_path_on_cuda_warns_once_with_cause_and_fix(monkeypatch):
