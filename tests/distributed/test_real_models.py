@@ -58,6 +58,17 @@ def tiny_mixtral(path) -> str:
     return str(path)
 
 
+def tiny_qwen2(path) -> str:
+    """Llama's layout with q/k/v biases: a model family not written for, through the same adapter."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+                                      bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
 RUNS = {
     "meta": base(meta=True, **MIGRATE),
     "real": base(**MIGRATE),
@@ -82,6 +93,7 @@ def results(tmp_path_factory):
     if _has_transformers():
         runs["hf"] = base(hf=tiny_gpt2(tmp_path_factory.mktemp("gpt2")), meta=True, **MIGRATE)
         runs["hf_mixtral"] = base(hf=tiny_mixtral(tmp_path_factory.mktemp("mixtral")), meta=True, **MIGRATE)
+        runs["hf_qwen2"] = base(hf=tiny_qwen2(tmp_path_factory.mktemp("qwen2")), meta=True, **MIGRATE)
     names = list(runs)
     out = run_worker(tmp_path_factory.mktemp("real"), 2, [runs[n] for n in names], worker=WORKER)
     return {n: (runs[n], r) for n, r in zip(names, out)}
@@ -208,6 +220,22 @@ def test_hugging_face_gpt2_pipeline_equals_single_process(results):
     assert_losses(res["losses"], reference(cfg)["losses"], 1e-5, "HF GPT-2")
 
 
+def test_hugging_face_qwen2_pipeline_equals_single_process(results):
+    pytest.importorskip("transformers")
+    cfg, res = results["hf_qwen2"]
+    assert res["applied"] == STEPS - 1
+    from lightning_dynmo.models.hf import HFCausalLM
+
+    assert_states_equal(torch.load(res["init"]), HFCausalLM.from_pretrained(cfg["hf"]).state_dict(),
+                        "Qwen2 initial weights (each rank read its own layers)")
+    ref = reference(cfg)
+    assert_losses(res["losses"], ref["losses"], 1e-5, "HF Qwen2")
+    state = torch.load(res["state"])
+    assert set(state) == set(ref["state"]) and any(k.endswith("q_proj.bias") for k in state)
+    for k, v in ref["state"].items():
+        assert torch.allclose(state[k], v, rtol=1e-4, atol=1e-6), f"Qwen2 weight {k}: pipeline vs single process"
+
+
 def test_hugging_face_mixtral_with_router_loss_pipeline_equals_single_process(results):
     """Losses and weights after every step migrated a layer; the router loss is in both runs (a
     single process without it ends with other router weights)."""
@@ -250,7 +278,7 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
     }
     if env:
         expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='gpt_neox'.*supported: "
-                                               r"gpt2, llama, mistral, mixtral")
+                                               r"gpt2, llama, mistral, mixtral, qwen2, qwen3")
         expected["hf_shape_mismatch"] = (r"CheckpointMismatchError: the checkpoint .* does not match its config .*"
                                          r"transformer.wte.weight: checkpoint \[64, 32\], config \[64, 48\]")
     out = tmp_path / "errors"

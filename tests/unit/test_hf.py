@@ -40,6 +40,13 @@ def configs():
                                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                                               num_experts_per_tok=2, max_position_embeddings=64, sliding_window=6,
                                               **SMALL),
+        # Llama's layout with q/k/v biases (Qwen2) or q/k norms (Qwen3) inside the decoder layer
+        "qwen2": transformers.Qwen2Config(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                          **SMALL),
+        "qwen3": transformers.Qwen3Config(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          max_position_embeddings=32, **SMALL),
     }
 
 
@@ -57,7 +64,7 @@ def load(path, **kw) -> HFCausalLM:
         return HFCausalLM.from_pretrained(path, **kw)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3"])
 def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
     ref, path = saved(tmp_path, arch)
     model = load(path).eval()
@@ -73,7 +80,7 @@ def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
         assert torch.equal(h, ref(x).logits)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral", "qwen2"])
 def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path, arch, monkeypatch):
     _, path = saved(tmp_path, arch)
     real = load(path).state_dict()
@@ -144,10 +151,22 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     _, path = saved(tmp_path, "gpt2")
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, llama, mistral, mixtral"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, llama, mistral, mixtral, qwen2, qwen3"):
         HFCausalLM.from_pretrained(path)
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})
+
+
+def test_qwen_with_sliding_window_layers_is_refused(tmp_path):
+    """One mask kind is built per architecture: Qwen's optional sliding-window layers would run with full
+    attention, silently another model."""
+    _, path = saved(tmp_path, "qwen2")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("layer_types", None)  # a config.json written before transformers listed them: derived from these
+    (path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 4,
+                                                  "max_window_layers": 1}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"qwen2 with layer_types .*sliding_attention"):
+        load(path)
 
 
 # (arch, a config change whose tensor shapes differ, its message, one that leaves a tensor missing, its message);

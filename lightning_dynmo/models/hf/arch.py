@@ -32,6 +32,12 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
                      rotary="model.rotary_emb", sliding_window=True),
     "mixtral": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                      rotary="model.rotary_emb", sliding_window=True, router="mlp.gate"),
+    # Llama's layout (Qwen2 adds q/k/v biases, Qwen3 q/k norms, both inside the decoder layer); their
+    # optional per-layer sliding windows are refused (see _check_layer_types)
+    "qwen2": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                   rotary="model.rotary_emb"),
+    "qwen3": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                   rotary="model.rotary_emb"),
 }
 
 
@@ -67,6 +73,21 @@ def load_config(path: str | None, overrides: dict | None, attn_implementation: s
         _check_architecture(overrides["model_type"], "config")
         fields = {k: v for k, v in overrides.items() if k != "model_type"}
         cfg = AutoConfig.for_model(overrides["model_type"], **fields)
+    _check_layer_types(cfg)
     if attn_implementation is not None:
         cfg._attn_implementation = attn_implementation
     return cfg
+
+
+def _check_layer_types(cfg) -> None:
+    """A config that mixes attention kinds per layer (Qwen2/Qwen3 with ``use_sliding_window``) is
+    refused where the adapter builds one mask kind for every layer: it would run those layers with
+    full attention, silently another model."""
+    arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if arch.sliding_window or kinds <= {"full_attention"}:
+        return
+    raise UnsupportedArchitectureError(
+        f"HFCausalLM does not support {cfg.model_type} with layer_types {sorted(kinds)} (sliding-window layers, "
+        "e.g. use_sliding_window=True): it builds full causal attention for every layer of this architecture. "
+        "Use a config without sliding-window layers")

@@ -63,7 +63,8 @@ only its own tensors (:meth:`HFCausalLM.init_pipeline_layer`), so under
 layers it owns. Every checkpoint tensor's shape is checked against the config up front (from the
 file headers, on every rank) and a mismatch is reported by name.
 
-Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``, ``mixtral``.
+Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``, ``mixtral``,
+``qwen2``, ``qwen3`` (without sliding-window layers).
 Mixtral is Mistral with a sparse MoE block (``MixtralSparseMoeBlock``: top-k router + fused
 experts) in every decoder layer; its published files store the experts per expert, which
 :mod:`~lightning_dynmo.models.hf.checkpoint` fuses per layer on load and splits on save.
