@@ -237,6 +237,19 @@ def _report(where: str, err: BaseException) -> None:
         dump_stacks(f"dynmo: rank {board.rank} lost a peer or timed out in {where}; its stacks:")
 
 
+def report_failure(where: str, err: BaseException) -> None:
+    """Publish an error raised outside a step region (a callback or hook that raised on this rank
+    alone), so the peer whose next collective loses this rank names it and the cause instead of
+    gloo's "Connection closed by peer". Errors already reported, and those that are themselves a
+    peer's failure or a lost peer, are not published again."""
+    if _job.board is None or getattr(err, "_dynmo_reported", False):
+        return
+    if isinstance(err, (RankFailedError, CollectiveMismatchError)) or peer_missing(err):
+        return
+    err._dynmo_reported = True
+    _job.pending = _job.board.publish(_job.epoch, where, err)
+
+
 def explain_lost_peer(err: BaseException, where: str, hint: str) -> BaseException:
     """What to raise for a collective error ``err`` in ``where``: :class:`RankFailedError` when the
     board names a rank that failed, else ``err``'s text followed by ``hint``, after dumping this

@@ -14,7 +14,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from ..runtime.fault import CollectiveLedger, RankFailedError, explain_lost_peer, peer_missing, step_region
+from ..runtime.fault import (CollectiveLedger, RankFailedError, explain_lost_peer, peer_missing, report_failure,
+                             step_region)
 
 
 class WorldStrategy(ParallelStrategy):
@@ -63,6 +64,17 @@ class WorldStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A rank whose run ends in an error outside a pipeline step (a callback or hook that raised
+        on this rank alone) names itself to its peers, whose next collective then raises
+        ``RankFailedError`` with this rank and the cause (``runtime/fault.py``)."""
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        step = getattr(trainer, "global_step", None)
+        report_failure(f"step {step}, outside the pipeline step (a hook or callback)" if step is not None
+                       else "a hook or callback", exception)
+        super().on_exception(exception)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:

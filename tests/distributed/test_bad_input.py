@@ -99,6 +99,17 @@ def test_a_stuck_rank_times_out_with_a_message(tmp_path):
     assert _exitcode_of(0, out) == 1, out[-3000:]
 
 
+def test_a_callback_that_raises_on_one_rank_is_named_by_its_peer(tmp_path):
+    """An error outside the pipeline step (a callback on rank 1 only) used to reach rank 0 as gloo's
+    "Connection closed by peer"; the failing rank now publishes it (``on_exception``), so rank 0's
+    next collective names rank 1, where it failed and the cause."""
+    out, seen = _launch("callback_raises", tmp_path)
+    assert re.match(r"RankFailedError: rank 0 stopped in .*: rank 1 failed in step 2, outside the pipeline step "
+                    r"\(a hook or callback\): RuntimeError: a user callback failed on rank 1", seen), seen
+    own = tmp_path / "seen.rank1.txt"
+    assert own.exists() and own.read_text() == "RuntimeError: a user callback failed on rank 1", own
+
+
 def test_save_checkpoint_on_rank_0_only_fails_at_once_saying_every_rank_must_call_it(tmp_path):
     """Issue 26 item 7: the gather of a save made under ``if trainer.is_global_zero`` used to time
     out with torch's bare message; since issue 31 the ranks agree on each call first, so both

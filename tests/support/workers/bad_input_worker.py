@@ -4,8 +4,9 @@ Usage: torchrun --nproc-per-node 2 bad_input_worker.py CASES OUT
        CASES: comma-separated names from ``CASES`` below, run one after another in this one
        process group (each fails the same way on every rank, before the ranks could disagree);
        every rank writes ``{case: "ExceptionType: message"}`` to ``OUT.rank<r>.json``.
-       torchrun --nproc-per-node 2 bad_input_worker.py die|stall|save_on_rank0 OUT
-       a rank that dies or hangs mid-training, or a collective call made on rank 0 only; the job
+       torchrun --nproc-per-node 2 bad_input_worker.py die|stall|save_on_rank0|callback_raises OUT
+       a rank that dies or hangs mid-training, a collective call made on rank 0 only, or a callback
+       that raises on rank 1 only (outside the pipeline step); the job
        must fail (these end the process group).
        Each surviving rank writes the exception it saw to ``OUT.rank<r>.txt`` the moment Lightning
        reports it (``on_exception``), before torchrun may stop it.
@@ -85,6 +86,8 @@ class DiesOrStalls(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.how == "save_on_rank0" and batch_idx == 1 and trainer.is_global_zero:
             trainer.save_checkpoint(f"{self.out}.ckpt")  # a collective, called on one rank
+        if self.how == "callback_raises" and batch_idx == 1 and trainer.global_rank == 1:
+            raise RuntimeError("a user callback failed on rank 1")  # outside the pipeline step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2 and trainer.global_rank == 1 and self.how in ("die", "stall"):
@@ -193,7 +196,7 @@ def main(case: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] in ("die", "stall", "save_on_rank0"):
+    if sys.argv[1] in ("die", "stall", "save_on_rank0", "callback_raises"):
         main(sys.argv[1], sys.argv[2])
     else:
         run_cases(sys.argv[1].split(","), sys.argv[2])
