@@ -145,11 +145,12 @@ _WHOLE_SHAPES_ATTR = "_dynmo_whole_state_shapes"
 def whole_model_state_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """The whole model's state-dict shapes, what checkpoints are checked against on every rank.
 
-    Taken from the module the first time a strategy sets it up, while it still holds every layer,
-    and kept on it: setup replaces the layers other ranks own with placeholders, so a later
-    trainer stage with the same module (``trainer.validate(model, ckpt_path="best")`` after
-    ``fit``, or another Trainer) would otherwise see only this rank's layers and refuse every
-    whole-model checkpoint as having "unexpected keys"."""
+    Taken from the module the first time a strategy sets it up, while it still holds every layer
+    (and every expert), and kept on it: setup replaces the layers other ranks own with
+    placeholders and cuts experts to this rank's shard, so a later trainer stage with the same
+    module (``trainer.validate(model, ckpt_path="best")`` after ``fit``, or another Trainer) would
+    otherwise see only this rank's layers and refuse every whole-model checkpoint ("Unexpected
+    key(s)"). A module changed by hand after a fit keeps the first record."""
     shapes = getattr(module, _WHOLE_SHAPES_ATTR, None)
     if shapes is None:
         shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
