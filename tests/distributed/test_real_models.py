@@ -220,38 +220,36 @@ def test_hugging_face_gpt2_pipeline_equals_single_process(results):
     assert_losses(res["losses"], reference(cfg)["losses"], 1e-5, "HF GPT-2")
 
 
-def test_hugging_face_qwen2_pipeline_equals_single_process(results):
+def _hf_run_equals_single_process(results, name: str, what: str, init_note: str) -> tuple[dict, dict, dict]:
+    """A Hugging Face run that migrated a layer every step against single-process Lightning: the
+    initial weights each rank read, the losses (1e-5) and the final weights (1e-4). Returns
+    (cfg, the reference run, the pipeline's final state)."""
     pytest.importorskip("transformers")
-    cfg, res = results["hf_qwen2"]
+    cfg, res = results[name]
     assert res["applied"] == STEPS - 1
     from lightning_dynmo.models.hf import HFCausalLM
 
     assert_states_equal(torch.load(res["init"]), HFCausalLM.from_pretrained(cfg["hf"]).state_dict(),
-                        "Qwen2 initial weights (each rank read its own layers)")
+                        f"{what} initial weights ({init_note})")
     ref = reference(cfg)
-    assert_losses(res["losses"], ref["losses"], 1e-5, "HF Qwen2")
+    assert_losses(res["losses"], ref["losses"], 1e-5, f"HF {what}")
     state = torch.load(res["state"])
-    assert set(state) == set(ref["state"]) and any(k.endswith("q_proj.bias") for k in state)
+    assert set(state) == set(ref["state"])
     for k, v in ref["state"].items():
-        assert torch.allclose(state[k], v, rtol=1e-4, atol=1e-6), f"Qwen2 weight {k}: pipeline vs single process"
+        assert torch.allclose(state[k], v, rtol=1e-4, atol=1e-6), f"{what} weight {k}: pipeline vs single process"
+    return cfg, ref, state
+
+
+def test_hugging_face_qwen2_pipeline_equals_single_process(results):
+    _, _, state = _hf_run_equals_single_process(results, "hf_qwen2", "Qwen2", "each rank read its own layers")
+    assert any(k.endswith("q_proj.bias") for k in state)
 
 
 def test_hugging_face_mixtral_with_router_loss_pipeline_equals_single_process(results):
     """Losses and weights after every step migrated a layer; the router loss is in both runs (a
     single process without it ends with other router weights)."""
-    pytest.importorskip("transformers")
-    cfg, res = results["hf_mixtral"]
-    assert res["applied"] == STEPS - 1
-    from lightning_dynmo.models.hf import HFCausalLM
-
-    assert_states_equal(torch.load(res["init"]), HFCausalLM.from_pretrained(cfg["hf"]).state_dict(),
-                        "Mixtral initial weights (each rank read and fused its own experts)")
-    ref = reference(cfg)
-    assert_losses(res["losses"], ref["losses"], 1e-5, "HF Mixtral")
-    state = torch.load(res["state"])
-    assert set(state) == set(ref["state"])
-    for k, v in ref["state"].items():
-        assert torch.allclose(state[k], v, rtol=1e-4, atol=1e-6), f"Mixtral weight {k}: pipeline vs single process"
+    cfg, ref, state = _hf_run_equals_single_process(results, "hf_mixtral", "Mixtral",
+                                                    "each rank read and fused its own experts")
     router = "layers.1.layer.mlp.gate.weight"
     no_aux = reference({**cfg, "hf_kwargs": {"router_aux_loss": False}})["state"][router]
     assert not torch.allclose(no_aux, v := ref["state"][router], rtol=1e-4, atol=1e-6), "router loss had no effect"
