@@ -296,25 +296,35 @@ class FailureWatchdog(threading.Thread):
 class CollectiveLedger:
     """Agreement on the next collective call (name and counter) before it is made."""
 
+    MAX_FLAGS = 2  # values that ride along with an agreement (see agree)
+
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.device = device
         self.count = 0
 
-    def agree(self, name: str, group=None, flag: float = 0.0) -> float:
+    def agree(self, name: str, group=None, flag: float | tuple[float, ...] = 0.0) -> float | tuple[float, ...]:
         """Collective over ``group`` (default: the world): every rank names the call it is about to
         make; if the names or counters differ, every rank raises :class:`CollectiveMismatchError`.
-        Returns the largest ``flag`` over the ranks (one value rides along for free)."""
+        Returns the largest ``flag`` over the ranks (values ride along for free): a float, or a
+        tuple of the element-wise largest for a tuple of flags."""
         check_not_failed(name)
+        flags = tuple(float(f) for f in flag) if isinstance(flag, tuple) else (float(flag),)
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return flag
+            return flags if isinstance(flag, tuple) else flags[0]
         self.count += 1
         call = f"{name}#{self.count}"
         h = float(zlib.crc32(call.encode()))
-        v = torch.tensor([h, -h, -float(flag)], dtype=torch.float64, device=self.device)
+        if len(flags) > self.MAX_FLAGS:
+            raise ValueError(f"the ledger carries at most {self.MAX_FLAGS} flags, got {len(flags)}")
+        # one size for every call: a rank agreeing on another call with fewer flags must meet this
+        # all-reduce (and see the mismatch), not hang in one of another size
+        padded = flags + (0.0,) * (self.MAX_FLAGS - len(flags))
+        v = torch.tensor([h, -h, *(-f for f in padded)], dtype=torch.float64, device=self.device)
         dist.all_reduce(v, op=dist.ReduceOp.MIN, group=group)
         if v[0].item() == -v[1].item():
-            return -v[2].item()
+            largest = tuple(-x for x in v[2:2 + len(flags)].tolist())
+            return largest if isinstance(flag, tuple) else largest[0]
         calls: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(calls, (self.rank, call), group=group)
         listing = "; ".join(f"rank {r}: {c}" for r, c in calls)

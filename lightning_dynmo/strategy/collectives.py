@@ -4,7 +4,7 @@ world group; and :func:`explain_timeout`, which makes a collective's timeout say
 rank must make."""
 from __future__ import annotations
 
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from ..runtime.fault import (CollectiveLedger, RankFailedError, explain_lost_peer, peer_missing, report_failure,
                              step_region)
+from .signals import DeferredSignals, act_at_batch_boundary
 
 
 class WorldStrategy(ParallelStrategy):
@@ -25,10 +26,10 @@ class WorldStrategy(ParallelStrategy):
     _num_nodes = 1
     ledger: CollectiveLedger | None = None  # set once the process group is up (setup_environment)
 
-    def agree(self, name: str, flag: float = 0.0) -> float:
+    def agree(self, name: str, flag: float | tuple[float, ...] = 0.0) -> float | tuple[float, ...]:
         """Every rank names the collective it is about to make (``runtime/fault.py``); a rank that
         calls something else makes every rank raise at once instead of waiting out the timeout.
-        Returns the largest ``flag`` over the ranks."""
+        Returns the largest ``flag`` over the ranks (element-wise for a tuple)."""
         if self.ledger is not None and dist.is_available() and dist.is_initialized():
             return self.ledger.agree(name, flag=flag)
         return flag
@@ -70,6 +71,10 @@ class WorldStrategy(ParallelStrategy):
         """A rank whose run ends in an error outside a pipeline step (a callback or hook that raised
         on this rank alone) names itself to its peers, whose next collective then raises
         ``RankFailedError`` with this rank and the cause (``runtime/fault.py``)."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException):
+            return super().on_exception(exception)  # every rank stops together (strategy/signals.py)
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         step = getattr(trainer, "global_step", None)
         report_failure(f"step {step}, outside the pipeline step (a hook or callback)" if step is not None
@@ -118,26 +123,22 @@ def explain_timeout(hint: str, where: str = "a collective call"):
         raise explain_lost_peer(err, where, hint) from err
 
 
-def agree_before_each_batch(strategy: WorldStrategy, trainer) -> bool:
+def agree_before_each_batch(strategy: WorldStrategy, trainer, signals: DeferredSignals | None) -> bool:
     """Make the first collective of every training batch the ledger's agreement: Lightning's epoch
     loop broadcasts a SIGTERM flag with a plain ``dist.broadcast`` before the batch's hooks run,
     so a rank still in the previous batch's hooks (a ``save_checkpoint`` on rank 0 only) would
-    meet it there and both would wait out the timeout. The agreement carries the flag instead (any
-    rank's SIGTERM stops every rank, as Lightning's broadcast of rank 0's does), so the check costs
-    no extra collective. Returns False where this Lightning has no such broadcast
+    meet it there and both would wait out the timeout. The agreement carries the signals every
+    rank received instead (``strategy/signals.py``: any rank's SIGTERM stops every rank, as
+    Lightning's broadcast of rank 0's does, and SLURM's requeue signal saves on every rank), so
+    the check costs no extra collective. Returns False where this Lightning has no such broadcast
     (``on_train_batch_start`` agrees then)."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     if getattr(type(loop), "_broadcast_sigterm_tensor", None) is None:
         return False
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    def agree_and_share_sigterm() -> None:
+    def agree_and_act_on_signals() -> None:
         with step_region(f"step {trainer.global_step} (before the batch)"):
-            sigterm = strategy.agree("next training batch", flag=float(getattr(trainer, "received_sigterm", False)))
-        if sigterm:
-            with suppress(Exception):
-                dist.barrier()  # Lightning's own: every rank stops together
-            raise SIGTERMException()
+            act_at_batch_boundary(signals, trainer, strategy.agree)
 
-    loop._broadcast_sigterm_tensor = agree_and_share_sigterm
+    loop._broadcast_sigterm_tensor = agree_and_act_on_signals
     return True

@@ -59,6 +59,7 @@ from . import checkpoint, dcp_checkpoint
 from .accumulation import AccumulationWindow
 from .api import PipelineAPI
 from .collectives import WorldStrategy, agree_before_each_batch, explain_timeout
+from .signals import act_at_batch_boundary, defer_signal_handlers
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
@@ -112,6 +113,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
         self.sharded_layers: ShardedLayers | None = None  # dp_sharding="fsdp" over more than one replica
         self._agreed_in_epoch_loop = False  # the ledger's per-batch agreement runs in Lightning's loop
+        self._signals = None  # the cluster signals this rank received (strategy/signals.py)
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -273,9 +275,10 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
             lambda: {i: fb[0] for i, fb in self.rebalancer.known_costs.items()}),
             wrap_stage=self.sharded_layers.wrap_stage if self.sharded_layers is not None else None)
         self.setup_precision_plugin()
+        self._signals = defer_signal_handlers(trainer)  # acted on at a training batch boundary (strategy/signals.py)
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._agreed_in_epoch_loop = agree_before_each_batch(self, trainer)
+            self._agreed_in_epoch_loop = agree_before_each_batch(self, trainer, self._signals)
         rank_zero_info(f"dynmo: {self.topology.pp} pipeline ranks x {self.topology.dp} data-parallel replicas, "
                        f"schedule={self.schedule}, stages={self.layout.num_stages}, partition {self.partition} "
                        f"(balancer={self.options.balancer})")
@@ -311,7 +314,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         where = f"step {trainer.global_step} (batch {batch_idx})"
         with step_region(where), explain_timeout(waiting_hint(self.global_rank, trainer.global_step), where):
             if not self._agreed_in_epoch_loop:
-                self.agree("next training batch")
+                act_at_batch_boundary(self._signals, trainer, self.agree)
             if not self._window.begin_batch(batch_idx, trainer.accumulate_grad_batches):
                 return  # inside an accumulation window: decisions wait for the next optimizer step
             self._adopt(self.rebalancer.before_step(trainer.global_step, self._pipe()))  # a decision's collectives

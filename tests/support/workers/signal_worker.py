@@ -1,0 +1,102 @@
+"""A SLURM job's signals in the middle of a pipeline step, one case per 2-rank torchrun launch.
+
+Usage: torchrun --nproc-per-node 2 tests/support/workers/signal_worker.py CASE OUT_DIR
+Lightning takes the job for a SLURM job (srun's variables, set from torchrun's; ``SLURMEnvironment``
+with ``auto_requeue=True``, its default under SLURM), so it installs its SLURM signal handlers;
+``scontrol`` is whatever the test puts first on PATH. A signal is sent by the rank to itself from a
+forward pre-hook of its first local layer, so its handler runs inside the schedule, while the peer
+is blocked in a send or receive of that step. Each rank writes OUT_DIR/rank{r}.json: how its fit
+ended, its per-step losses and the global step it reached. Cases (``STEPS`` optimizer steps):
+
+* ``uninterrupted``: no signal.
+* ``preempted``: SLURM's requeue signal (SIGUSR1) on both ranks in step 3, then SIGTERM on both in
+  step 6 (SLURM's kill at the time limit).
+* ``requeued``: the job SLURM requeued: the same directory, no signal.
+* ``sigterm_on_rank_1``: SIGTERM on rank 1 only, in step 3.
+
+Every step trains on the same batch (one batch per epoch), so a run resumed from a checkpoint
+continues the uninterrupted run's losses exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+import lightning_dynmo  # noqa: F401
+from lightning_dynmo import DynMoStrategy
+
+from tests.support.workers.common import make_loader, make_model
+
+CASE, OUT = sys.argv[1], Path(sys.argv[2])
+CFG = {"n_layer": 4, "batch": 8, "n_samples": 8}
+STEPS = 12
+JOB_ID = "4242"
+SIGNALS = {  # (global step, rank) -> signal
+    "preempted": {(3, 0): signal.SIGUSR1, (3, 1): signal.SIGUSR1, (6, 0): signal.SIGTERM, (6, 1): signal.SIGTERM},
+    "sigterm_on_rank_1": {(3, 1): signal.SIGTERM},
+}.get(CASE, {})
+
+
+def as_slurm_task() -> None:
+    """What srun sets for a task (torchrun chose the rank and the port)."""
+    os.environ.update(SLURM_NTASKS=os.environ["WORLD_SIZE"], SLURM_NTASKS_PER_NODE=os.environ["LOCAL_WORLD_SIZE"],
+                      SLURM_PROCID=os.environ["RANK"], SLURM_LOCALID=os.environ["LOCAL_RANK"], SLURM_NODEID="0",
+                      SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train_gpt", SLURM_NODELIST="127.0.0.1")
+
+
+class SignalMidStep(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[list[float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        sig = SIGNALS.get((trainer.global_step, trainer.global_rank))
+        if sig is None:
+            return
+        strategy = trainer.strategy
+        layer = strategy.layers[strategy.local_layer_indices()[0]]
+
+        def send(module, args):
+            handle.remove()
+            os.kill(os.getpid(), sig)  # the handler runs here, inside the schedule
+
+        handle = layer.register_forward_pre_hook(send)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append([trainer.global_step, float(outputs["loss"] if isinstance(outputs, dict) else outputs)])
+
+
+def main() -> None:
+    as_slurm_task()
+    rank = int(os.environ["RANK"])
+    root = OUT / "job"
+    root.mkdir(parents=True, exist_ok=True)
+    rec = SignalMidStep()
+    trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, rebalance="every_n",
+                                               rebalance_interval=2, balancer="partition_time", timeout=60.0,
+                                               plot=False),
+                        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                        plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=str(root))
+    t0 = time.monotonic()
+    outcome = {"error": None}
+    try:
+        trainer.fit(make_model(CFG), train_dataloaders=make_loader(CFG, CFG["batch"]))
+    except BaseException as err:  # noqa: BLE001 - recorded for the test (SIGTERMException is a SystemExit)
+        outcome = {"error": type(err).__name__, "message": str(err)}
+    outcome.update(seconds=time.monotonic() - t0, losses=rec.losses, global_step=trainer.global_step)
+    (OUT / f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+if __name__ == "__main__":
+    main()
