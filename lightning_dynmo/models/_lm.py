@@ -13,6 +13,8 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from .vocab_head import IGNORE_INDEX
+
 
 class WarmupCosine:
     """LR multiplier: linear warmup to ``lr``, cosine decay to ``min_lr`` at ``max_steps``.
@@ -64,6 +66,12 @@ class CausalLMModule(L.LightningModule):
     def lm_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The single-process loss of a batch (a chunked head never builds the logits here either)."""
         return self.pipeline_loss(self(x), y)
+
+    def pipeline_loss_tokens(self, target: torch.Tensor) -> torch.Tensor:
+        """The terms ``pipeline_loss`` averages over: the targets that are not -100. Under a
+        pipeline each micro-batch's loss is weighted by it, so batches with ignored targets
+        train on their token mean as in one process (``strategy/token_weights.py``)."""
+        return (target != IGNORE_INDEX).sum()
 
     def on_pipeline_train_loss(self, loss: torch.Tensor, batch, batch_idx) -> None:
         """Per-step logging beyond ``train_loss`` (which DynMoStrategy logs itself, and

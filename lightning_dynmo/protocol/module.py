@@ -11,7 +11,10 @@ A module trains with ``DynMoStrategy`` when it defines
 
 Batches are ``(inputs, targets)``. An optional ``pipeline_inputs(inputs, targets)`` returns what
 enters the first layer (default: ``inputs``), e.g. ``(inputs, targets)`` for a head that computes
-the loss inside the pipeline. An optional ``checkpoint_merges()`` names parameters the layers keep
+the loss inside the pipeline. An optional ``pipeline_loss_tokens(target)`` counts the terms
+``pipeline_loss`` averages over (ours: the targets that are not -100); with it each micro-batch's
+loss counts by its share of the batch's count, so batches with ignored targets (padding) train on
+their token mean as in one process (``strategy/token_weights.py``). An optional ``checkpoint_merges()`` names parameters the layers keep
 in pieces (``protocol/merges.py``) so checkpoints do not depend on the split. The strategy replaces the layers a rank does not own with
 :class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
 A parameter may be used by several layers (a tied embedding and LM head): every rank holding a

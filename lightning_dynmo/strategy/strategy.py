@@ -60,6 +60,7 @@ from .accumulation import AccumulationWindow
 from .api import PipelineAPI
 from .collectives import WorldStrategy, agree_before_each_batch, explain_timeout
 from .signals import act_at_batch_boundary, defer_signal_handlers
+from .token_weights import TokenWeights
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
@@ -269,6 +270,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         if sharding:  # layers built whole (not on the meta device) are sharded here, on their device
             self.sharded_layers.shard(self.local_layer_indices())
         self.profiler = PipelineProfiler(self.root_device)
+        self._token_weights = TokenWeights.of(module)
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(
             self.options.activation_checkpointing, self.options.memory_capacity,
             lambda i: layer_state_bytes(self._layers[i], self.optimizers),
@@ -295,7 +297,10 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
         if train and not partial:
             self.last_microbatches = m
         placement = Placement.of(self.layout, self._layers, self.pipeline_group, self.root_device)
-        loss_fn = None if predict else self.lightning_module.pipeline_loss
+        loss_fn = None
+        if not predict:  # each micro-batch's loss weighted by its tokens (strategy/token_weights.py)
+            self._token_weights.begin(targets, m, self.data_parallel_group, self.topology.dp)
+            loss_fn = self._token_weights.weighted(self.lightning_module.pipeline_loss)
         inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
         engine = self.engines.get(placement, inputs, m, train,
                                   pipeline_loss_fn(self.precision_plugin, self._window.scaled(loss_fn)) if train else loss_fn,

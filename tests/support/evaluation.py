@@ -25,4 +25,8 @@ def eval_loader(cfg: dict, batch: int, n: int = 32) -> DataLoader:
     the batch sees the union of the replicas' batches)."""
     g = torch.Generator().manual_seed(321)
     data = torch.randint(0, 64, (n, cfg.get("block", 16) + 1), generator=g)
-    return DataLoader(TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous()), batch_size=batch)
+    targets = data[:, 1:].clone()
+    if cfg.get("padded"):  # each sample keeps 1..block targets, the rest ignored (-100)
+        keep = torch.randint(1, targets.shape[1] + 1, (n,), generator=g)
+        targets[torch.arange(targets.shape[1])[None, :] >= keep[:, None]] = -100
+    return DataLoader(TensorDataset(data[:, :-1].contiguous(), targets), batch_size=batch)

@@ -82,7 +82,12 @@ def make_loader(cfg: dict, batch: int, reference: bool = False, dp: int | None =
     g = torch.Generator().manual_seed(123)
     n = cfg.get("n_samples", 512)
     data = torch.randint(0, 64, (n, cfg.get("block", 16) + 1), generator=g)
-    ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
+    targets = data[:, 1:].clone()
+    if cfg.get("padded"):  # SFT-style: each sample keeps 1..block targets, the rest are -100 (ignored)
+        block = targets.shape[1]
+        keep = torch.randint(1, block + 1, (n,), generator=torch.Generator().manual_seed(7))
+        targets[torch.arange(block)[None, :] >= keep[:, None]] = -100
+    ds = TensorDataset(data[:, :-1].contiguous(), targets)
     if dp is None:
         dp = max(1, batch // cfg["batch"]) if reference and cfg.get("batch") else 1
     if reference and dp > 1:
