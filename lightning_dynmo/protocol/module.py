@@ -44,6 +44,7 @@ Two optional protocols connect the rest:
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -144,10 +145,15 @@ def layers_attribute_name(module: nn.Module, layers: nn.ModuleList) -> str:
 
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        got = type(batch).__name__
+        if isinstance(batch, (tuple, list)):
+            got += f" of length {len(batch)}"
+        elif isinstance(batch, Mapping):
+            got += f" with keys {sorted(map(str, batch))}"
         raise PipelineProtocolError(
-            f"the 'dynmo' pipeline expects batches of (inputs, targets), got {type(batch).__name__}"
-            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-        )
+            f"the 'dynmo' pipeline expects batches of (inputs, targets), got {got}. Convert them in the "
+            "LightningModule's (or DataModule's) on_before_batch_transfer, e.g. "
+            "`return batch['input_ids'], batch['labels']`, or in the DataLoader's collate_fn")
     return batch[0], batch[1]
 
 

@@ -65,3 +65,11 @@ def test_a_tuple_activation_counts_every_tensor_s_bytes():
     spec = act_spec((torch.ones(4, 8), torch.zeros(4, dtype=torch.long)), (True, False))
     assert act_nbytes(spec) == 4 * 8 * 4 + 4 * 8
     assert spec[0] == TensorSpec((4, 8), torch.float32, True) and not spec[1].requires_grad
+
+
+def test_a_dict_batch_is_named_with_its_keys_and_the_hook_that_converts_it():
+    from lightning_dynmo.protocol import split_batch
+
+    with pytest.raises(PipelineProtocolError, match=r"got dict with keys \['input_ids', 'labels'\].*"
+                                                    r"on_before_batch_transfer"):
+        split_batch({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3)})
