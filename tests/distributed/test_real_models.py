@@ -93,7 +93,8 @@ def results(tmp_path_factory):
     if _has_transformers():
         runs["hf"] = base(hf=tiny_gpt2(tmp_path_factory.mktemp("gpt2")), meta=True, **MIGRATE)
         runs["hf_mixtral"] = base(hf=tiny_mixtral(tmp_path_factory.mktemp("mixtral")), meta=True, **MIGRATE)
-        runs["hf_qwen2"] = base(hf=tiny_qwen2(tmp_path_factory.mktemp("qwen2")), meta=True, **MIGRATE)
+        # SFT-style targets (a random tail of each sample is -100): micro-batches weighted by their targets
+        runs["hf_qwen2"] = base(hf=tiny_qwen2(tmp_path_factory.mktemp("qwen2")), meta=True, padded=True, **MIGRATE)
     names = list(runs)
     out = run_worker(tmp_path_factory.mktemp("real"), 2, [runs[n] for n in names], worker=WORKER)
     return {n: (runs[n], r) for n, r in zip(names, out)}
@@ -241,6 +242,7 @@ def _hf_run_equals_single_process(results, name: str, what: str, init_note: str)
 
 
 def test_hugging_face_qwen2_pipeline_equals_single_process(results):
+    """With padded targets: single-process Lightning's loss is the mean over the batch's counted targets."""
     _, _, state = _hf_run_equals_single_process(results, "hf_qwen2", "Qwen2", "each rank read its own layers")
     assert any(k.endswith("q_proj.bias") for k in state)
 
