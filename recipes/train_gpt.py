@@ -16,6 +16,9 @@ Under ``torchrun`` every rank runs this script itself: the run directory is then
 torchrun job (``outputs/train_gpt/torchrun-<run id>``), the same on every rank and across
 restarts, and with ``--max-restarts N`` the recipe resumes from the run's last checkpoint
 (``ckpt_path=last``), so a job whose rank was lost restarts where it stopped, also on fewer ranks.
+Under ``srun`` it is named after the SLURM job (``outputs/train_gpt/slurm-<job id>``): with
+``#SBATCH --signal=USR1@90`` every rank saves ``hpc_ckpt_<n>.ckpt`` there before the time limit,
+the job is requeued under the same id, and the requeued job resumes from that checkpoint.
 """
 from __future__ import annotations
 
@@ -44,11 +47,30 @@ log = logging.getLogger("train_gpt")
 
 def run_stamp() -> str:
     """The run directory's name: the torchrun job's id under torchrun (the same on every rank and
-    across ``--max-restarts`` restarts), else the start time ``<date>/<time>``."""
+    across ``--max-restarts`` restarts); under ``srun`` the SLURM job's (every task starts the
+    script itself, not in the same second, and a requeued job keeps its id, so Lightning finds
+    the checkpoint its requeue signal saved there and resumes from it); else the start time
+    ``<date>/<time>``."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id:
         return f"torchrun-{run_id}"
+    job = slurm_job()
+    if job:
+        return f"slurm-{job}"
     return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def slurm_job() -> str | None:
+    """``<job id>`` (``<array job id>_<task id>`` in an array; ``-step<k>`` for a job's later
+    steps) where Lightning runs as SLURM tasks (its ``SLURMEnvironment.detect()``), else None."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect() or not os.environ.get("SLURM_JOB_ID"):
+        return None
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array}_{os.environ.get('SLURM_ARRAY_TASK_ID', '0')}" if array else os.environ["SLURM_JOB_ID"]
+    step = os.environ.get("SLURM_STEP_ID", "0")
+    return f"{job}-step{step}" if step.isdigit() and 0 < int(step) < 0xFFFFFFF0 else job  # (batch/extern steps: none)
 
 
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)

@@ -334,6 +334,27 @@ def test_recipe_uses_one_run_dir_per_torchrun_job(monkeypatch):
     assert recipe.run_stamp() != "torchrun-abc123"
 
 
+def test_recipe_uses_one_run_dir_per_slurm_job_across_requeues(monkeypatch):
+    """srun starts every task itself (a per-second stamp could differ between ranks) and a
+    requeued job keeps its id: its run dir holds the checkpoint the requeue signal saved."""
+    recipe = _recipe()
+    for k in [k for k in os.environ if k.startswith("SLURM_") or k == "TORCHELASTIC_RUN_ID"]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert "slurm" not in recipe.run_stamp()  # an salloc shell, not an srun task
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train_gpt")
+    assert recipe.run_stamp() == "slurm-4242"
+    monkeypatch.setenv("SLURM_STEP_ID", "2")
+    assert recipe.run_stamp() == "slurm-4242-step2"
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert recipe.run_stamp() == "slurm-4240_3"
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")  # an interactive srun shell: Lightning's SLURM detection says no
+    assert "slurm" not in recipe.run_stamp()
+
+
 # ---------------------------------------------------------------------------------- item 9b
 def test_one_replica_keeps_the_loader_and_seeds_a_global_rng_shuffle(monkeypatch):
     from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
