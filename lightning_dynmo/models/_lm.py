@@ -47,7 +47,8 @@ class WarmupCosine:
 class CausalLMModule(L.LightningModule):
     """Training, evaluation and optimizer hooks shared by GPT and the Hugging Face adapter.
 
-    ``val_ppl`` = exp of the token-weighted epoch-mean validation loss (a torchmetrics
+    ``val_ppl`` = exp of the epoch-mean validation loss, each batch weighted by its counted
+    targets (``pipeline_loss_tokens``: -100 targets count nothing) (a torchmetrics
     ``MeanMetric``; sum-based, so it syncs correctly across ranks even where some ranks never
     updated it).
     """
@@ -81,7 +82,7 @@ class CausalLMModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         loss = self.lm_loss(x, y)
-        self.val_loss_mean.update(loss.detach(), weight=y.numel())
+        self.val_loss_mean.update(loss.detach(), weight=self.pipeline_loss_tokens(y))  # padding weighs nothing
         self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
         return loss
 

@@ -25,6 +25,7 @@ def eval_batch(strategy, stage: str, batch: Any):
     s.lightning_module.log(f"{stage}_loss", loss, prog_bar=True, on_step=False, on_epoch=True,
                            batch_size=inputs.shape[0], sync_dist=True)  # identical everywhere: mean is exact
     hook = getattr(s.lightning_module, "on_pipeline_eval_loss", None)
-    if callable(hook):
-        hook(stage, loss, inputs.numel())
+    if callable(hook):  # tokens: what the loss averaged over (the counted targets where the model says)
+        count = getattr(s.lightning_module, "pipeline_loss_tokens", None)
+        hook(stage, loss, int(count(targets)) if callable(count) and targets is not None else inputs.numel())
     return loss
