@@ -321,8 +321,8 @@ def test_memory_capacity_refuses_live_rebalancing_that_cannot_fit(two_rank_resul
 
 
 def _eval_reference(cfg: dict, state_path: str, dp: int) -> tuple[float, float, float]:
-    """Single-process validation (its first ``val_batches`` batches, as in fit: val_loss, val_ppl) and test
-    batch) of the final weights on the same data (the union of the replicas' batches)."""
+    """Single-process validation (its first ``val_batches`` batches, as in fit: val_loss, val_ppl)
+    and test (every batch) of the final weights on the same data (the union of the replicas' batches)."""
     model = GPTWithTest(**make_model(cfg).hparams)
     model.load_state_dict(torch.load(state_path))
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
