@@ -77,8 +77,9 @@ class WorldStrategy(ParallelStrategy):
             return super().on_exception(exception)  # every rank stops together (strategy/signals.py)
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         step = getattr(trainer, "global_step", None)
-        report_failure(f"step {step}, outside the pipeline step (a hook or callback)" if step is not None
-                       else "a hook or callback", exception)
+        what = "interrupted (Ctrl+C)" if isinstance(exception, KeyboardInterrupt) else \
+            "outside the pipeline step (a hook or callback)"
+        report_failure(f"step {step}, {what}" if step is not None else what, exception)
         super().on_exception(exception)
 
     @override

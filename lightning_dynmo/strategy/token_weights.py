@@ -35,7 +35,7 @@ class TokenWeights:
     def __init__(self, count_tokens) -> None:
         self.count_tokens = count_tokens  # the module's pipeline_loss_tokens, or None
         self._numerator_scale = 0  # m * dp of the current batch
-        self._total = 0  # the global batch's token count (0: no weighting)
+        self._total: torch.Tensor | None = None  # the global batch's token count (a tensor: no host sync)
 
     @classmethod
     def of(cls, module) -> "TokenWeights":
@@ -48,30 +48,35 @@ class TokenWeights:
 
     def begin(self, targets: torch.Tensor | None, microbatches: int, group, replicas: int) -> None:
         """Before a batch's schedule runs (every active rank of the batch's pipelines)."""
-        self._total = 0
+        self._total = None
         if not self.active or targets is None:
             return
-        count = torch.as_tensor(self.count_tokens(targets)).detach().reshape(()).to(torch.int64)
+        count = torch.as_tensor(self.count_tokens(targets), device=targets.device).detach().reshape(())
+        count = count.to(torch.int64)
         if replicas > 1:
             dist.all_reduce(count, group=group)
-        self._total = int(count.item())
+        self._total = count.to(torch.float64)
         self._numerator_scale = int(microbatches) * int(replicas)
 
     def weighted(self, loss_fn):
         """``loss_fn`` times this micro-batch's share of the global batch's tokens, times ``m * dp``
-        (unchanged without a count, or where the batch counts no token at all)."""
+        (unchanged without a count, or where the global batch counts no token at all: NaN, as in
+        one process)."""
         if not self.active:
             return loss_fn
 
         @functools.wraps(loss_fn)
         def fn(output, target):
             loss = loss_fn(output, target)
-            if self._total <= 0 or not (isinstance(loss, torch.Tensor) and loss.is_floating_point()):
+            total = self._total
+            if total is None or not (isinstance(loss, torch.Tensor) and loss.is_floating_point()):
                 return loss  # (a loss that is not a float tensor is left for the engine to name)
+            total = total.to(loss.device)
             tokens = torch.as_tensor(self.count_tokens(target), device=loss.device).to(torch.float64)
-            factor = tokens * self._numerator_scale / self._total  # exactly 1.0 where all counts are equal
+            factor = tokens * self._numerator_scale / total.clamp_min(1)  # exactly 1.0 where all counts are equal
             # a micro-batch that counts no target (all padding) adds nothing, as in one process
             # (its own mean is 0/0 = NaN; its gradients are zeros either way)
-            return torch.where(tokens > 0, loss * factor.to(loss.dtype), torch.zeros_like(loss))
+            weighted = torch.where(tokens > 0, loss * factor.to(loss.dtype), torch.zeros_like(loss))
+            return torch.where(total > 0, weighted, loss)
 
         return fn

@@ -43,6 +43,10 @@ def test_the_head_layer_pays_for_the_loss(results, name):
         # the loss's forward is compute of that rank (inside a forward chunk), not idle time
         busy_f = sum(e["end"] - e["start"] for e in step["events"] if e["kind"] == "F")
         assert busy_f >= 4 * DELAY, (name, step["events"])
-    for steps in res["per_rank"]:  # on every rank the layers account for (almost) all of the busy time
+    # On every rank the layers account for (almost) all of the busy time: at most 10 %, or 5 ms on a
+    # rank whose step is a few ms of tiny layers (fixed per-chunk bookkeeping took 12 % of 23 ms there
+    # under the loaded full suite); a loss left unattributed would be 4 x DELAY = 200 ms.
+    for steps in res["per_rank"]:
         for step in steps:
-            assert step["busy"] > 0 and 1 - step["attributed"] / step["busy"] < 0.1, (name, step)
+            assert step["busy"] > 0 and step["busy"] - step["attributed"] < max(0.1 * step["busy"], DELAY / 10), \
+                (name, step)
