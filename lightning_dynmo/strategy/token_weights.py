@@ -51,8 +51,14 @@ class TokenWeights:
         self._total = None
         if not self.active or targets is None:
             return
-        count = torch.as_tensor(self.count_tokens(targets), device=targets.device).detach().reshape(())
-        count = count.to(torch.int64)
+        count = torch.as_tensor(self.count_tokens(targets), device=targets.device).detach()
+        if count.numel() != 1 or count.is_complex():
+            from ..protocol import PipelineProtocolError
+
+            raise PipelineProtocolError(
+                f"pipeline_loss_tokens(target) must return one number (how many terms pipeline_loss averages "
+                f"over, e.g. `(target != -100).sum()`); it returned shape {list(count.shape)}")
+        count = count.reshape(()).to(torch.int64)
         if replicas > 1:
             dist.all_reduce(count, group=group)
         self._total = count.to(torch.float64)

@@ -65,3 +65,13 @@ def test_a_micro_batch_of_padding_only_adds_zero_not_nan():
     assert padded.item() == 0.0
     padded.backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_a_count_that_is_not_one_number_is_named():
+    import pytest
+
+    from lightning_dynmo import PipelineProtocolError
+
+    weights = TokenWeights(lambda t: (t != -100).sum(dim=1))  # per row: a mistake
+    with pytest.raises(PipelineProtocolError, match=r"must return one number.*shape \[2\]"):
+        weights.begin(torch.zeros(2, 3, dtype=torch.long), 1, group=None, replicas=1)
