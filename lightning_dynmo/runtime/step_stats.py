@@ -62,12 +62,16 @@ def exchange_step_stats(
 
 
 def share_eval_loss(losses: list[torch.Tensor] | None, replicas: int, device: torch.device,
-                    problem: bool = False) -> tuple[torch.Tensor, bool]:
-    """The evaluation batch loss on every rank (only last-stage ranks computed one), and whether
-    any rank met a pipeline protocol problem."""
-    value = torch.zeros(2, dtype=torch.float32, device=device)
+                    problem: bool = False, signals: tuple[float, float] = (0.0, 0.0)
+                    ) -> tuple[torch.Tensor, bool, tuple[bool, bool]]:
+    """The evaluation batch loss on every rank (only last-stage ranks computed one), whether any
+    rank met a pipeline protocol problem, and whether any rank got each of the cluster signals
+    ``signals`` flags (``strategy/signals.py``: terminate, requeue)."""
+    value = torch.zeros(4, dtype=torch.float32, device=device)
     if losses:
         value[0] = torch.stack([l.detach().float() for l in losses]).mean().to(device) / replicas
     value[1] = 1.0 if problem else 0.0
+    value[2], value[3] = float(signals[0]), float(signals[1])
     dist.all_reduce(value)
-    return value[0], bool(value[1] > 0)
+    flags = value[1:].tolist()
+    return value[0], flags[0] > 0, (flags[1] > 0, flags[2] > 0)

@@ -12,12 +12,15 @@ nor the signal. The requeue checkpoint's collectives meet the peer's step: every
 
 Here the handlers only record the signal (and forward SIGTERM to the processes Lightning started,
 as Lightning does). The per-batch agreement (:func:`act_at_batch_boundary`, called where the
-strategy already agrees on the next batch) carries every rank's records; then every rank runs
-Lightning's own requeue handler at the same point (the checkpoint is saved by all ranks, the
-job requeued by rank 0) and, after a SIGTERM on any rank, every rank stops with Lightning's
-``SIGTERMException``. A signal that arrives after the last training batch (in the final
-validation, or in ``trainer.validate``/``test``/``predict``, where the handlers record it too) is
-not acted on: the run ends on its own, or at the cluster's SIGKILL.
+strategy already agrees on the next batch) carries every rank's records, and so does the loss
+exchange of every validation and test batch (:func:`signal_flags`, :func:`act_on_signals`); then
+every rank runs Lightning's own requeue handler at the same point (the checkpoint is saved by all
+ranks, the job requeued by rank 0) and, after a SIGTERM on any rank, every rank stops with
+Lightning's ``SIGTERMException``. So a signal that arrives during a long validation inside ``fit``
+(the final one included), or during ``trainer.validate``/``test``, is acted on after the current
+batch. A signal during ``trainer.predict`` (whose replicas run their own batch counts, so no
+collective spans the world there) or after the last batch is recorded and not acted on: the run
+ends on its own, or at the cluster's SIGKILL.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeferredSignals", "act_at_batch_boundary", "defer_signal_handlers"]
+__all__ = ["DeferredSignals", "act_at_batch_boundary", "act_on_signals", "defer_signal_handlers", "signal_flags"]
 
 
 @dataclass
@@ -73,14 +76,19 @@ def defer_signal_handlers(trainer) -> DeferredSignals | None:
     return state
 
 
-def act_at_batch_boundary(state: DeferredSignals | None, trainer, agree) -> None:
-    """Agree on the next batch (``agree(name, flag)``, the strategy's ledger) carrying every
-    rank's signals; run the requeue save on every rank if any rank got the requeue signal (once per
-    run: SLURM signals every task, not all at the same moment), then stop every rank if any got
-    SIGTERM."""
+def signal_flags(state: DeferredSignals | None, trainer) -> tuple[float, float]:
+    """This rank's ``(terminate, requeue)`` flags, for a collective that every rank makes (the
+    maximum or the sum over the ranks says whether any rank got the signal)."""
     mine = state or DeferredSignals()
     terminate = mine.terminate or bool(getattr(trainer, "received_sigterm", False))
-    any_terminate, any_requeue = agree("next training batch", flag=(float(terminate), float(mine.requeue is not None)))
+    return float(terminate), float(mine.requeue is not None)
+
+
+def act_on_signals(state: DeferredSignals | None, trainer, any_terminate: bool, any_requeue: bool) -> None:
+    """What every rank does after a collective told it the signals of all ranks: run the requeue
+    save if any rank got the requeue signal (once per run: SLURM signals every task, not all at the
+    same moment), then stop if any rank got SIGTERM."""
+    mine = state or DeferredSignals()
     if any_requeue:
         connector = trainer._signal_connector
         signum = mine.requeue if mine.requeue is not None else _requeue_signal(trainer)
@@ -93,6 +101,13 @@ def act_at_batch_boundary(state: DeferredSignals | None, trainer, agree) -> None
         with suppress(Exception):
             dist.barrier()  # Lightning's own: every rank stops together
         raise SIGTERMException()
+
+
+def act_at_batch_boundary(state: DeferredSignals | None, trainer, agree) -> None:
+    """Agree on the next training batch (``agree(name, flag)``, the strategy's ledger) carrying
+    every rank's signals, then act on them (:func:`act_on_signals`)."""
+    any_terminate, any_requeue = agree("next training batch", flag=signal_flags(state, trainer))
+    act_on_signals(state, trainer, bool(any_terminate), bool(any_requeue))
 
 
 def _requeue_signal(trainer) -> int:

@@ -87,3 +87,19 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step(tmp_path, uninterrupted
         assert o["error"] == "SIGTERMException", (rank, o)
         assert o["global_step"] == 4 and o["seconds"] < FAST, (rank, o)
     assert not (tmp_path / "scontrol.log").exists()
+
+
+def test_signals_in_the_final_validation_are_acted_on_after_the_current_batch(tmp_path):
+    """The requeue signal in the final validation's batch 1 saves (inside the validation) and
+    requeues; SIGTERM on one rank in its batch 2 stops both ranks after that batch. Before, no
+    training batch followed, so neither was acted on: nothing saved, the validation ran to its end."""
+    outcomes, took, log = launch(tmp_path, "in_final_validation")
+    for rank in (0, 1):
+        o = outcomes[rank]
+        assert o["error"] == "SIGTERMException", (rank, o)
+        assert o["global_step"] == 6 and o["seconds"] < 2 * FAST, (rank, o)
+        assert o["val_batches"] == [[3, 0], [3, 1], [3, 2], [3, 3], [6, 0], [6, 1]], (rank, o)
+    assert sorted(p.name for p in (tmp_path / "job").glob("hpc_ckpt_*.ckpt")) == ["hpc_ckpt_1.ckpt"], log[-4000:]
+    ckpt = torch.load(tmp_path / "job" / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 6 and ckpt["saved_in"] == "validation"
+    assert (tmp_path / "scontrol.log").read_text().splitlines() == ["requeue 4242"]

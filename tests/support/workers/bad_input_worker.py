@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -93,6 +94,9 @@ class DiesOrStalls(L.Callback):
         if batch_idx == 2 and trainer.global_rank == 1 and self.how in ("die", "stall"):
             if self.how == "die":
                 os._exit(3)
+            # torchrun's SIGTERM (once rank 0 failed) ends it at once: Lightning's handler only records
+            # the signal, so the agent would wait 30 s more for its SIGKILL; the test is about rank 0
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(600)  # a stuck rank: the others must time out
 
 

@@ -13,6 +13,9 @@ ended, its per-step losses and the global step it reached. Cases (``STEPS`` opti
   step 6 (SLURM's kill at the time limit).
 * ``requeued``: the job SLURM requeued: the same directory, no signal.
 * ``sigterm_on_rank_1``: SIGTERM on rank 1 only, in step 3.
+* ``in_final_validation``: validation every 3 steps (4 batches) and ``STEPS_WITH_VALIDATION``
+  steps; the requeue signal on both ranks in the final validation's batch 1, then SIGTERM on rank 1
+  only in its batch 2 (no training batch follows either).
 
 Every step trains on the same batch (one batch per epoch), so a run resumed from a checkpoint
 continues the uninterrupted run's losses exactly.
@@ -42,9 +45,12 @@ CASE, OUT = sys.argv[1], Path(sys.argv[2])
 CFG = {"n_layer": 4, "batch": 8, "n_samples": 8}
 STEPS = 12
 JOB_ID = "4242"
-SIGNALS = {  # (global step, rank) -> signal
+STEPS_WITH_VALIDATION = 6
+SIGNALS = {  # (global step, rank) in training, ("val", global step, batch, rank) in validation -> signal
     "preempted": {(3, 0): signal.SIGUSR1, (3, 1): signal.SIGUSR1, (6, 0): signal.SIGTERM, (6, 1): signal.SIGTERM},
     "sigterm_on_rank_1": {(3, 1): signal.SIGTERM},
+    "in_final_validation": {("val", 6, 1, 0): signal.SIGUSR1, ("val", 6, 1, 1): signal.SIGUSR1,
+                            ("val", 6, 2, 1): signal.SIGTERM},
 }.get(CASE, {})
 
 
@@ -55,25 +61,41 @@ def as_slurm_task() -> None:
                       SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="train_gpt", SLURM_NODELIST="127.0.0.1")
 
 
+def signal_in_forward(trainer, sig) -> None:
+    """Send ``sig`` to this rank from its first local layer's next forward (inside the schedule)."""
+    strategy = trainer.strategy
+    layer = strategy.layers[strategy.local_layer_indices()[0]]
+
+    def send(module, args):
+        handle.remove()
+        os.kill(os.getpid(), sig)  # the handler runs here, inside the schedule
+
+    handle = layer.register_forward_pre_hook(send)
+
+
 class SignalMidStep(L.Callback):
     def __init__(self) -> None:
         self.losses: list[list[float]] = []
+        self.val_batches: list[list[int]] = []  # [global step, batch] of each validation batch that finished
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         sig = SIGNALS.get((trainer.global_step, trainer.global_rank))
-        if sig is None:
-            return
-        strategy = trainer.strategy
-        layer = strategy.layers[strategy.local_layer_indices()[0]]
-
-        def send(module, args):
-            handle.remove()
-            os.kill(os.getpid(), sig)  # the handler runs here, inside the schedule
-
-        handle = layer.register_forward_pre_hook(send)
+        if sig is not None:
+            signal_in_forward(trainer, sig)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append([trainer.global_step, float(outputs["loss"] if isinstance(outputs, dict) else outputs)])
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        sig = SIGNALS.get(("val", trainer.global_step, batch_idx, trainer.global_rank))
+        if sig is not None:
+            signal_in_forward(trainer, sig)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val_batches.append([trainer.global_step, batch_idx])
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        checkpoint["saved_in"] = "validation" if trainer.validating else "training"
 
 
 def main() -> None:
@@ -82,19 +104,23 @@ def main() -> None:
     root = OUT / "job"
     root.mkdir(parents=True, exist_ok=True)
     rec = SignalMidStep()
+    validating = CASE == "in_final_validation"
     trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, rebalance="every_n",
                                                rebalance_interval=2, balancer="partition_time", timeout=60.0,
                                                plot=False),
-                        accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        accelerator="cpu", devices=2, max_steps=STEPS_WITH_VALIDATION if validating else STEPS,
+                        check_val_every_n_epoch=3, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
                         plugins=[SLURMEnvironment(auto_requeue=True)], default_root_dir=str(root))
     t0 = time.monotonic()
     outcome = {"error": None}
     try:
-        trainer.fit(make_model(CFG), train_dataloaders=make_loader(CFG, CFG["batch"]))
+        val = make_loader({**CFG, "n_samples": 4 * CFG["batch"]}, CFG["batch"]) if validating else None
+        trainer.fit(make_model(CFG), train_dataloaders=make_loader(CFG, CFG["batch"]), val_dataloaders=val)
     except BaseException as err:  # noqa: BLE001 - recorded for the test (SIGTERMException is a SystemExit)
         outcome = {"error": type(err).__name__, "message": str(err)}
-    outcome.update(seconds=time.monotonic() - t0, losses=rec.losses, global_step=trainer.global_step)
+    outcome.update(seconds=time.monotonic() - t0, losses=rec.losses, global_step=trainer.global_step,
+                   val_batches=rec.val_batches)
     (OUT / f"rank{rank}.json").write_text(json.dumps(outcome))
 
 
