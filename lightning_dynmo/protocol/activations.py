@@ -14,14 +14,16 @@ names the layer (the runtime makes every rank raise it, see ``runtime/engine.py`
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from .module import PipelineProtocolError
 
-__all__ = ["as_acts", "call_layer", "consumed", "describe", "output_problem", "run_layers", "unpack"]
+__all__ = ["as_acts", "buffers_kept", "call_layer", "consumed", "describe", "output_problem", "run_layers",
+           "unpack"]
 
 _ARITY: dict[type, int | None] = {}
 
@@ -117,3 +119,21 @@ def run_layers(layers: Sequence[nn.Module], x):
             raise PipelineProtocolError(problem)
         acts = as_acts(out)
     return unpack(acts)
+
+
+@contextmanager
+def buffers_kept(layers: Iterable[nn.Module]) -> Iterator[None]:
+    """Every buffer of ``layers`` holds its values from before the block again after it: a
+    forward that is not a training step (the shape discovery, a memory measurement) must leave no
+    mark (BatchNorm's running statistics and ``num_batches_tracked``, a layer's step counter),
+    or the pipeline's state would drift from one process's. Restored by name, so a forward that
+    re-assigns a buffer instead of writing it in place is undone as well."""
+    layers = list(layers)
+    saved = [[(name, b.detach().clone()) for name, b in layer.named_buffers()] for layer in layers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for layer, named in zip(layers, saved):
+                for name, value in named:
+                    layer.get_buffer(name).copy_(value)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ..protocol import PipelineProtocolError
-from ..protocol.activations import as_acts, call_layer, consumed as _consumed, describe, output_problem, unpack
+from ..protocol.activations import as_acts, buffers_kept, call_layer, consumed as _consumed, describe, output_problem, unpack
 from .placement import Placement
 from .recompute import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage
@@ -204,6 +204,7 @@ def _forward_spec(layers: nn.ModuleList, indices: range, acts: tuple, rg: tuple,
 def discover_layer_specs(placement: Placement, microbatch_input, microbatch_target: torch.Tensor | None = None,
                          loss_fn: LossFn | None = None) -> list[ActSpec]:
     """One no-grad forward of one micro-batch through the pipeline; returns every layer's output spec.
+    The RNG and every buffer of the layers it runs are as before it afterwards.
 
     Each rank runs its own stages in pipeline order and passes the activation on with a blocking
     object send; then the per-layer specs are all-gathered so every rank knows the whole table.
@@ -220,7 +221,10 @@ def discover_layer_specs(placement: Placement, microbatch_input, microbatch_targ
     problem: str | None = None
     acts: tuple | None = None
     rg: tuple = ()
-    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    local_layers = [layers[i] for s in range(partition.num_stages) if spec.rank_of_stage(s, pp_size) == pp_rank
+                    for i in partition.layers_of(s)]
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            buffers_kept(local_layers):  # no mark of this extra forward on BatchNorm-like running buffers
         for s in range(partition.num_stages):
             if spec.rank_of_stage(s, pp_size) != pp_rank:
                 continue

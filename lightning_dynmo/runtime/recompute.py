@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..plan.cost_model import CostModel, LayerCosts, choose_recompute
 from ..plan.partition import Partition
-from ..protocol.activations import as_acts, call_layer
+from ..protocol.activations import as_acts, buffers_kept, call_layer
 from ..protocol.services import Recomputing
 from .profiler import local_nbytes
 
@@ -118,20 +118,16 @@ def saved_activation_bytes(layer: nn.Module, example) -> int:
             seen[ptr] = storage.nbytes()
         return t
 
-    buffers = [(b, b.detach().clone()) for b in layer.buffers()]
     was_training = layer.training
     devices = [example[0].device] if example[0].device.type == "cuda" else []
     try:
         layer.eval()
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
+        with buffers_kept([layer]), torch.random.fork_rng(devices=devices), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = call_layer(layer, example)
         del out
     finally:
         layer.train(was_training)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
     return sum(seen.values())
 
 

@@ -333,9 +333,27 @@ def check_fit(module, layers, rank: int, callbacks=()) -> None:
     problems = unsupported_callback_problems(callbacks)
     if problems:
         raise ValueError(f"rank {rank}: DynMoStrategy cannot train with " + "; ".join(problems) + ".")
-    message = skipped_training_step_warning(module)
-    if message:
-        rank_zero_warn(message)
+    for message in (skipped_training_step_warning(module), batch_statistics_warning(layers)):
+        if message:
+            rank_zero_warn(message)
+
+
+def batch_statistics_warning(layers) -> str | None:
+    """The warning to give when a pipeline layer normalises by batch statistics (BatchNorm in
+    training mode): under the pipeline each micro-batch is a batch of its own, so those statistics
+    (and the running averages, updated once per micro-batch) differ from one process's."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    found = [f"layer {i} ({name or type(m).__name__}: {type(m).__name__})" for i, layer in enumerate(layers)
+             for name, m in layer.named_modules() if isinstance(m, _BatchNorm) and m.training]
+    if not found:
+        return None
+    more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+    return (f"{', '.join(found[:3])}{more} normalise by batch statistics: under DynMoStrategy each micro-batch "
+            "(the batch split `microbatches` ways) is normalised by its own mean and variance, and the running "
+            "statistics are updated once per micro-batch, so training differs from one process on the whole batch "
+            "(as under gradient accumulation). Normalisation that does not mix samples (LayerNorm, GroupNorm, "
+            "RMSNorm) trains the same either way.")
 
 
 def skipped_training_step_warning(module) -> str | None:

@@ -28,12 +28,18 @@ class Embed(nn.Module):
 class GatedMix(nn.Module):
     """``(x, gate) -> (x + gate * f(x), gate')``: the gate is read and rewritten by every layer."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_rows: bool = False) -> None:
         super().__init__()
         self.f = nn.Linear(WIDTH, WIDTH)
         self.g = nn.Linear(WIDTH, WIDTH)
+        self.count_rows = count_rows
+        # a buffer its training forward changes, as BatchNorm's running statistics: the rows it saw,
+        # a sum over micro-batches that equals one process's only if no forward is added or lost
+        self.register_buffer("rows_seen", torch.zeros((), dtype=torch.long))
 
     def forward(self, x, gate):
+        if self.training and self.count_rows:
+            self.rows_seen += x.shape[0]
         x = x + gate * torch.tanh(self.f(x))
         return x, torch.sigmoid(self.g(x) + gate)
 
@@ -48,12 +54,12 @@ class Out(nn.Module):
 
 
 class TwoStreamLM(L.LightningModule):
-    def __init__(self, n_mix: int = 4, seed: int = 0, lr: float = 0.1) -> None:
+    def __init__(self, n_mix: int = 4, seed: int = 0, lr: float = 0.1, count_rows: bool = False) -> None:
         super().__init__()
         self.lr = lr
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.layers = nn.ModuleList([Embed(), *[GatedMix() for _ in range(n_mix)], Out()])
+            self.layers = nn.ModuleList([Embed(), *[GatedMix(count_rows) for _ in range(n_mix)], Out()])
 
     def pipeline_layers(self) -> nn.ModuleList:
         return self.layers

@@ -284,6 +284,17 @@ def test_training_step_with_logic_the_pipeline_skips_is_named():
     assert skipped_training_step_warning(NoTrainingStep()) is None
 
 
+def test_a_layer_normalising_by_batch_statistics_is_named():
+    from lightning_dynmo.strategy.options import batch_statistics_warning
+
+    layers = nn.ModuleList([nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.LayerNorm(4)])
+    msg = batch_statistics_warning(layers)
+    assert msg and msg.startswith("layer 1 (1: BatchNorm1d)") and "micro-batch" in msg and "LayerNorm" in msg
+    assert batch_statistics_warning(nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4), nn.GroupNorm(2, 4)])) is None
+    layers.eval()  # frozen statistics (a fine-tuned model in eval mode) mix no samples
+    assert batch_statistics_warning(layers) is None
+
+
 # ---------------------------------------------------------------------------------- item 7
 def _recipe():
     spec = importlib.util.spec_from_file_location("train_gpt_recipe", ROOT / "recipes" / "train_gpt.py")
