@@ -296,9 +296,10 @@ def check_not_split(layers, rank: int) -> None:
     """A second ``fit`` on a module an earlier fit split across the pipeline is refused."""
     if any(isinstance(layer, RemoteLayer) for layer in layers):
         raise RuntimeError(
-            f"rank {rank}: this module was already split across the pipeline by an earlier fit; "
-            "its optimizer cannot be rebuilt from the local layers alone. Build a fresh module and resume with "
-            "trainer.fit(model, ckpt_path=...) (checkpoints load under any partition)."
+            f"rank {rank}: this module was already split across the pipeline by an earlier fit (Lightning's "
+            "Tuner.lr_find runs one too); its optimizer cannot be rebuilt from the local layers alone. Build a fresh "
+            "module and resume with trainer.fit(model, ckpt_path=...) (checkpoints load under any partition); after "
+            "lr_find, build the fresh module with its suggestion: `lr = tuner.lr_find(model).suggestion()`."
         )
 
 
