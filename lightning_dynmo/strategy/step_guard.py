@@ -19,6 +19,12 @@ pipeline group (MIN of ``[v, -v]``: each entry's minimum and maximum over the ra
   shape table, and rediscovering it alone sends shape objects where the neighbours send
   activations (gloo aborts: "Received data size doesn't match expected size"; seen at 8 stages).
   A rank without a table counts as stale, so every rank rebuilds in the same step.
+* **one evaluation of the closure per optimizer step.** A training step is one pipeline schedule
+  over the batch, with its collectives, profiling and rebalancing; an optimizer that calls the
+  closure again (``LBFGS``'s line search, sharpness-aware minimisation) would start a second step
+  in the middle of the first's bookkeeping and train on another rule than one process. ``LBFGS``
+  is refused at setup; any other optimizer's second call raises on every rank (all run the same
+  optimizer code, so all reach it together).
 * **unchanged optimizer groups.** The strategy records every parameter's optimizer slot at setup
   (migration, checkpoints); a param group added later (``BaseFinetuning.unfreeze_and_add_param_group``)
   is refused on every rank, naming the fix.
@@ -38,6 +44,40 @@ class PipelineBatchMismatchError(RuntimeError):
 
 class OptimizerGroupsChangedError(RuntimeError):
     """An optimizer gained or lost param groups after setup."""
+
+
+class ClosureReevaluatedError(RuntimeError):
+    """An optimizer called the training closure more than once in one step."""
+
+
+_ONE_EVALUATION = ("under DynMoStrategy the closure is one pipeline step over the batch (a schedule with collectives, "
+                   "profiling and rebalancing) and runs once per optimizer step; use an optimizer that evaluates it "
+                   "once (AdamW, SGD, Adafactor, Muon, ...)")
+
+
+def check_closure_optimizers(optimizers, rank: int) -> None:
+    """At setup: refuse the optimizers known to evaluate the closure several times per step."""
+    for opt in optimizers:
+        inner = getattr(opt, "_optimizer", opt)
+        if isinstance(inner, torch.optim.LBFGS):
+            raise ValueError(f"rank {rank}: torch.optim.LBFGS evaluates the training closure (a forward and backward "
+                             f"of the whole batch) several times per step; {_ONE_EVALUATION}")
+
+
+def evaluated_once(closure, optimizer, rank: int, step: int):
+    """``closure`` for one optimizer step, raising :class:`ClosureReevaluatedError` if called again."""
+    calls = 0
+
+    def once(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            name = type(getattr(optimizer, "_optimizer", optimizer)).__name__
+            raise ClosureReevaluatedError(f"rank {rank}: {name}.step called the training closure twice in step {step}; "
+                                          f"{_ONE_EVALUATION}")
+        return closure(*args, **kwargs)
+
+    return once
 
 
 def waiting_hint(rank: int, step: int) -> str:

@@ -71,7 +71,7 @@ from .predict import predict_batch
 from .rebalancer import Rebalancer
 from .recorder import dynmo_summary_text, log_step, notify_released
 from .state import Relayout
-from .step_guard import check_before_run, waiting_hint
+from .step_guard import check_before_run, check_closure_optimizers, evaluated_once, waiting_hint
 
 
 class DynMoStrategy(PipelineAPI, WorldStrategy):
@@ -250,6 +250,7 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
             self.setup_optimizers(trainer)
             self.optimizer_layout = OptimizerLayout.record(module, self.optimizers, self.tied.aliases)
             check_precision(self.precision_plugin, self.optimizers)
+            check_closure_optimizers(self.optimizers, self.global_rank)
         if self.layout.partition is None:
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
                 layers, self.layout, self.root_device, self.global_rank, self.last_microbatches))
@@ -416,8 +417,10 @@ class DynMoStrategy(PipelineAPI, WorldStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
-        with step_region(f"optimizer step {self.lightning_module.trainer.global_step}"), self._window.closing():
-            return super().optimizer_step(optimizer, closure, model, **kwargs)  # the closure runs the window's last batch
+        step = self.lightning_module.trainer.global_step
+        with step_region(f"optimizer step {step}"), self._window.closing():  # the closure runs the window's last batch
+            return super().optimizer_step(optimizer, evaluated_once(closure, optimizer, self.global_rank, step), model,
+                                          **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     @property

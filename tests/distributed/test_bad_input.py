@@ -38,6 +38,9 @@ EXPECTED = {
     "swa_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with StochasticWeightAveraging: .*not supported",
     "model_pruning_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with ModelPruning: .*Use "
                               r"lightning_dynmo.callbacks.GradualPruning",
+    "lbfgs": r"ValueError: rank {rank}: torch.optim.LBFGS evaluates the training closure .* several times per step",
+    "closure_twice": r"ClosureReevaluatedError: rank {rank}: TwiceClosureSGD.step called the training closure twice "
+                     r"in step 0; .*runs once per optimizer step",
 }
 # a damaged checkpoint lacks an entry of rank 0's layers and one of rank 1's
 MISSING_KEY = {0: "layers.0.wte.weight", 1: "layers.4.lm_head.weight"}

@@ -68,6 +68,24 @@ def misbehaving_model(how: str):
     return model
 
 
+class TwiceClosureSGD(torch.optim.SGD):
+    """Sharpness-aware minimisation's shape: the closure at the weights, then again after a step."""
+
+    def step(self, closure=None):
+        closure()
+        super().step()
+        return closure()
+
+
+def optimizer_model(kind: str):
+    """The test GPT trained by an optimizer that evaluates the closure more than once per step."""
+    model = make_model(CFG)
+    make = {"lbfgs": lambda params: torch.optim.LBFGS(params, max_iter=3),
+            "closure_twice": lambda params: TwiceClosureSGD(params, lr=0.1)}[kind]
+    model.configure_optimizers = lambda: make(model.parameters())
+    return model
+
+
 def per_rank_shuffled_loader(batch: int) -> DataLoader:
     """Every rank shuffles with its own seed: the ranks of one pipeline see different batches."""
     rank = int(os.environ.get("RANK", "0"))
@@ -175,6 +193,9 @@ CASES = {
     "ema_callback": lambda out: fit(callbacks=[EMAWeightAveraging()]),
     "swa_callback": lambda out: fit(callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
     "model_pruning_callback": lambda out: fit(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]),
+    # optimizers that evaluate the closure (a whole pipeline step) more than once per step
+    "lbfgs": lambda out: fit(model=optimizer_model("lbfgs")),
+    "closure_twice": lambda out: fit(model=optimizer_model("closure_twice")),
 }
 
 
