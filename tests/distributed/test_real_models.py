@@ -69,6 +69,18 @@ def tiny_qwen2(path) -> str:
     return str(path)
 
 
+def tiny_phi3(path) -> str:
+    """Llama's outer layout with fused q/k/v and gate/up projections and a sliding window (6) shorter
+    than the sequence (16): the window's mask must be built inside each decoder layer's wrapper."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Phi3Config(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+                                     sliding_window=6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.Phi3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
 RUNS = {
     "meta": base(meta=True, **MIGRATE),
     "real": base(**MIGRATE),
@@ -95,6 +107,7 @@ def results(tmp_path_factory):
         runs["hf_mixtral"] = base(hf=tiny_mixtral(tmp_path_factory.mktemp("mixtral")), meta=True, **MIGRATE)
         # SFT-style targets (a random tail of each sample is -100): micro-batches weighted by their targets
         runs["hf_qwen2"] = base(hf=tiny_qwen2(tmp_path_factory.mktemp("qwen2")), meta=True, padded=True, **MIGRATE)
+        runs["hf_phi3"] = base(hf=tiny_phi3(tmp_path_factory.mktemp("phi3")), meta=True, **MIGRATE)
     names = list(runs)
     out = run_worker(tmp_path_factory.mktemp("real"), 2, [runs[n] for n in names], worker=WORKER)
     return {n: (runs[n], r) for n, r in zip(names, out)}
@@ -247,6 +260,11 @@ def test_hugging_face_qwen2_pipeline_equals_single_process(results):
     assert any(k.endswith("q_proj.bias") for k in state)
 
 
+def test_hugging_face_phi3_with_a_sliding_window_pipeline_equals_single_process(results):
+    _, _, state = _hf_run_equals_single_process(results, "hf_phi3", "Phi-3", "each rank read its own layers")
+    assert any(k.endswith("qkv_proj.weight") for k in state)
+
+
 def test_hugging_face_mixtral_with_router_loss_pipeline_equals_single_process(results):
     """Losses and weights after every step migrated a layer; the router loss is in both runs (a
     single process without it ends with other router weights)."""
@@ -278,7 +296,7 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
     }
     if env:
         expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='gpt_neox'.*supported: "
-                                               r"gpt2, llama, mistral, mixtral, qwen2, qwen3")
+                                               r"gpt2, helium, llama, mistral, mixtral, olmo, olmo2, phi3, qwen2")
         expected["hf_shape_mismatch"] = (r"CheckpointMismatchError: the checkpoint .* does not match its config .*"
                                          r"transformer.wte.weight: checkpoint \[64, 32\], config \[64, 48\]")
     out = tmp_path / "errors"

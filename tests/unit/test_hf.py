@@ -47,7 +47,21 @@ def configs():
         "qwen3": transformers.Qwen3Config(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                           max_position_embeddings=32, **SMALL),
+        # Llama's outer layout: fused qkv / gate_up and a sliding window shorter than the sequence (Phi-3),
+        # LayerNorm with biases, a window and embedding dropout (Starcoder2, its head tied by default),
+        # post-norms and q/k norms (OLMo 2), non-parametric LayerNorm (OLMo), partial rotary and
+        # LayerNorm (StableLM), Helium
+        "phi3": transformers.Phi3Config(**LLAMA_LIKE, sliding_window=6, pad_token_id=0),
+        "starcoder2": transformers.Starcoder2Config(**LLAMA_LIKE, sliding_window=6),
+        "olmo2": transformers.Olmo2Config(**LLAMA_LIKE),
+        "olmo": transformers.OlmoConfig(**LLAMA_LIKE),
+        "stablelm": transformers.StableLmConfig(**LLAMA_LIKE),
+        "helium": transformers.HeliumConfig(**LLAMA_LIKE, head_dim=8),
     }
+
+
+LLAMA_LIKE = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, **SMALL)
 
 
 def saved(tmp_path, arch: str, **save_kw):
@@ -64,7 +78,8 @@ def load(path, **kw) -> HFCausalLM:
         return HFCausalLM.from_pretrained(path, **kw)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "starcoder2",
+                                  "olmo2", "olmo", "stablelm", "helium"])
 def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
     ref, path = saved(tmp_path, arch)
     model = load(path).eval()
@@ -80,7 +95,7 @@ def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
         assert torch.equal(h, ref(x).logits)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral", "qwen2"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral", "qwen2", "phi3", "starcoder2"])
 def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path, arch, monkeypatch):
     _, path = saved(tmp_path, arch)
     real = load(path).state_dict()
@@ -151,8 +166,12 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     _, path = saved(tmp_path, "gpt2")
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, llama, mistral, mixtral, qwen2, qwen3"):
+    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, helium, llama, "
+                       r"mistral, mixtral, olmo, olmo2, phi3, qwen2, qwen3, stablelm, starcoder2\."):
         HFCausalLM.from_pretrained(path)
+    for scaled_outside_the_layers in ("gemma", "granite", "cohere"):  # embedding, residual or logit scales
+        with pytest.raises(UnsupportedArchitectureError, match=f"'{scaled_outside_the_layers}'"):
+            HFCausalLM(config={"model_type": scaled_outside_the_layers})
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})
 

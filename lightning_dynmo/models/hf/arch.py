@@ -38,6 +38,23 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
                    rotary="model.rotary_emb"),
     "qwen3": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                    rotary="model.rotary_emb"),
+    # Llama's layout too: whatever differs (fused qkv/gate_up, post-norms, q/k norms, partial rotary,
+    # LayerNorm, biases) lives inside the decoder layer or the final norm, which run as they are.
+    # Checked against transformers' logits bitwise (tests/unit/test_hf.py). Architectures that scale
+    # the embedding, the residual or the logits outside the layers (Gemma, Granite, Cohere) are not here.
+    "phi3": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                  rotary="model.rotary_emb", sliding_window=True),  # its window: config.sliding_window, if set
+    "starcoder2": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers",
+                        norm="model.norm", rotary="model.rotary_emb", embed_dropout="embedding_dropout",
+                        sliding_window=True),
+    "olmo": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                  rotary="model.rotary_emb"),
+    "olmo2": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                   rotary="model.rotary_emb"),
+    "stablelm": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                      rotary="model.rotary_emb"),
+    "helium": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                    rotary="model.rotary_emb"),
 }
 
 
