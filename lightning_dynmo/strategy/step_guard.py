@@ -146,7 +146,10 @@ def check_before_run(strategy, inputs: torch.Tensor, targets: torch.Tensor, step
             "which the Trainer injects by default, or `DataLoader(..., generator=torch.Generator().manual_seed(s))`); "
             "a dataset that draws random numbers from the global RNG (augmentation) gets other draws on each rank "
             "once dropout has run on some ranks only: give it its own generator, e.g. "
-            "`torch.Generator().manual_seed(seed * len(self) + index)` per sample"
+            "`torch.Generator().manual_seed(seed * len(self) + index)` per sample. An IterableDataset (a "
+            "stream) must shard by data-parallel replica, not by global rank: every rank of one pipeline reads "
+            "the same shard; `trainer.strategy.distributed_sampler_kwargs` gives `num_replicas` and `rank` (e.g. "
+            "`split_dataset_by_node(ds, rank=kw['rank'], world_size=kw['num_replicas'])`)"
         )
     if hi[3] > 0:
         s.invalidate_pipeline()  # every rank: the next engine rediscovers the table (collective)
