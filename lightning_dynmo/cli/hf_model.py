@@ -2,8 +2,8 @@
 
     python recipes/train_gpt.py model=hf model.path=/path/to/model   # config.json + model.safetensors
 
-Supported: GPT-2, Llama, Mistral and Mixtral checkpoints (``lightning_dynmo.models.hf``; ``pip install -e
-".[hf]"``). Under the pipeline strategy the model is built on the meta device, so each rank reads
+Supported: the ``model_type``\ s of ``lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES`` (GPT-2,
+GPT-NeoX, the Llama family, Gemma, Granite, Cohere, ...; ``pip install -e ".[hf]"``). Under the pipeline strategy the model is built on the meta device, so each rank reads
 and holds only the layers it owns. The recipe's data are bytes (token ids 0..255): fine for
 trying the pipeline on a real architecture, not for continuing a pretrained model on its own
 tokenizer's text.
@@ -16,7 +16,8 @@ from pathlib import Path
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
-HF_KEYS = ("kind", "path", "config", "untie_embeddings", "router_aux_loss", "head_chunks", "lr", "min_lr", "warmup_steps", "weight_decay")
+HF_KEYS = ("kind", "path", "config", "untie_embeddings", "router_aux_loss", "head_chunks", "attn_implementation", "lr",
+           "min_lr", "warmup_steps", "weight_decay")
 
 
 def is_hf(cfg: DictConfig) -> bool:
@@ -53,7 +54,7 @@ def build_hf_model(cfg: DictConfig):
             warmup_steps=int(m.warmup_steps), weight_decay=float(m.weight_decay), seed=int(cfg.seed),
             untie_embeddings=bool(m.get("untie_embeddings", True)),
             router_aux_loss=m.get("router_aux_loss"),  # Mixtral: None follows config.output_router_logits
-            head_chunks=m.head_chunks,
+            head_chunks=m.head_chunks, attn_implementation=m.get("attn_implementation"),
         )
     hf = model.hf_config
     if hf.vocab_size < 256:

@@ -81,6 +81,21 @@ def tiny_phi3(path) -> str:
     return str(path)
 
 
+def tiny_gemma3(path) -> str:
+    """What Gemma 3's own forward does outside its modules: a sliding-window layer (window 6 < sequence 16)
+    then a full one, a rotary table per layer type, soft-capped logits; its embedding scale is a buffer
+    the checkpoint does not hold (filled from the config on each rank)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma3TextConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                                           max_position_embeddings=32, sliding_window=6,
+                                           layer_types=["sliding_attention", "full_attention"],
+                                           final_logit_softcapping=2.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
 RUNS = {
     "meta": base(meta=True, **MIGRATE),
     "real": base(**MIGRATE),
@@ -108,6 +123,7 @@ def results(tmp_path_factory):
         # SFT-style targets (a random tail of each sample is -100): micro-batches weighted by their targets
         runs["hf_qwen2"] = base(hf=tiny_qwen2(tmp_path_factory.mktemp("qwen2")), meta=True, padded=True, **MIGRATE)
         runs["hf_phi3"] = base(hf=tiny_phi3(tmp_path_factory.mktemp("phi3")), meta=True, **MIGRATE)
+        runs["hf_gemma3"] = base(hf=tiny_gemma3(tmp_path_factory.mktemp("gemma3")), meta=True, **MIGRATE)
     names = list(runs)
     out = run_worker(tmp_path_factory.mktemp("real"), 2, [runs[n] for n in names], worker=WORKER)
     return {n: (runs[n], r) for n, r in zip(names, out)}
@@ -265,6 +281,11 @@ def test_hugging_face_phi3_with_a_sliding_window_pipeline_equals_single_process(
     assert any(k.endswith("qkv_proj.weight") for k in state)
 
 
+def test_hugging_face_gemma3_with_per_layer_windows_and_capped_logits_pipeline_equals_single_process(results):
+    _, _, state = _hf_run_equals_single_process(results, "hf_gemma3", "Gemma 3", "each rank read its own layers")
+    assert any(k.endswith("q_norm.weight") for k in state)
+
+
 def test_hugging_face_mixtral_with_router_loss_pipeline_equals_single_process(results):
     """Losses and weights after every step migrated a layer; the router loss is in both runs (a
     single process without it ends with other router weights)."""
@@ -285,7 +306,7 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
         for d in (unknown, mismatch):
             shutil.copytree(good, d)
         cfg = json.loads((unknown / "config.json").read_text())
-        (unknown / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
+        (unknown / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
         (mismatch / "config.json").write_text(json.dumps({**cfg, "n_embd": 48}))
         env = {"DYNMO_TEST_HF_UNKNOWN": str(unknown), "DYNMO_TEST_HF_MISMATCH": str(mismatch)}
     expected = {
@@ -295,8 +316,8 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
         "checkpointing_auto_without_capacity": r"ValueError: activation_checkpointing='auto' .*set memory_capacity",
     }
     if env:
-        expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='gpt_neox'.*supported: "
-                                               r"gpt2, helium, llama, mistral, mixtral, olmo, olmo2, phi3, qwen2")
+        expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='falcon'.*supported: "
+                                               r"cohere, cohere2, gemma, gemma2, gemma3_text, gpt2, gpt_neox, granite, helium")
         expected["hf_shape_mismatch"] = (r"CheckpointMismatchError: the checkpoint .* does not match its config .*"
                                          r"transformer.wte.weight: checkpoint \[64, 32\], config \[64, 48\]")
     out = tmp_path / "errors"

@@ -57,6 +57,34 @@ def configs():
         "olmo": transformers.OlmoConfig(**LLAMA_LIKE),
         "stablelm": transformers.StableLmConfig(**LLAMA_LIKE),
         "helium": transformers.HeliumConfig(**LLAMA_LIKE, head_dim=8),
+        # scales outside the modules: Gemma's embedding scale lives in its embedding module; soft-capped
+        # logits, per-layer sliding windows and (Gemma 3) a rotary table per layer type; Granite's
+        # embedding multiplier and logit divisor; Cohere's logit scale (Cohere 2: per-layer windows too)
+        "gemma": transformers.GemmaConfig(**LLAMA_LIKE, head_dim=8),
+        "gemma2": transformers.Gemma2Config(**LLAMA_LIKE, head_dim=8, sliding_window=6, final_logit_softcapping=0.5,
+                                            attn_logit_softcapping=2.0),
+        "gemma3_text": transformers.Gemma3TextConfig(**LLAMA_LIKE, head_dim=8, sliding_window=6,
+                                                     layer_types=["sliding_attention", "full_attention"],
+                                                     final_logit_softcapping=0.5),
+        "granite": transformers.GraniteConfig(**LLAMA_LIKE, embedding_multiplier=3.0, logits_scaling=4.0,
+                                              residual_multiplier=0.5, attention_multiplier=0.3),
+        "cohere": transformers.CohereConfig(**LLAMA_LIKE, logit_scale=0.25),
+        "cohere2": transformers.Cohere2Config(**LLAMA_LIKE, sliding_window=6, logit_scale=0.25,
+                                              layer_types=["sliding_attention", "full_attention"]),
+        "ministral": transformers.MinistralConfig(**LLAMA_LIKE, head_dim=8, sliding_window=6,
+                                                  layer_types=["sliding_attention", "full_attention"]),
+        "olmo3": transformers.Olmo3Config(**LLAMA_LIKE, sliding_window=6,
+                                          layer_types=["sliding_attention", "full_attention"]),
+        "smollm3": transformers.SmolLM3Config(**LLAMA_LIKE, pad_token_id=0, use_sliding_window=True, sliding_window=6,
+                                              layer_types=["sliding_attention", "full_attention"],
+                                              no_rope_layers=[1, 0]),  # the second layer without rotary
+        # GPT-NeoX (Pythia): its own module names, parallel residual, partial rotary; the head is embed_out on disk
+        "gpt_neox": transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                                               num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
+                                               **SMALL),
+        # Qwen's optional sliding-window layers (from max_window_layers on)
+        "qwen2_window": transformers.Qwen2Config(**LLAMA_LIKE, use_sliding_window=True, sliding_window=6,
+                                                 max_window_layers=1),
     }
 
 
@@ -79,7 +107,8 @@ def load(path, **kw) -> HFCausalLM:
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "starcoder2",
-                                  "olmo2", "olmo", "stablelm", "helium"])
+                                  "olmo2", "olmo", "stablelm", "helium", "gemma", "gemma2", "gemma3_text", "granite",
+                                  "cohere", "cohere2", "ministral", "olmo3", "smollm3", "qwen2_window", "gpt_neox"])
 def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
     ref, path = saved(tmp_path, arch)
     model = load(path).eval()
@@ -95,7 +124,8 @@ def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
         assert torch.equal(h, ref(x).logits)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral", "qwen2", "phi3", "starcoder2"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral", "qwen2", "phi3", "starcoder2", "gemma", "gemma3_text",
+                                  "granite", "gpt_neox"])
 def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path, arch, monkeypatch):
     _, path = saved(tmp_path, arch)
     real = load(path).state_dict()
@@ -114,7 +144,8 @@ def test_each_rank_reads_only_its_layers_and_gets_the_real_build_values(tmp_path
     state = model.state_dict()
     assert set(state) == {k for k in real if int(k.split(".")[1]) in own}
     assert all(torch.equal(v, real[k]) for k, v in state.items())
-    embed = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
+    embed = {"gpt2": "transformer.wte.weight", "gpt_neox": "gpt_neox.embed_in.weight"}.get(arch,
+                                                                                          "model.embed_tokens.weight")
     assert read and embed not in read and not any(re.search(r"\.(h|layers)\.0\.", k) for k in read), read  # not ours
 
 
@@ -165,27 +196,30 @@ def test_save_pretrained_of_a_pipeline_rank_needs_the_full_state(tmp_path):
 def test_unknown_architecture_names_the_supported_ones(tmp_path):
     _, path = saved(tmp_path, "gpt2")
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt_neox"}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='gpt_neox'.*supported: gpt2, helium, llama, "
-                       r"mistral, mixtral, olmo, olmo2, phi3, qwen2, qwen3, stablelm, starcoder2\."):
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='falcon'.*supported: cohere, cohere2, gemma, "
+                       r"gemma2, gemma3_text, gpt2, gpt_neox, granite, helium, llama, ministral, mistral, mixtral, olmo, olmo2, "
+                       r"olmo3, phi3, qwen2, qwen3, smollm3, stablelm, starcoder2\."):
         HFCausalLM.from_pretrained(path)
-    for scaled_outside_the_layers in ("gemma", "granite", "cohere"):  # embedding, residual or logit scales
-        with pytest.raises(UnsupportedArchitectureError, match=f"'{scaled_outside_the_layers}'"):
-            HFCausalLM(config={"model_type": scaled_outside_the_layers})
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})
 
 
-def test_qwen_with_sliding_window_layers_is_refused(tmp_path):
-    """One mask kind is built per architecture: Qwen's optional sliding-window layers would run with full
-    attention, silently another model."""
+def test_attention_kinds_without_a_mask_here_are_refused(tmp_path):
+    """Only full and sliding-window causal attention are built; any other layer type (Llama 4's chunked
+    attention) or Gemma 3's bidirectional variant would run silently as another model."""
     _, path = saved(tmp_path, "qwen2")
     cfg = json.loads((path / "config.json").read_text())
-    cfg.pop("layer_types", None)  # a config.json written before transformers listed them: derived from these
-    (path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True, "sliding_window": 4,
-                                                  "max_window_layers": 1}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"qwen2 with layer_types .*sliding_attention"):
+    (path / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention", "chunked_attention"]}))
+    with pytest.raises(UnsupportedArchitectureError, match=r"qwen2 with layer_types \['chunked_attention'\]"):
         load(path)
+    with pytest.raises(UnsupportedArchitectureError, match="use_bidirectional_attention=True"):
+        HFCausalLM(config={**configs()["gemma3_text"].to_dict(), "use_bidirectional_attention": True})
+
+
+def test_scaled_logits_refuse_a_chunked_head():
+    with pytest.raises(ValueError, match="head_chunks > 1 does not support granite's logit scaling"):
+        HFCausalLM(config=configs()["granite"].to_dict(), head_chunks=2)
 
 
 # (arch, a config change whose tensor shapes differ, its message, one that leaves a tensor missing, its message);

@@ -19,9 +19,20 @@ class _Arch:
     head: str = "lm_head"
     rotary: str | None = None  # the model-level rotary embedding, copied into each decoder layer
     embed_dropout: str | None = None  # config attribute with the embedding dropout
+    # every layer attends within config.sliding_window (when set); a config that lists layer_types
+    # (Gemma 2/3, Cohere 2, Ministral, OLMo 3, SmolLM3, Qwen with use_sliding_window) says it per layer
     sliding_window: bool = False
     router: str | None = None  # a decoder layer's top-k MoE router, returning (logits, weights, experts)
+    # scales the model's own forward applies outside its modules (config attribute names)
+    embedding_multiplier: str | None = None  # embeddings * it (Granite)
+    logit_divisor: str | None = None  # logits / it (Granite)
+    logit_multiplier: str | None = None  # logits * it (Cohere)
+    logit_softcap: str | None = None  # tanh(logits / cap) * cap (Gemma 2/3)
 
+
+_LLAMA_FIELDS = dict(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
+                     rotary="model.rotary_emb")
+_LLAMA = _Arch(**_LLAMA_FIELDS)
 
 SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "gpt2": _Arch(embeddings=(("wte", "transformer.wte"), ("wpe", "transformer.wpe")), layers="transformer.h",
@@ -39,9 +50,10 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "qwen3": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                    rotary="model.rotary_emb"),
     # Llama's layout too: whatever differs (fused qkv/gate_up, post-norms, q/k norms, partial rotary,
-    # LayerNorm, biases) lives inside the decoder layer or the final norm, which run as they are.
-    # Checked against transformers' logits bitwise (tests/unit/test_hf.py). Architectures that scale
-    # the embedding, the residual or the logits outside the layers (Gemma, Granite, Cohere) are not here.
+    # LayerNorm, biases, Gemma's scaled embedding module, Granite's residual multiplier) lives inside the
+    # embedding, the decoder layer or the final norm, which run as they are; the scales the model's own
+    # forward applies outside its modules are the fields above. Each is checked against transformers'
+    # logits bitwise (tests/unit/test_hf.py).
     "phi3": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                   rotary="model.rotary_emb", sliding_window=True),  # its window: config.sliding_window, if set
     "starcoder2": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers",
@@ -55,6 +67,18 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
                       rotary="model.rotary_emb"),
     "helium": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                     rotary="model.rotary_emb"),
+    # GPT-NeoX (Pythia): its own names; published files call the head embed_out (checkpoint.DISK_LAYOUTS)
+    "gpt_neox": _Arch(embeddings=(("embed_in", "gpt_neox.embed_in"),), layers="gpt_neox.layers",
+                      norm="gpt_neox.final_layer_norm", rotary="gpt_neox.rotary_emb", embed_dropout="hidden_dropout"),
+    "gemma": _LLAMA,
+    "gemma2": _Arch(**_LLAMA_FIELDS, logit_softcap="final_logit_softcapping"),
+    "gemma3_text": _Arch(**_LLAMA_FIELDS, logit_softcap="final_logit_softcapping"),  # a rotary per layer type
+    "granite": _Arch(**_LLAMA_FIELDS, embedding_multiplier="embedding_multiplier", logit_divisor="logits_scaling"),
+    "cohere": _Arch(**_LLAMA_FIELDS, logit_multiplier="logit_scale"),
+    "cohere2": _Arch(**_LLAMA_FIELDS, logit_multiplier="logit_scale"),
+    "ministral": _LLAMA,
+    "olmo3": _LLAMA,
+    "smollm3": _LLAMA,
 }
 
 
@@ -73,7 +97,8 @@ def _check_architecture(model_type: str | None, where: str) -> None:
 
 def load_config(path: str | None, overrides: dict | None, attn_implementation: str | None):
     """The ``PretrainedConfig`` of the model directory ``path`` (with ``overrides`` applied), or
-    one built from ``overrides`` (which then name the ``model_type``); its architecture checked."""
+    one built from ``overrides`` (which then name the ``model_type``); its architecture checked and
+    its attention backend set (``None``: :func:`default_attention`)."""
     from transformers import AutoConfig
 
     if path is not None:
@@ -91,20 +116,43 @@ def load_config(path: str | None, overrides: dict | None, attn_implementation: s
         fields = {k: v for k, v in overrides.items() if k != "model_type"}
         cfg = AutoConfig.for_model(overrides["model_type"], **fields)
     _check_layer_types(cfg)
-    if attn_implementation is not None:
-        cfg._attn_implementation = attn_implementation
+    cfg._attn_implementation = attn_implementation or default_attention(cfg)
     return cfg
 
 
-def _check_layer_types(cfg) -> None:
-    """A config that mixes attention kinds per layer (Qwen2/Qwen3 with ``use_sliding_window``) is
-    refused where the adapter builds one mask kind for every layer: it would run those layers with
-    full attention, silently another model."""
+def default_attention(cfg) -> str:
+    """``"sdpa"`` where the architecture's model class supports it, else ``"eager"`` (Gemma 2: SDPA
+    cannot soft-cap the attention logits)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", False) else "eager"
+
+
+LAYER_KINDS = {"full_attention": False, "sliding_attention": True}  # kind -> sliding-window mask
+
+
+def layer_kinds(cfg) -> list[tuple[str | None, bool]]:
+    """``(layer type, sliding window?)`` of each decoder layer, as the model's own forward picks
+    its masks: from ``config.layer_types`` where the config lists them (``None`` as the type where
+    it does not), else from the architecture (every layer, when ``config.sliding_window`` is set)."""
     arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
-    kinds = set(getattr(cfg, "layer_types", None) or ())
-    if arch.sliding_window or kinds <= {"full_attention"}:
-        return
-    raise UnsupportedArchitectureError(
-        f"HFCausalLM does not support {cfg.model_type} with layer_types {sorted(kinds)} (sliding-window layers, "
-        "e.g. use_sliding_window=True): it builds full causal attention for every layer of this architecture. "
-        "Use a config without sliding-window layers")
+    types = getattr(cfg, "layer_types", None)
+    window = bool(getattr(cfg, "sliding_window", None))
+    if not types:
+        return [(None, arch.sliding_window and window)] * cfg.num_hidden_layers
+    return [(t, LAYER_KINDS[t] and window) for t in types[:cfg.num_hidden_layers]]
+
+
+def _check_layer_types(cfg) -> None:
+    """Attention kinds the adapter cannot build a mask for (anything but full and sliding-window
+    causal attention) are refused rather than run as another model."""
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - set(LAYER_KINDS)
+    if kinds:
+        raise UnsupportedArchitectureError(
+            f"HFCausalLM does not support {cfg.model_type} with layer_types {sorted(kinds)}: it builds full or "
+            "sliding-window causal attention only. Use a config whose layer_types are full_attention or "
+            "sliding_attention")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise UnsupportedArchitectureError(
+            f"HFCausalLM does not support {cfg.model_type} with use_bidirectional_attention=True (an encoder, "
+            "not a causal LM); set it to False")

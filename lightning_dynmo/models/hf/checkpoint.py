@@ -105,6 +105,8 @@ DISK_LAYOUTS: dict[str, DiskLayout] = {
         fused=(("experts.gate_up_proj", ("experts.{e}.w1.weight", "experts.{e}.w3.weight")),
                ("experts.down_proj", ("experts.{e}.w2.weight",))),
     ),
+    # transformers 5 names GPT-NeoX's head lm_head; Pythia's files (and its save_pretrained) say embed_out
+    "gpt_neox": DiskLayout(renames=(("lm_head.", "embed_out."),)),
 }
 _NO_LAYOUT = DiskLayout()
 

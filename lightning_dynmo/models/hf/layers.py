@@ -45,15 +45,18 @@ __all__ = ["HFDecoderLayer", "HFEmbedding", "HFFinalNorm", "HFHead", "HFPaddedDe
 
 
 class HFEmbedding(nn.Module):
-    """Layer 0: token ids ``[B, T]`` -> hidden states ``[B, T, C]`` (GPT-2: + learned positions)."""
+    """Layer 0: token ids ``[B, T]`` -> hidden states ``[B, T, C]`` (GPT-2: + learned positions;
+    Granite: times its ``embedding_multiplier``, as the model's own forward does outside the module)."""
 
-    def __init__(self, modules: Mapping[str, nn.Module], dropout: float = 0.0, max_positions: int | None = None):
+    def __init__(self, modules: Mapping[str, nn.Module], dropout: float = 0.0, max_positions: int | None = None,
+                 multiplier: float | None = None):
         super().__init__()
         self.names = tuple(modules)
         for name, m in modules.items():
             setattr(self, name, m)
         self.drop = nn.Dropout(dropout)
         self.max_positions = max_positions
+        self.multiplier = multiplier
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.size(1)
@@ -62,6 +65,8 @@ class HFEmbedding(nn.Module):
         h = getattr(self, self.names[0])(ids)
         if len(self.names) > 1:  # learned absolute positions (GPT-2's wpe)
             h = h + getattr(self, self.names[1])(torch.arange(t, device=ids.device))
+        if self.multiplier is not None:
+            h = h * self.multiplier
         return self.drop(h)
 
 
@@ -80,15 +85,20 @@ class HFDecoderLayer(nn.Module):
 
     ``router``: path of the layer's MoE router (Mixtral); with ``aux_loss_coeff > 0`` a training
     forward attaches ``aux_loss_coeff * router_balance_loss`` of its logits to the output
-    (``aux_loss_coeff`` is a plain attribute, so a callback may schedule it)."""
+    (``aux_loss_coeff`` is a plain attribute, so a callback may schedule it).
+
+    ``sliding_window``: this layer attends within ``config.sliding_window``; ``layer_type``: its
+    entry of ``config.layer_types`` (``None`` where the config has none), which also picks its
+    rotary embedding where the model keeps one per layer type (Gemma 3, OLMo 3)."""
 
     def __init__(self, layer: nn.Module, config: PretrainedConfig, rotary: nn.Module | None, sliding_window: bool,
-                 router: str | None = None, aux_loss_coeff: float = 0.0):
+                 router: str | None = None, aux_loss_coeff: float = 0.0, layer_type: str | None = None):
         super().__init__()
         self.layer = layer
         self.rotary = rotary
         self.config = config
         self.sliding_window = bool(sliding_window and getattr(config, "sliding_window", None))
+        self.layer_type = layer_type
         self.router = router
         self.aux_loss_coeff = float(aux_loss_coeff)
 
@@ -110,7 +120,9 @@ class HFDecoderLayer(nn.Module):
         kwargs: dict[str, Any] = {"attention_mask": self._mask(h, position_ids, keep), "position_ids": position_ids,
                                   "use_cache": False}
         if self.rotary is not None:
-            kwargs["position_embeddings"] = self.rotary(h, position_ids)
+            per_type = self.layer_type is not None and _rotary_per_layer_type(type(self.rotary))
+            kwargs["position_embeddings"] = (self.rotary(h, position_ids, self.layer_type) if per_type
+                                             else self.rotary(h, position_ids))
         if not (self.router and self.aux_loss_coeff > 0 and self.training and torch.is_grad_enabled()):
             return _first(self.layer(h, **kwargs))
         # the router's logits, captured for this call only (a hook that outlives the call would
@@ -128,6 +140,12 @@ class HFDecoderLayer(nn.Module):
 def _first(out):
     """Decoder layers return a tensor or (depending on the ``transformers`` version) a tuple."""
     return out[0] if isinstance(out, tuple) else out
+
+
+@functools.lru_cache(maxsize=None)
+def _rotary_per_layer_type(rotary_cls: type) -> bool:
+    """The rotary embedding keeps one frequency table per layer type (its forward takes ``layer_type``)."""
+    return "layer_type" in inspect.signature(rotary_cls.forward).parameters
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,8 +177,8 @@ class HFPaddedEmbedding(HFEmbedding):
     for ``attention_mask=keep`` (a later stage never sees the token ids)."""
 
     def __init__(self, modules: Mapping[str, nn.Module], dropout: float, max_positions: int | None,
-                 pad_token_id: int):
-        super().__init__(modules, dropout, max_positions)
+                 pad_token_id: int, multiplier: float | None = None):
+        super().__init__(modules, dropout, max_positions, multiplier)
         self.pad_token_id = int(pad_token_id)
 
     def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +201,26 @@ class HFPaddedFinalNorm(HFFinalNorm):
 
 
 class HFHead(nn.Module):
-    def __init__(self, lm_head: nn.Module):
+    """The LM head, then the logit scales the model's own forward applies after it: ``/ divisor``
+    (Granite's ``logits_scaling``), ``* multiplier`` (Cohere's ``logit_scale``), or
+    ``tanh(logits / softcap) * softcap`` (Gemma 2/3's ``final_logit_softcapping``)."""
+
+    def __init__(self, lm_head: nn.Module, divisor: float | None = None, multiplier: float | None = None,
+                 softcap: float | None = None):
         super().__init__()
         self.lm_head = lm_head
+        self.divisor, self.multiplier, self.softcap = divisor, multiplier, softcap
+
+    @property
+    def scales_logits(self) -> bool:
+        return (self.divisor, self.multiplier, self.softcap) != (None, None, None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)
+        logits = self.lm_head(h)
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

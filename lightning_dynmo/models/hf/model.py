@@ -63,8 +63,9 @@ only its own tensors (:meth:`HFCausalLM.init_pipeline_layer`), so under
 layers it owns. Every checkpoint tensor's shape is checked against the config up front (from the
 file headers, on every rank) and a mismatch is reported by name.
 
-Supported architectures (``config.model_type``): ``gpt2``, ``llama``, ``mistral``, ``mixtral``,
-``qwen2``, ``qwen3`` (without sliding-window layers).
+Supported architectures (``config.model_type``): the keys of
+:data:`~lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES` (GPT-2, the Llama family and its
+relatives; :mod:`~lightning_dynmo.models.hf.arch` says what each adds outside its modules).
 Mixtral is Mistral with a sparse MoE block (``MixtralSparseMoeBlock``: top-k router + fused
 experts) in every decoder layer; its published files store the experts per expert, which
 :mod:`~lightning_dynmo.models.hf.checkpoint` fuses per layer on load and splits on save.
@@ -94,7 +95,7 @@ from .._lm import CausalLMModule
 from ..vocab_head import (
     HeadChunk, check_head_chunks, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
 from . import export
-from .arch import SUPPORTED_ARCHITECTURES, load_config
+from .arch import SUPPORTED_ARCHITECTURES, layer_kinds, load_config
 from .checkpoint import DISK_LAYOUTS, CheckpointReader
 from .layers import (HFDecoderLayer, HFEmbedding, HFFinalNorm, HFHead, HFPaddedDecoderLayer, HFPaddedEmbedding,
                      HFPaddedFinalNorm)
@@ -141,7 +142,8 @@ class HFCausalLM(CausalLMModule):
         seed: random init only: layer ``i`` is drawn from a generator seeded by ``(seed, i)``,
             with the model's own ``_init_weights`` rules.
         untie_embeddings: untie a tied LM head from the token embedding (see module docstring).
-        attn_implementation: ``"sdpa"`` (default), ``"eager"``, or any ``transformers`` backend.
+        attn_implementation: ``"sdpa"``, ``"eager"``, or any ``transformers`` backend; ``None``
+            (default): ``"sdpa"`` where the architecture supports it, else ``"eager"`` (Gemma 2).
         router_aux_loss: MoE models (Mixtral): train with the per-layer router load-balancing loss
             weighted by the config's ``router_aux_loss_coef`` (see the module docstring); ``None``
             follows the config's ``output_router_logits``.
@@ -169,7 +171,7 @@ class HFCausalLM(CausalLMModule):
         eps: float = 1e-8,
         seed: int = 0,
         untie_embeddings: bool = True,
-        attn_implementation: str | None = "sdpa",
+        attn_implementation: str | None = None,
         router_aux_loss: bool | None = None,
         head_chunks: int = 1,
         pad_token_id: int | None = None,
@@ -217,13 +219,14 @@ class HFCausalLM(CausalLMModule):
         embeds = {name: _get(skeleton, p) for name, p in arch.embeddings}
         dropout = float(getattr(cfg, arch.embed_dropout, 0.0) or 0.0) if arch.embed_dropout else 0.0
         max_positions = getattr(cfg, "n_positions", None) if len(embeds) > 1 else None
-        layers: list[nn.Module] = [HFPaddedEmbedding(embeds, dropout, max_positions, pad_token_id) if padded
-                                   else HFEmbedding(embeds, dropout, max_positions)]
+        multiplier = _config_scale(cfg, arch.embedding_multiplier)
+        layers: list[nn.Module] = [HFPaddedEmbedding(embeds, dropout, max_positions, pad_token_id, multiplier) if padded
+                                   else HFEmbedding(embeds, dropout, max_positions, multiplier)]
         decoder = HFPaddedDecoderLayer if padded else HFDecoderLayer
-        for block in _get(skeleton, arch.layers):
+        for block, (layer_type, sliding) in zip(_get(skeleton, arch.layers), layer_kinds(cfg), strict=True):
             with torch.device("meta"):
                 rot = rotary_cls(cfg) if rotary_cls is not None else None
-            layers.append(decoder(block, cfg, rot, arch.sliding_window, arch.router, aux_coeff))
+            layers.append(decoder(block, cfg, rot, sliding, arch.router, aux_coeff, layer_type))
         layers.append((HFPaddedFinalNorm if padded else HFFinalNorm)(_get(skeleton, arch.norm)))
         head = _get(skeleton, arch.head)
         embedding = layers[0].get_submodule(arch.embeddings[0][0])
@@ -234,9 +237,14 @@ class HFCausalLM(CausalLMModule):
             elif not real:
                 raise ValueError("untie_embeddings=False keeps the LM head tied to the embedding, which a meta-device "
                                  "build cannot materialise layer by layer; build the model on a real device")
+        scaled_head = HFHead(head, _config_scale(cfg, arch.logit_divisor), _config_scale(cfg, arch.logit_multiplier),
+                             _config_scale(cfg, arch.logit_softcap))
         if self.head_chunks == 1:
-            layers.append(HFHead(head))
+            layers.append(scaled_head)
         else:
+            if scaled_head.scales_logits:
+                raise ValueError(f"head_chunks > 1 does not support {cfg.model_type}'s logit scaling or soft-capping "
+                                 "(the chunked cross-entropy takes the head's raw logits); use head_chunks=1")
             if getattr(head, "bias", None) is not None:
                 raise ValueError(f"head_chunks > 1 does not support an LM head with a bias ({cfg.model_type}); "
                                  "use head_chunks=1")
@@ -349,8 +357,10 @@ class HFCausalLM(CausalLMModule):
             return
         if self._checkpoint is not None:
             tensors = self._checkpoint.load(self._layer_shapes(index, layer))
-            for name, t in layer.state_dict(keep_vars=True).items():
+            loaded = layer.state_dict(keep_vars=True)
+            for name, t in loaded.items():
                 t.copy_(tensors[self._hf_key(index, name)])
+            self._init_computed_buffers(layer, loaded.values())
         else:
             host = self._init_host()
             with torch.random.fork_rng(devices=[]):
@@ -363,6 +373,23 @@ class HFCausalLM(CausalLMModule):
                 fresh = type(layer.rotary)(self.hf_config)
             for name, buf in layer.rotary.named_buffers():
                 buf.copy_(fresh.get_buffer(name))
+
+    def _init_computed_buffers(self, layer: nn.Module, loaded) -> None:
+        """Fill the tensors a checkpoint does not hold (non-persistent buffers computed from the
+        config, e.g. Gemma's embedding scale) as ``transformers``' loading does: the loaded ones are
+        flagged ``_is_hf_initialized``, which the model's ``_init_weights`` leaves alone."""
+        loaded = list(loaded)
+        for t in loaded:
+            t._is_hf_initialized = True
+        try:
+            host = self._init_host()
+            for m in layer.modules():  # only modules that own such a buffer
+                if m._non_persistent_buffers_set and not isinstance(m, (HFEmbedding, HFDecoderLayer, HFFinalNorm,
+                                                                          HFHead)):
+                    host._init_weights(m)
+        finally:
+            for t in loaded:
+                del t._is_hf_initialized
 
     def _init_host(self):
         """A tensor-free model of this config with no decoder layers: its ``_init_weights`` holds
@@ -418,6 +445,12 @@ class HFCausalLM(CausalLMModule):
         files and ``transformers``' own ``save_pretrained`` store them. An untied model is saved
         with ``tie_word_embeddings=False``."""
         export.save_pretrained(self, directory, state_dict)
+
+
+def _config_scale(cfg, name: str | None) -> float | None:
+    """The config's value of the scale ``name`` (``None``: the architecture has none, or it is unset)."""
+    value = getattr(cfg, name, None) if name else None
+    return None if value is None else float(value)
 
 
 def _warn_untied(cfg) -> None:
