@@ -264,6 +264,28 @@ def test_random_init_from_a_config_is_per_layer_and_meta_safe():
 
 
 # ------------------------------------------------------------------ Mixtral
+@pytest.mark.parametrize("arch", ["gpt_neox", "gemma3_text", "granite", "cohere2"])
+def test_what_the_adapter_saves_transformers_loads_with_the_same_names_and_logits(tmp_path, arch):
+    """Trained weights written by save_pretrained: the published tensor names (GPT-NeoX's head as embed_out),
+    and transformers' model computes the adapter's logits (scales, soft-caps and per-layer masks included)."""
+    _, path = saved(tmp_path, arch)
+    model = load(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    out = tmp_path / "saved"
+    model.save_pretrained(out)
+    from safetensors import safe_open
+
+    untied = {"lm_head.weight"} if model._tied else set()  # Gemma and Cohere tie theirs: saved untied
+    with safe_open(str(out / "model.safetensors"), "pt") as f, safe_open(str(path / "model.safetensors"), "pt") as g:
+        assert set(f.keys()) == set(g.keys()) | untied
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model.eval()(x))
+
+
 def test_mixtral_round_trip_through_the_published_per_expert_format(tmp_path):
     """transformers 5 fuses Mixtral's experts in its modules but stores them per expert (w1/w3/w2
     under block_sparse_moe): the adapter reads that format, writes it back (the same tensor names
