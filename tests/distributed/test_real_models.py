@@ -317,7 +317,7 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
     }
     if env:
         expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='falcon'.*supported: "
-                                               r"cohere, cohere2, gemma, gemma2, gemma3_text, gpt2, gpt_neox, granite, helium")
+                                               r"apertus, arcee, cohere, cohere2, ernie4_5, exaone4, gemma, gemma2, gemma3_text, gpt2")
         expected["hf_shape_mismatch"] = (r"CheckpointMismatchError: the checkpoint .* does not match its config .*"
                                          r"transformer.wte.weight: checkpoint \[64, 32\], config \[64, 48\]")
     out = tmp_path / "errors"

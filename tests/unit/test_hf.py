@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lightning_dynmo.models.hf import (  # noqa: E402
+    SUPPORTED_ARCHITECTURES,
     CheckpointMismatchError,
     HFCausalLM,
     HFDecoderLayer,
@@ -82,6 +83,17 @@ def configs():
         "gpt_neox": transformers.GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=48,
                                                num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
                                                **SMALL),
+        # more of Llama's layout (EXAONE 4 with a window on every other layer); Phi-2's LayerNorm and biased head
+        "exaone4": transformers.Exaone4Config(**LLAMA_LIKE, head_dim=8, sliding_window=6, sliding_window_pattern=2),
+        "glm": transformers.GlmConfig(**LLAMA_LIKE, head_dim=8, pad_token_id=0),
+        "glm4": transformers.Glm4Config(**LLAMA_LIKE, head_dim=8, pad_token_id=0),
+        "seed_oss": transformers.SeedOssConfig(**LLAMA_LIKE, head_dim=8),
+        "arcee": transformers.ArceeConfig(**LLAMA_LIKE, head_dim=8),
+        "apertus": transformers.ApertusConfig(**LLAMA_LIKE, head_dim=8),
+        "ernie4_5": transformers.Ernie4_5Config(**LLAMA_LIKE, head_dim=8),
+        "nemotron": transformers.NemotronConfig(**LLAMA_LIKE, head_dim=8),
+        "hunyuan_v1_dense": transformers.HunYuanDenseV1Config(**LLAMA_LIKE, head_dim=8),
+        "phi": transformers.PhiConfig(**LLAMA_LIKE, partial_rotary_factor=0.5),
         # Qwen's optional sliding-window layers (from max_window_layers on)
         "qwen2_window": transformers.Qwen2Config(**LLAMA_LIKE, use_sliding_window=True, sliding_window=6,
                                                  max_window_layers=1),
@@ -108,7 +120,9 @@ def load(path, **kw) -> HFCausalLM:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral", "qwen2", "qwen3", "phi3", "starcoder2",
                                   "olmo2", "olmo", "stablelm", "helium", "gemma", "gemma2", "gemma3_text", "granite",
-                                  "cohere", "cohere2", "ministral", "olmo3", "smollm3", "qwen2_window", "gpt_neox"])
+                                  "cohere", "cohere2", "ministral", "olmo3", "smollm3", "qwen2_window", "gpt_neox",
+                                  "exaone4", "glm", "glm4", "seed_oss", "arcee", "apertus", "ernie4_5", "nemotron",
+                                  "hunyuan_v1_dense", "phi"])
 def test_pipeline_layers_compute_the_transformers_model(tmp_path, arch):
     ref, path = saved(tmp_path, arch)
     model = load(path).eval()
@@ -197,9 +211,9 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     _, path = saved(tmp_path, "gpt2")
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
-    with pytest.raises(UnsupportedArchitectureError, match=r"model_type='falcon'.*supported: cohere, cohere2, gemma, "
-                       r"gemma2, gemma3_text, gpt2, gpt_neox, granite, helium, llama, ministral, mistral, mixtral, olmo, olmo2, "
-                       r"olmo3, phi3, qwen2, qwen3, smollm3, stablelm, starcoder2\."):
+    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    assert supported.startswith("apertus, arcee, cohere, cohere2, ") and "gemma3_text, glm, glm4, gpt2, gpt_neox" in supported
+    with pytest.raises(UnsupportedArchitectureError, match=rf"model_type='falcon'.*supported: {supported}\."):
         HFCausalLM.from_pretrained(path)
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})

@@ -79,6 +79,18 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "ministral": _LLAMA,
     "olmo3": _LLAMA,
     "smollm3": _LLAMA,
+    "exaone4": _LLAMA,
+    "glm": _LLAMA,
+    "glm4": _LLAMA,
+    "seed_oss": _LLAMA,
+    "arcee": _LLAMA,
+    "apertus": _LLAMA,
+    "ernie4_5": _LLAMA,
+    "nemotron": _LLAMA,
+    "hunyuan_v1_dense": _LLAMA,
+    # Phi-1/1.5/2: partial rotary, LayerNorm, a head with a bias
+    "phi": _Arch(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers",
+                 norm="model.final_layernorm", rotary="model.rotary_emb", embed_dropout="embd_pdrop"),
 }
 
 
