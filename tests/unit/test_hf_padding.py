@@ -27,7 +27,7 @@ def padded_batch(side: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "mixtral", "gemma2", "gemma3_text", "qwen2_window"])
 def test_real_tokens_see_what_the_transformers_model_sees_with_its_attention_mask(tmp_path, arch, side):
     ref, path = saved(tmp_path, arch)
     model = load(path, pad_token_id=PAD).eval()
