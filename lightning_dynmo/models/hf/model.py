@@ -131,7 +131,7 @@ def _get(module: nn.Module, path: str) -> nn.Module:
 
 # ------------------------------------------------------------------ the LightningModule
 class HFCausalLM(CausalLMModule):
-    """A ``transformers`` causal LM (GPT-2, Llama, Mistral, Mixtral) exposing the pipeline protocol.
+    """A ``transformers`` causal LM (any of :data:`SUPPORTED_ARCHITECTURES`) exposing the pipeline protocol.
 
     Args:
         model_path: local directory with ``config.json`` and weights (what ``save_pretrained``
