@@ -29,6 +29,19 @@ class _Arch:
     logit_multiplier: str | None = None  # logits * it (Cohere)
     logit_softcap: str | None = None  # tanh(logits / cap) * cap (Gemma 2/3)
 
+    def embedding_scale(self, cfg) -> float | None:
+        """The embedding multiplier's value in ``cfg`` (``None``: none)."""
+        return _config_value(cfg, self.embedding_multiplier)
+
+    def logit_scales(self, cfg) -> tuple[float | None, float | None, float | None]:
+        """``(divisor, multiplier, softcap)`` of the logits in ``cfg`` (``None``: none)."""
+        return tuple(_config_value(cfg, n) for n in (self.logit_divisor, self.logit_multiplier, self.logit_softcap))
+
+
+def _config_value(cfg, name: str | None) -> float | None:
+    value = getattr(cfg, name, None) if name else None
+    return None if value is None else float(value)
+
 
 _LLAMA_FIELDS = dict(embeddings=(("embed_tokens", "model.embed_tokens"),), layers="model.layers", norm="model.norm",
                      rotary="model.rotary_emb")

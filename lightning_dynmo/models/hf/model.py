@@ -63,9 +63,8 @@ only its own tensors (:meth:`HFCausalLM.init_pipeline_layer`), so under
 layers it owns. Every checkpoint tensor's shape is checked against the config up front (from the
 file headers, on every rank) and a mismatch is reported by name.
 
-Supported architectures (``config.model_type``): the keys of
-:data:`~lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES` (GPT-2, the Llama family and its
-relatives; :mod:`~lightning_dynmo.models.hf.arch` says what each adds outside its modules).
+Supported architectures: :data:`~lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES`
+(:mod:`~lightning_dynmo.models.hf.arch` says what each adds outside its modules).
 Mixtral is Mistral with a sparse MoE block (``MixtralSparseMoeBlock``: top-k router + fused
 experts) in every decoder layer; its published files store the experts per expert, which
 :mod:`~lightning_dynmo.models.hf.checkpoint` fuses per layer on load and splits on save.
@@ -128,7 +127,6 @@ def _get(module: nn.Module, path: str) -> nn.Module:
     return module
 
 
-
 # ------------------------------------------------------------------ the LightningModule
 class HFCausalLM(CausalLMModule):
     """A ``transformers`` causal LM (any of :data:`SUPPORTED_ARCHITECTURES`) exposing the pipeline protocol.
@@ -189,8 +187,7 @@ class HFCausalLM(CausalLMModule):
         self.hparams["config"] = overrides
         self.hf_config = load_config(path, overrides, attn_implementation)
         cfg = self.hf_config
-        arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
-        self.arch = arch
+        self.arch = arch = SUPPORTED_ARCHITECTURES[cfg.model_type]
         self._init_seed = int(seed)
         self._tied = bool(getattr(cfg, "tie_word_embeddings", False))
         check_head_chunks(head_chunks, cfg.vocab_size)
@@ -219,9 +216,9 @@ class HFCausalLM(CausalLMModule):
         embeds = {name: _get(skeleton, p) for name, p in arch.embeddings}
         dropout = float(getattr(cfg, arch.embed_dropout, 0.0) or 0.0) if arch.embed_dropout else 0.0
         max_positions = getattr(cfg, "n_positions", None) if len(embeds) > 1 else None
-        multiplier = _config_scale(cfg, arch.embedding_multiplier)
-        layers: list[nn.Module] = [HFPaddedEmbedding(embeds, dropout, max_positions, pad_token_id, multiplier) if padded
-                                   else HFEmbedding(embeds, dropout, max_positions, multiplier)]
+        scale = arch.embedding_scale(cfg)
+        layers: list[nn.Module] = [HFPaddedEmbedding(embeds, dropout, max_positions, pad_token_id, scale) if padded
+                                   else HFEmbedding(embeds, dropout, max_positions, scale)]
         decoder = HFPaddedDecoderLayer if padded else HFDecoderLayer
         for block, (layer_type, sliding) in zip(_get(skeleton, arch.layers), layer_kinds(cfg), strict=True):
             with torch.device("meta"):
@@ -237,8 +234,7 @@ class HFCausalLM(CausalLMModule):
             elif not real:
                 raise ValueError("untie_embeddings=False keeps the LM head tied to the embedding, which a meta-device "
                                  "build cannot materialise layer by layer; build the model on a real device")
-        scaled_head = HFHead(head, _config_scale(cfg, arch.logit_divisor), _config_scale(cfg, arch.logit_multiplier),
-                             _config_scale(cfg, arch.logit_softcap))
+        scaled_head = HFHead(head, *arch.logit_scales(cfg))
         if self.head_chunks == 1:
             layers.append(scaled_head)
         else:
@@ -382,11 +378,9 @@ class HFCausalLM(CausalLMModule):
         for t in loaded:
             t._is_hf_initialized = True
         try:
-            host = self._init_host()
-            for m in layer.modules():  # only modules that own such a buffer
-                if m._non_persistent_buffers_set and not isinstance(m, (HFEmbedding, HFDecoderLayer, HFFinalNorm,
-                                                                          HFHead)):
-                    host._init_weights(m)
+            for m in layer.modules():  # only modules that own such a buffer (never our wrappers)
+                if m._non_persistent_buffers_set:
+                    self._init_host()._init_weights(m)
         finally:
             for t in loaded:
                 del t._is_hf_initialized
@@ -445,12 +439,6 @@ class HFCausalLM(CausalLMModule):
         files and ``transformers``' own ``save_pretrained`` store them. An untied model is saved
         with ``tie_word_embeddings=False``."""
         export.save_pretrained(self, directory, state_dict)
-
-
-def _config_scale(cfg, name: str | None) -> float | None:
-    """The config's value of the scale ``name`` (``None``: the architecture has none, or it is unset)."""
-    value = getattr(cfg, name, None) if name else None
-    return None if value is None else float(value)
 
 
 def _warn_untied(cfg) -> None:
