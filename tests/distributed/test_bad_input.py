@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.support.multiproc import ROOT, run, torchrun
+from tests.support.multiproc import ROOT, launch, run, torchrun
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "bad_input_worker.py"
@@ -50,7 +50,7 @@ MISSING_KEY = {0: "layers.0.wte.weight", 1: "layers.4.lm_head.weight"}
 def errors(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     cases = [*EXPECTED, "checkpoint_missing_keys"]
-    proc = run(torchrun(2, WORKER, ",".join(cases), str(tmp / "errors")), timeout=300, log=tmp / "worker.log")
+    proc = launch(torchrun(2, WORKER, ",".join(cases), str(tmp / "errors")), timeout=300, log=tmp / "worker.log")
     assert proc.returncode == 0, proc.output[-4000:]  # every case failed cleanly; the job itself ends well
     return {rank: json.loads((tmp / f"errors.rank{rank}.json").read_text()) for rank in (0, 1)}
 

@@ -4,16 +4,13 @@ the MixtureOfDepths callback, which also asks the pipeline to rebalance as the l
 with MoE MLPs in the MoD blocks (MoD + MoE)."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_dynmo.models.mod import ROUTING_MODES
-from tests.support.multiproc import ROOT, worker_env
+from tests.support.multiproc import ROOT, run_worker
 
 WORKER = ROOT / "tests" / "support" / "workers" / "mod_worker.py"
 STEPS = 5
@@ -38,37 +35,16 @@ MOD_MOE_EP = dict(MOD_MOE, mod=dict(RUNS[0]["mod"]), n_samples=16)
 ZBV = dict(PIPELINE, schedule="zbv")
 
 
-def _start(tmp: Path, runs: list[dict], nproc: int | None) -> tuple[subprocess.Popen, Path]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    spec, out = tmp / "spec.json", tmp / "result.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    cmd = [sys.executable, str(WORKER), str(spec)]
-    if nproc:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc, out
-
-
-def _finish(proc: subprocess.Popen, out: Path) -> list[dict]:
-    stdout, stderr = proc.communicate(timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
-    return json.loads(out.read_text())["runs"]
+def _launch(tmp: Path, runs: list[dict], nproc: int | None) -> list[dict]:
+    return run_worker(tmp, nproc, runs, timeout=300, worker=WORKER)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mod")
-    # the single-process reference runs while the pipeline ranks wait on each other
-    pipe = _start(tmp / "pp2", [dict(r, **PIPELINE) for r in RUNS] + [dict(RUNS[1], **ZBV), dict(MOD_MOE, **PIPELINE)],
-                  nproc=2)
-    ref = _start(tmp / "ref", RUNS + [MOD_MOE], nproc=None)
-    try:
-        return _finish(*pipe), _finish(*ref)
-    finally:
-        for proc, _ in (pipe, ref):
-            if proc.poll() is None:
-                proc.kill()
+    pipe = _launch(tmp / "pp2", [dict(r, **PIPELINE) for r in RUNS] + [dict(RUNS[1], **ZBV), dict(MOD_MOE, **PIPELINE)],
+                   nproc=2)
+    return pipe, _launch(tmp / "ref", RUNS + [MOD_MOE], nproc=None)
 
 
 def check_same_training(p: dict, r: dict) -> None:
@@ -124,9 +100,8 @@ def test_mod_with_moe_pp2_with_migrations_equals_single_process(results):
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mod_moe_ep")
-    jobs = [_start(tmp / "ep2", [dict(MOD_MOE_EP, **PIPELINE, expert_parallel=2)], nproc=4),
-            _start(tmp / "ref", [dict(MOD_MOE_EP, dp=2)], nproc=None)]
-    return [_finish(*job)[0] for job in jobs]
+    return [_launch(tmp / "ep2", [dict(MOD_MOE_EP, **PIPELINE, expert_parallel=2)], nproc=4)[0],
+            _launch(tmp / "ref", [dict(MOD_MOE_EP, dp=2)], nproc=None)[0]]
 
 
 def test_mod_with_moe_under_expert_parallelism_equals_single_process(ep_results):

@@ -4,15 +4,12 @@ the routers in backward on whichever rank holds each layer, and per-sequence sta
 micro-batching exact."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.multiproc import ROOT, worker_env
+from tests.support.multiproc import ROOT, run_worker
 
 WORKER = ROOT / "tests" / "support" / "workers" / "moe_worker.py"
 STEPS = 5
@@ -25,16 +22,7 @@ RTOL = 1e-5
 
 
 def _launch(tmp: Path, runs: list[dict], nproc: int | None) -> list[dict]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    spec, out = tmp / "spec.json", tmp / "result.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    cmd = [sys.executable, str(WORKER), str(spec)]
-    if nproc:
-        cmd[1:1] = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())["runs"]
+    return run_worker(tmp, nproc, runs, timeout=300, worker=WORKER)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ import torch
 
 from lightning_dynmo import available_schedules
 from lightning_dynmo.plan.schedules import get_schedule
-from tests.support.multiproc import ROOT, run_worker, worker_env
+from tests.support import multiproc
+from tests.support.multiproc import ROOT, Finished, run, run_worker, torchrun, worker_env, write_spec
 from tests.support.workers.common import FreezeThenUnfreeze, make_loader, make_model
 
 pytestmark = pytest.mark.slow
@@ -30,14 +31,15 @@ WORKER = ROOT / "tests" / "support" / "workers" / "reliability_worker.py"
 SCHEDULES = available_schedules()
 
 
-def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (), timeout: int = 300) -> tuple[subprocess.CompletedProcess, list[dict] | None]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    spec, out = tmp / "spec.json", tmp / "result.json"
-    spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *extra,
-           str(WORKER), str(spec)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    (tmp / "worker.log").write_text(proc.stdout + "\n" + proc.stderr)
+def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (), timeout: int = 300) -> tuple[Finished, list[dict] | None]:
+    """One job; with ``extra`` torchrun arguments (restarts) on the torchrun command line itself."""
+    spec, out = write_spec(tmp, runs)
+    cmd = torchrun(nproc, WORKER, str(spec))
+    if extra:
+        cmd[3:3] = list(extra)
+        proc = run(cmd, timeout, tmp / "worker.log")
+    else:
+        proc = multiproc.launch(cmd, timeout, tmp / "worker.log")
     results = json.loads(out.read_text())["runs"] if out.is_file() else None
     return proc, results
 

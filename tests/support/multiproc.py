@@ -4,14 +4,24 @@ No test picks a port itself (a port found free can be taken before it is bound):
 use ``torchrun --standalone`` (the agent binds port 0), two-agent jobs rendezvous through a file.
 Every job runs in its own process session; on a timeout the whole group (agent *and* workers) is
 killed, so a hung job never outlives its test.
+
+``run_worker`` hands its jobs to a warm launcher (``warm_launcher.py``: torchrun's own agent and
+configuration, with the imports paid once per test session instead of once per rank);
+``DYNMO_TEST_LAUNCHER=torchrun`` sends them to the command line like every other job here.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +96,93 @@ def _failure(proc: Finished, log: Path) -> AssertionError:
                           + f"\n{proc.stderr[-4000:]}")
 
 
+class WarmLauncher:
+    """The test session's one ``warm_launcher.py`` process, started on first use. If it cannot
+    start (or ``DYNMO_TEST_LAUNCHER=torchrun``), jobs go to the torchrun command line."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.broken: str | None = None
+        self._buf = b""
+
+    def available(self) -> bool:
+        if os.environ.get("DYNMO_TEST_LAUNCHER", "warm") == "torchrun" or self.broken:
+            return False
+        if self.proc is not None and self.proc.poll() is None:
+            return True
+        log = tempfile.NamedTemporaryFile(prefix="warm_launcher.", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.support.warm_launcher"], cwd=ROOT,
+                                     env=worker_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log, bufsize=0, start_new_session=True)
+        self._buf = b""
+        msg = self._read(300)
+        if not msg or "ready" not in msg:
+            self.close()
+            self.broken = f"{msg or 'no answer'} (its log: {log.name})"
+            warnings.warn(f"warm launcher unavailable, jobs use the torchrun command line: {self.broken}")
+            return False
+        atexit.register(self.close)
+        return True
+
+    def _read(self, timeout: float) -> dict | None:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, cmd: list[str], timeout: float, log: Path | None = None) -> Finished:
+        """``cmd``: a ``torchrun()`` command or ``[python, script, args...]``."""
+        outdir = Path(tempfile.mkdtemp(prefix="job."))
+        out, err = outdir / "stdout", outdir / "stderr"
+        job = ({"argv": cmd[3:], "script": None, "args": []} if cmd[1:3] == ["-m", "torch.distributed.run"]
+               else {"argv": None, "script": cmd[1], "args": cmd[2:]})
+        req = {**job, "env": worker_env(), "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        started = self._read(60)
+        if started is None:
+            self.broken = "stopped answering"
+            raise AssertionError("the warm launcher did not start the job")
+        pid = started["pid"]
+        done = self._read(timeout)
+        _kill_group(pid)  # stray processes of the job, on success too (as finish() does)
+        if done is None:
+            if self._read(30) is None:  # the leader's exit, now that its group is killed
+                self.broken = "lost track of a timed-out job"
+                self.close()
+            text_out, text_err = out.read_text(errors="replace"), err.read_text(errors="replace")
+            if log is not None:
+                log.write_text(text_out + "\n" + text_err)
+            raise AssertionError(f"job timed out after {timeout} s; killed its process group (agent and workers)\n"
+                                 f"{text_err[-4000:]}")
+        text_out, text_err = out.read_text(errors="replace"), err.read_text(errors="replace")
+        shutil.rmtree(outdir, ignore_errors=True)
+        if log is not None:
+            log.write_text(text_out + "\n" + text_err)
+        return Finished(done["returncode"], text_out, text_err)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc.pid)
+            self.proc.wait()
+
+
+WARM = WarmLauncher()
+
+
+def launch(cmd: list[str], timeout: float, log: Path | None = None) -> Finished:
+    """Run a ``torchrun()`` or plain ``[python, script, ...]`` command with ``worker_env()``: on the
+    warm launcher where it is available, else on the command line."""
+    return WARM.run(cmd, timeout, log) if WARM.available() else run(cmd, timeout, log)
+
+
 def write_spec(tmp: Path, runs: list[dict]) -> tuple[Path, Path]:
     tmp.mkdir(parents=True, exist_ok=True)
     spec, out = tmp / "spec.json", tmp / "result.json"
@@ -99,7 +196,7 @@ def run_worker(tmp: Path, nproc: int, runs: list[dict], timeout: int = 600, work
     no torchrun); return rank 0's results."""
     spec, out = write_spec(tmp, runs)
     cmd = torchrun(nproc, worker, str(spec)) if nproc else [sys.executable, str(worker), str(spec)]
-    proc = run(cmd, timeout, tmp / "worker.log", env)
+    proc = launch(cmd, timeout, tmp / "worker.log") if env is None else run(cmd, timeout, tmp / "worker.log", env)
     if proc.returncode != 0:
         raise _failure(proc, tmp / "worker.log")
     return json.loads(out.read_text())["runs"]
