@@ -5,7 +5,8 @@ For each sequence length and thread count, in one process: dense
 block densities 1, 1/2, 1/4, 1/8 (diagonal always in; density = active / causal block pairs),
 and end-to-end hash-sparse attention (LSH + sort + gathers + kernel) at nb_hash 4 and 8.
 Methods are timed round-robin (one call of each per round) so load from other processes hits
-all alike; each number is the median over rounds. The kernel's time is fitted as
+all alike; each number is the median over rounds. Dense runs twice (``dense_control``): the two
+medians' spread is the run's noise floor. The kernel's time is fitted as
 ``a + b * density`` to report the speedup at 20 % density and the crossover density (where it
 would equal dense; > 1 means faster than dense even with every causal block computed).
 Prints one JSON object as the last line.
@@ -79,7 +80,8 @@ def bench(t, threads, args, rounds):
     b, h, d, bs = args.batch, args.heads, args.head_dim, args.block
     q, k, v = (torch.randn(b, h, t, d, generator=gen).requires_grad_() for _ in range(3))
     g = torch.randn(b, h, t, d, generator=gen)
-    fns = {"dense": _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, g)}
+    dense = _step(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v, g)
+    fns = {"dense": dense, "dense_control": dense}  # the same thing twice: the run's noise floor
     density = {}
     for target in DENSITIES:
         layout = random_layout(b, h, t, bs, target, gen)
@@ -95,7 +97,7 @@ def bench(t, threads, args, rounds):
     ms = round_robin(fns, rounds)
     rows = []
     for name, value in ms.items():
-        if name == "dense":
+        if name in ("dense", "dense_control"):
             continue
         rows.append({"seq": t, "threads": threads, "method": name, "density": round(density[name], 4),
                      "ms": round(value, 2), "dense_ms": round(ms["dense"], 2),
@@ -103,6 +105,9 @@ def bench(t, threads, args, rounds):
         print(json.dumps(rows[-1]), flush=True)
     a, slope = _fit([(r["density"], r["ms"]) for r in rows if r["method"].startswith("kernel")])
     summary = {"seq": t, "threads": threads, "dense_ms": round(ms["dense"], 2),
+               "dense_control_ms": round(ms["dense_control"], 2),
+               # |dense_control / dense - 1|: a speedup closer to 1 than this is noise
+               "noise_floor": round(abs(ms["dense_control"] / ms["dense"] - 1), 3),
                "speedup_vs_dense_at_20": round(ms["dense"] / (a + 0.2 * slope), 2),
                "crossover_density": round((ms["dense"] - a) / slope, 2) if slope > 0 else None}
     print(json.dumps(summary), flush=True)
@@ -277,6 +282,7 @@ def main():
         # headline: the longest sequence, one thread and all threads
         "speedup_vs_dense_at_20": {th: s["speedup_vs_dense_at_20"] for th, s in at.items()},
         "crossover_density": {th: s["crossover_density"] for th, s in at.items()},
+        "noise_floor": {th: s["noise_floor"] for th, s in at.items()},
         "summaries": summaries,
         "ratios": {f"T{r['seq']}/th{r['threads']}/{r['method']}": r["speedup_vs_dense"] for r in rows},
         "results": rows,
