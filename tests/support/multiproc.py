@@ -103,6 +103,7 @@ class WarmLauncher:
     def __init__(self):
         self.proc: subprocess.Popen | None = None
         self.broken: str | None = None
+        self.job: int | None = None  # the running job's leader (its process group)
         self._buf = b""
 
     def available(self) -> bool:
@@ -150,9 +151,10 @@ class WarmLauncher:
         if started is None:
             self.broken = "stopped answering"
             raise AssertionError("the warm launcher did not start the job")
-        pid = started["pid"]
+        pid = self.job = started["pid"]
         done = self._read(timeout)
         _kill_group(pid)  # stray processes of the job, on success too (as finish() does)
+        self.job = None
         if done is None:
             if self._read(30) is None:  # the leader's exit, now that its group is killed
                 self.broken = "lost track of a timed-out job"
@@ -169,6 +171,8 @@ class WarmLauncher:
         return Finished(done["returncode"], text_out, text_err)
 
     def close(self) -> None:
+        if self.job is not None:  # interrupted while a job ran: it leads its own session
+            _kill_group(self.job)
         if self.proc is not None and self.proc.poll() is None:
             _kill_group(self.proc.pid)
             self.proc.wait()

@@ -27,13 +27,22 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import traceback
 import uuid
 
 
+#: signal handlers of a fresh interpreter (this process's, taken before anything installs one): a
+#: forked worker would otherwise inherit the agent's, which turn its SIGTERM into an exception that
+#: a rank blocked in C++ never sees, where a fresh worker dies at once
+_FRESH_HANDLERS: dict = {}
+
+
 def _run_script(script: str, *args: str) -> None:
     """A worker: run ``script`` as ``python script args...`` would."""
+    for sig, handler in _FRESH_HANDLERS.items():
+        signal.signal(sig, handler)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
@@ -54,10 +63,16 @@ def _launch(argv: list[str]) -> int:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     args.start_method = "fork"
     config, _, _ = config_from_args(args)
+
+    def entrypoint(*script_and_args: str) -> None:
+        _run_script(*script_and_args)
+
+    # the agent names a job by its entrypoint ("<script> FAILED" in the summary), as torchrun does
+    entrypoint.__name__ = entrypoint.__qualname__ = os.path.basename(args.training_script)
     try:
-        elastic_launch(config=config, entrypoint=_run_script)(args.training_script, *args.training_script_args)
-    except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
+        elastic_launch(config=config, entrypoint=entrypoint)(args.training_script, *args.training_script_args)
+    except ChildFailedError:
+        traceback.print_exc()  # torchrun's report: the traceback, then the failed ranks' summary
         return 1
     return 0
 
@@ -85,6 +100,10 @@ def _threads() -> int:
 
 
 def serve() -> None:
+    for sig in signal.valid_signals():
+        handler = signal.getsignal(sig)
+        if handler is not None and sig not in (signal.SIGKILL, signal.SIGSTOP):
+            _FRESH_HANDLERS[sig] = handler
     import torch  # noqa: F401
     import torch.distributed.run  # noqa: F401  (torchrun's parser and config)
     import lightning  # noqa: F401
