@@ -1,7 +1,7 @@
 """The tests' warm launcher (``tests/support/warm_launcher.py``) starts a job as the torchrun
-command line does: the same environment and signal handlers in each worker, the worker script as ``__main__`` with its
-arguments, a failing rank failing the job, and a job past its timeout killed whole, after which the
-launcher still serves the next job."""
+command line does: the same environment and signal handlers in each worker, the worker script as
+``__main__`` with its arguments, exit handlers run at its end, a failing rank failing the job, and
+a job past its timeout killed whole, after which the launcher still serves the next job."""
 from __future__ import annotations
 
 import os
@@ -43,6 +43,8 @@ def test_workers_see_what_the_torchrun_command_line_gives_them(tmp_path):
             else:
                 assert w["env"][key] == value, key
     assert len({w["pid"] for w in warm} | {WARM.proc.pid}) == 3  # one process per rank
+    for job in ("cli", "warm"):  # exit handlers ran in every rank (Lightning's teardown is one)
+        assert all((tmp_path / job / f"result.json.atexit{r}").is_file() for r in (0, 1)), job
 
 
 @pytest.mark.parametrize("case", ["fail", "exit"])

@@ -24,6 +24,7 @@ kills the agent and its workers) and, when the leader has exited, ``{"returncode
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -50,6 +51,8 @@ def _run_script(script: str, *args: str) -> None:
     except SystemExit as exc:  # exit(0) is a normal end; any other code is the worker's status
         if exc.code not in (0, None):
             raise
+    finally:  # an interpreter runs them as it exits; a forked worker ends in os._exit
+        atexit._run_exitfuncs()
 
 
 def _launch(argv: list[str]) -> int:

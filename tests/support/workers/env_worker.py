@@ -2,12 +2,13 @@
 
 Usage: torchrun --nproc-per-node N env_worker.py SPEC.json
 SPEC: {"out": path, "runs": [{"case": "env" | "fail" | "hang" | "exit"}]}. ``env``: rank 0 writes
-every rank's launch environment, signal handlers and ``sys.argv``, after an all-gather over gloo; ``fail`` raises on
-rank 1; ``hang`` writes ``OUT.pid<rank>`` and sleeps forever; ``exit`` calls ``sys.exit(3)`` on
-rank 1.
+every rank's launch environment, signal handlers and ``sys.argv`` after an all-gather over gloo,
+and each rank creates ``OUT.atexit<rank>`` from an ``atexit`` handler; ``fail`` raises on rank 1;
+``hang`` writes ``OUT.pid<rank>`` and sleeps forever; ``exit`` calls ``sys.exit(3)`` on rank 1.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ def main() -> None:
         raise RuntimeError("env_worker: rank 1 failed on purpose")
     if case == "exit" and rank == 1:
         sys.exit(3)
+    atexit.register(lambda: open(f"{spec['out']}.atexit{rank}", "w").close())  # runs as the worker exits
     dist.init_process_group("gloo")
     seen = {"env": {k: os.environ.get(k) for k in KEYS}, "argv": sys.argv, "name": __name__, "pid": os.getpid(),
             "signals": {s.name: _handler(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
