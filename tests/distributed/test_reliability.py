@@ -23,7 +23,7 @@ import torch
 from lightning_dynmo import available_schedules
 from lightning_dynmo.plan.schedules import get_schedule
 from tests.support import multiproc
-from tests.support.multiproc import ROOT, Finished, run, run_worker, torchrun, worker_env, write_spec
+from tests.support.multiproc import ROOT, Finished, alive, run, run_worker, torchrun, worker_env, write_spec
 from tests.support.workers.common import FreezeThenUnfreeze, make_loader, make_model
 
 pytestmark = pytest.mark.slow
@@ -516,18 +516,6 @@ def test_a_lost_rank_restarts_and_resumes_from_the_last_checkpoint(tmp_path, cas
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=0, msg=k)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_no_rank_outlives_a_killed_launcher(tmp_path):
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec, out = tmp_path / "spec.json", tmp_path / "result.json"
@@ -544,14 +532,14 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=10)
         deadline = time.time() + 20
-        while time.time() < deadline and any(_alive(p) for p in pids):
+        while time.time() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-        assert not [p for p in pids if _alive(p)], "ranks outlived their launcher"
+        assert not [p for p in pids if alive(p)], "ranks outlived their launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()
         for p in pids:  # clean up what this test started, by pid
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
 
 

@@ -4,28 +4,15 @@ command line does: the same environment and signal handlers in each worker, the 
 a job past its timeout killed whole, after which the launcher still serves the next job."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
-from tests.support.multiproc import ROOT, WARM, launch, run_worker, torchrun, worker_env, write_spec
+from tests.support.multiproc import ROOT, WARM, alive, launch, run_worker, torchrun, worker_env, write_spec
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "env_worker.py"
 PER_JOB = ("MASTER_PORT", "TORCHELASTIC_RUN_ID")  # chosen anew by each job
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_workers_see_what_the_torchrun_command_line_gives_them(tmp_path):
@@ -63,9 +50,9 @@ def test_a_job_past_its_timeout_is_killed_whole_and_the_next_job_runs(tmp_path):
         launch(torchrun(2, WORKER, str(spec)), 15)
     pids = [int(out.with_name(f"{out.name}.pid{r}").read_text()) for r in (0, 1)]
     deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(p) for p in pids):
+    while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), "a rank outlived its job"
+    assert not any(alive(p) for p in pids), "a rank outlived its job"
     assert WARM.broken is None, WARM.broken
     (env,) = run_worker(tmp_path / "next", 2, [{"case": "env"}], worker=WORKER)
     assert [e["env"]["RANK"] for e in env] == ["0", "1"]

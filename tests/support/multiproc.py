@@ -55,6 +55,19 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
     """Start ``cmd`` in a new session (its own process group: agent and workers)."""
     return subprocess.Popen(cmd, cwd=ROOT, env=env or worker_env(), stdout=subprocess.PIPE,
