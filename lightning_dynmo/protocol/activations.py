@@ -14,6 +14,7 @@ names the layer (the runtime makes every rank raise it, see ``runtime/engine.py`
 from __future__ import annotations
 
 import inspect
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -26,13 +27,22 @@ __all__ = ["as_acts", "buffers_kept", "call_layer", "consumed", "describe", "out
            "unpack"]
 
 _ARITY: dict[type, int | None] = {}
+_OPTIONAL: dict[type, tuple[str, ...]] = {}  # a class's positional parameters that have a default
+_WARNED: set[type] = set()
 
 
 def consumed(layer: nn.Module, available: int) -> int:
-    """How many leading tensors of ``available`` ``layer`` takes (the rest pass through)."""
+    """How many leading tensors of ``available`` ``layer`` takes (the rest pass through).
+
+    A positional parameter with a default is not given a tensor: passing the carried tensors
+    into whatever optional slot a layer has would feed e.g. a chunked head's targets to an
+    ``attn_mask=None``. When tensors do pass such a layer, one warning names the parameter, since
+    a ``forward(h, skip=None)`` that a module's own ``forward`` calls with ``skip`` would
+    otherwise train silently without it under the pipeline."""
     cls = type(layer)
     if cls not in _ARITY:
         n: int | None = 0
+        optional: list[str] = []
         try:
             params = inspect.signature(layer.forward).parameters.values()
         except (TypeError, ValueError):
@@ -42,11 +52,32 @@ def consumed(layer: nn.Module, available: int) -> int:
             if p.kind is inspect.Parameter.VAR_POSITIONAL:
                 n = None
                 break
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
-                n += 1
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+                if p.default is p.empty:
+                    n += 1
+                else:
+                    optional.append(p.name)
         _ARITY[cls] = n
+        # with no required parameter the first one takes the first tensor (a layer takes at least one)
+        _OPTIONAL[cls] = () if n is None else tuple(optional[1:] if n == 0 else optional)
     n = _ARITY[cls]
-    return available if n is None else min(max(n, 1), available)
+    if n is None:
+        return available
+    n = min(max(n, 1), available)
+    if n < available and _OPTIONAL[cls] and cls not in _WARNED:
+        _WARNED.add(cls)
+        _warn_optional(cls, n, available - n)
+    return n
+
+
+def _warn_optional(cls: type, n: int, passing: int) -> None:
+    names = ", ".join(repr(name) for name in _OPTIONAL[cls])
+    warnings.warn(
+        f"pipeline layer {cls.__name__}.forward has optional positional parameter(s) {names} and {passing} "
+        f"more tensor(s) reach it; the pipeline passes a layer only its required positional parameters ({n}), "
+        f"so {names} keep(s) the default and the tensor(s) pass through to the next layer. Make the parameter "
+        "required to receive the tensor, or keyword-only (`*, name=None`) to keep the default and silence this "
+        "(docs/model_protocol.md)", UserWarning, stacklevel=3)
 
 
 def describe(out) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -73,3 +74,29 @@ def test_a_dict_batch_is_named_with_its_keys_and_the_hook_that_converts_it():
     with pytest.raises(PipelineProtocolError, match=r"got dict with keys \['input_ids', 'labels'\].*"
                                                     r"on_before_batch_transfer"):
         split_batch({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2, 3)})
+
+
+class OptionalSkip(nn.Module):
+    def forward(self, h, skip=None):
+        return h if skip is None else h + skip
+
+
+class KeywordOnlySkip(nn.Module):
+    def forward(self, h, *, skip=None):
+        return h if skip is None else h + skip
+
+
+def test_an_optional_positional_parameter_gets_no_tensor_and_one_warning_names_it():
+    """A ``forward(h, skip=None)`` that a module's own forward calls with ``skip`` would train
+    without it under the pipeline: the carried tensor passes through, and the user is told."""
+    a, b = torch.ones(2), torch.full((2,), 5.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(call_layer(OptionalSkip(), (a,)), a)  # nothing passes it: nothing to say
+    with pytest.warns(UserWarning, match=r"OptionalSkip.forward has optional positional parameter\(s\) 'skip'.*keyword-only"):
+        out = call_layer(OptionalSkip(), (a, b))
+    assert torch.equal(out[0], a) and out[1] is b  # skip kept its default; b passed through
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call_layer(OptionalSkip(), (a, b))  # once per class
+        call_layer(KeywordOnlySkip(), (a, b))  # keyword-only: the documented way to keep a default
