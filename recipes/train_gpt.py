@@ -133,7 +133,7 @@ def build_strategy(cfg: DictConfig):
 
 def check_config_keys(cfg: DictConfig) -> None:
     """Keys that would otherwise be silently ignored (``+model.n_layer=8`` instead of
-    ``model.overrides.n_layer=8``), before any rank starts."""
+    ``+model.overrides.n_layer=8``), before any rank starts."""
     import dataclasses
 
     from lightning_dynmo.models import GPTConfig
@@ -144,7 +144,8 @@ def check_config_keys(cfg: DictConfig) -> None:
     unknown = sorted(k for k in cfg.model.keys() if k not in MODEL_KEYS)
     if unknown:
         fields = {f.name for f in dataclasses.fields(GPTConfig)}
-        hint = "; ".join(f"model.overrides.{k}=..." for k in unknown if k in fields)
+        present = set((cfg.model.get("overrides") or {}).keys())  # Hydra changes these; others need a leading +
+        hint = "; ".join(f"{'' if k in present else '+'}model.overrides.{k}=..." for k in unknown if k in fields)
         raise ValueError(
             f"unknown model key(s) {unknown}: model.* takes {', '.join(MODEL_KEYS)}; GPT architecture fields go under "
             f"model.overrides" + (f" (use {hint})" if hint else f" (valid fields: {sorted(fields)})")

@@ -47,6 +47,10 @@ import torch.distributed as dist
 #: a failed rank waits for its peers to report their own failure of the same step
 STUCK_GRACE_SECONDS = float(os.environ.get("DYNMO_FAILURE_GRACE", "5"))
 _POLL_SECONDS = 0.25
+#: how long a rank whose collective timed out waits for the others to say where they are
+STATUS_WAIT_SECONDS = 2.0
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 
 
 class RankFailedError(RuntimeError):
@@ -108,16 +112,37 @@ class FailureBoard:
         self.world_size = world_size
 
     def publish(self, epoch: int, where: str, err: BaseException) -> Failure:
-        failure = Failure(self.rank, where, describe_error(err))
+        return self.put(epoch, "first", Failure(self.rank, where, describe_error(err)))
+
+    def publish_lost(self, epoch: int, where: str, err: BaseException) -> Failure:
+        """This rank's collective timed out or lost its peer and no rank reported an error: not a
+        root cause, so it goes beside the first failure, not into it (a stalled peer must not be
+        told that this rank failed)."""
+        return self.put(epoch, "lost", Failure(self.rank, where, describe_error(err)))
+
+    def put(self, epoch: int, key: str, failure: Failure) -> Failure:
         try:
-            self.store.compare_set(f"dynmo/failure/{epoch}/first", "", json.dumps(failure.__dict__))
+            self.store.compare_set(f"dynmo/failure/{epoch}/{key}", "", json.dumps(failure.__dict__))
             self.store.add(f"dynmo/failure/{epoch}/count", 1)
+            self.store.set(f"dynmo/failure/{epoch}/any", "1")
         except Exception:  # noqa: BLE001 - the store is gone: the error still propagates locally
             pass
         return failure
 
+    def anything(self, epoch: int) -> bool:
+        """Whether any rank published in ``epoch`` (the watchdog's one store call per poll)."""
+        try:
+            return self.store.check([f"dynmo/failure/{epoch}/any"])
+        except Exception:  # noqa: BLE001
+            return False
+
     def first(self, epoch: int, wait: float = 0.0) -> Failure | None:
-        key = f"dynmo/failure/{epoch}/first"
+        return self._read(f"dynmo/failure/{epoch}/first", wait)
+
+    def lost(self, epoch: int) -> Failure | None:
+        return self._read(f"dynmo/failure/{epoch}/lost", 0.0)
+
+    def _read(self, key: str, wait: float) -> Failure | None:
         deadline = time.monotonic() + wait
         while True:
             try:
@@ -127,6 +152,30 @@ class FailureBoard:
                 return None
             if time.monotonic() >= deadline:
                 return None
+            time.sleep(_POLL_SECONDS)
+
+    def tell(self, epoch: int, status: dict) -> None:
+        """This rank's answer to a peer that timed out: where its main thread is (see ``where_is_main``)."""
+        try:
+            self.store.set(f"dynmo/failure/{epoch}/status/{self.rank}", json.dumps(status))
+        except Exception:  # noqa: BLE001
+            pass
+
+    def statuses(self, epoch: int, wait: float) -> dict[int, dict]:
+        """The other ranks' answers, waiting up to ``wait`` seconds for all of them (a dead rank,
+        or one whose watchdog is gone, never answers)."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        deadline, seen = time.monotonic() + wait, {}
+        while True:
+            for r in others:
+                key = f"dynmo/failure/{epoch}/status/{r}"
+                try:
+                    if r not in seen and self.store.check([key]):
+                        seen[r] = json.loads(self.store.get(key).decode())
+                except Exception:  # noqa: BLE001
+                    return seen
+            if len(seen) == len(others) or time.monotonic() >= deadline:
+                return seen
             time.sleep(_POLL_SECONDS)
 
     def all_failed(self, epoch: int, wait: float) -> bool:
@@ -152,7 +201,8 @@ class _JobState:
         self.epoch = 0
         self.pending: Failure | None = None  # this rank failed in ``epoch``; not yet known if alone
         self.failed: Failure | None = None  # some rank failed while others waited: no more collectives
-        self.region: str | None = None
+        self.region: str | None = None  # the outermost step region the main thread is in
+        self.inner: str | None = None  # and the innermost (an optimizer step's closure runs the training step)
         self.region_since = 0.0
         self.watchdog: FailureWatchdog | None = None
         self.atexit_registered = False
@@ -207,20 +257,25 @@ def step_region(where: str):
     (regions nest: an optimizer step's closure runs the training step).
 
     An error is reported on the board and re-raised; a lost peer or a timeout becomes
-    :class:`RankFailedError` naming the rank that failed, or, with no failure on the board, a dump
-    of every thread's stack before the error propagates."""
+    :class:`RankFailedError` naming the rank that failed, or, with no failure on the board, naming
+    where the other ranks are (the one running code rather than waiting in a collective is where
+    the job stalled; one that does not answer is dead), after a dump of every thread's stack."""
     check_not_failed(where)
-    outer = _job.region
+    outer, inner = _job.region, _job.inner
     if outer is None:
         _job.region, _job.region_since = where, time.monotonic()
+    _job.inner = where
     try:
         yield
-    except Exception as err:  # noqa: BLE001 - reported and re-raised
-        if not getattr(err, "_dynmo_reported", False):
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - reported and re-raised
+        if (type(err) is SystemExit or isinstance(err, Exception)) and not getattr(err, "_dynmo_reported", False):
+            # (a sys.exit() in a layer is this rank's failure; a SystemExit subclass is not: Lightning's
+            # SIGTERMException stops every rank together at a batch boundary)
             err._dynmo_reported = True
             _report(where, err)
         raise
     finally:
+        _job.inner = inner
         if outer is None:
             _job.region = None
 
@@ -229,12 +284,76 @@ def _report(where: str, err: BaseException) -> None:
     board = _job.board
     if board is None:
         return
-    origin = board.first(_job.epoch, wait=2.0) if peer_missing(err) else None
-    _job.pending = board.publish(_job.epoch, where, err)
+    if not peer_missing(err):
+        _job.pending = board.publish(_job.epoch, where, err)
+        return
+    origin = board.first(_job.epoch, wait=2.0)  # a peer's own error explains the lost connection
+    _job.pending = board.publish_lost(_job.epoch, where, err)
     if origin is not None and origin.rank != board.rank:
-        raise RankFailedError(f"rank {board.rank} stopped in {where}: {origin.describe()}") from err
-    if peer_missing(err) and not getattr(err, "stacks_dumped", False):
+        raise _reported(RankFailedError(f"rank {board.rank} stopped in {where}: {origin.describe()}")) from err
+    # no rank reported an error: a peer stalled or died. The others' watchdogs answer where they are
+    answers = board.statuses(_job.epoch, wait=STATUS_WAIT_SECONDS)
+    if not getattr(err, "stacks_dumped", False):
         dump_stacks(f"dynmo: rank {board.rank} lost a peer or timed out in {where}; its stacks:")
+    raise _reported(RankFailedError(
+        f"rank {board.rank} stopped in {where}: its collective timed out or lost its peer, and no rank reported an "
+        f"error. {diagnose(board.rank, board.world_size, answers)}\n{err}")) from err
+
+
+def _reported(err: BaseException) -> BaseException:
+    """``err``, marked as on the board already: an enclosing step region must not count it again
+    (a second count would let ``all_failed`` close the epoch while a peer still waits)."""
+    err._dynmo_reported = True
+    return err
+
+
+def diagnose(rank: int, world_size: int, answers: dict[int, dict]) -> str:
+    """Where each other rank was when ``rank`` lost its peer: the ones running code (not waiting in
+    a collective) are where the job stalled; the silent ones are dead or frozen."""
+    stalled, waiting, failed, silent = [], [], [], []
+    for r in range(world_size):
+        if r == rank:
+            continue
+        a = answers.get(r)
+        if a is None:
+            silent.append(r)
+        elif a.get("failed"):
+            failed.append(r)
+        elif a.get("collective"):
+            waiting.append(r)
+        else:
+            inside = f"in {a['region']}" if a.get("region") else "outside the pipeline step (a hook, callback or data loading)"
+            stalled.append(f"rank {r} is running {inside} for {a.get('seconds', 0.0):.1f} s, not waiting in a "
+                           f"collective, at {a.get('at', '?')}")
+    parts = []
+    if stalled:
+        parts.append("; ".join(stalled) + ": the job stalled there (its stacks are on its stderr)")
+    if silent:
+        parts.append(f"rank(s) {', '.join(map(str, silent))} did not answer: the process is gone (killed, out of "
+                     "memory, os._exit) or frozen")
+    if waiting:
+        parts.append(f"rank(s) {', '.join(map(str, waiting))} are waiting in a collective too")
+    if failed:
+        parts.append(f"rank(s) {', '.join(map(str, failed))} failed in the same step")
+    return ". ".join(parts) + "." if parts else "Every other rank is gone."
+
+
+def where_is_main() -> dict:
+    """The main thread's state as a peer that timed out needs it: the step region, for how long,
+    whether it is blocked in a collective (its innermost Python frame is in ``torch.distributed``)
+    and the innermost frame outside torch (the user's layer, callback or data loader)."""
+    job = _job
+    status = {"region": job.inner, "seconds": time.monotonic() - job.region_since if job.region else 0.0,
+              "failed": job.pending is not None, "collective": False, "at": "?"}
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is not None:
+        status["collective"] = _DISTRIBUTED_DIR in frame.f_code.co_filename
+        f = frame
+        while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+            f = f.f_back
+        f = f or frame
+        status["at"] = f"{f.f_code.co_filename}:{f.f_lineno} in {f.f_code.co_name}"
+    return status
 
 
 def report_failure(where: str, err: BaseException) -> None:
@@ -273,13 +392,19 @@ class FailureWatchdog(threading.Thread):
         self.job = job
         self.board = job.board
         self.stopped = threading.Event()
+        self.answered: set[int] = set()  # failure epochs in which this rank told a timed-out peer where it is
 
     def run(self) -> None:
         job, board = self.job, self.board
         while not self.stopped.wait(_POLL_SECONDS) and dist.is_initialized():
             epoch = job.epoch
+            if not board.anything(epoch):
+                continue
             failure = board.first(epoch)
-            if failure is None or failure.rank == board.rank or job.pending is not None:
+            if failure is None:
+                self._answer_lost_peer(epoch)
+                continue
+            if failure.rank == board.rank or job.pending is not None:
                 continue
             seen = time.monotonic()
             while time.monotonic() - seen < STUCK_GRACE_SECONDS and job.region is not None and job.epoch == epoch:
@@ -291,6 +416,38 @@ class FailureWatchdog(threading.Thread):
                         f"in {job.region} for {time.monotonic() - job.region_since:.1f} s, waiting for "
                         "that rank; its stacks:")
             os._exit(1)
+
+    def _answer_lost_peer(self, epoch: int) -> None:
+        """Another rank's collective timed out or lost its peer with no error on the board: say where
+        this rank is; if it is running code rather than waiting in a collective for the whole grace
+        period, it is where the job stalled: publish that as the failure, dump its stacks and stop."""
+        job, board = self.job, self.board
+        lost = board.lost(epoch)
+        if lost is None or lost.rank == board.rank or job.pending is not None or epoch in self.answered:
+            return
+        self.answered.add(epoch)
+        status = where_is_main()
+        board.tell(epoch, status)
+        if status["collective"] or status["failed"]:
+            return  # waiting for someone else (its own collective will fail), or it failed itself
+        inside = f"in {status['region']}" if status["region"] else "outside the pipeline step"
+        # the stacks now: the launcher may stop this process as soon as the peer has raised
+        dump_stacks(f"dynmo: rank {lost.rank} timed out or lost its peer in {lost.where} ({lost.error}) while rank "
+                    f"{board.rank} has been running {inside} for {status['seconds']:.1f} s at {status['at']}, not "
+                    f"waiting in a collective: the job stalled here. Rank {board.rank}'s stacks:")
+        seen = time.monotonic()
+        while time.monotonic() - seen < STUCK_GRACE_SECONDS:
+            if self.stopped.wait(_POLL_SECONDS):
+                return
+            status = where_is_main()
+            if status["collective"] or status["failed"] or job.epoch != epoch:
+                return  # it went on to a collective (which will fail), or it failed itself
+        board.put(epoch, "first", Failure(
+            board.rank, status["region"] or "outside the pipeline step",
+            f"stalled: running at {status['at']}, not in a collective, while rank {lost.rank} timed out waiting"))
+        print(f"dynmo: rank {board.rank} stops: it stalled {inside} at {status['at']} (stacks above)",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 class CollectiveLedger:

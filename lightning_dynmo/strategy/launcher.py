@@ -104,10 +104,22 @@ def connect(cluster_environment, root_device, local_rank: int, timeout, backend:
     kwargs = {"timeout": timeout}
     if root_device.type != "cpu":
         kwargs["device_id"] = root_device
-    store = None if dist.is_initialized() else restart_safe_store(timeout)
-    if store is not None:  # torchrun (--max-restarts): this attempt's keys only, no stale peer addresses
-        kwargs["store"] = store
-    _init_dist_connection(cluster_environment, backend, **kwargs)
+    try:
+        store = None if dist.is_initialized() else restart_safe_store(timeout)
+        if store is not None:  # torchrun (--max-restarts): this attempt's keys only, no stale peer addresses
+            kwargs["store"] = store
+        _init_dist_connection(cluster_environment, backend, **kwargs)
+    except RuntimeError as err:  # DistStoreError / DistNetworkError: a rank did not arrive in time
+        if not isinstance(err, getattr(dist, "DistError", ())) and "timed out" not in str(err).lower():
+            raise
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RuntimeError(
+            f"rank {cluster_environment.global_rank()} could not join the process group within timeout={seconds:g} s "
+            f"({type(err).__name__}: {first[:300]}). The strategy's `timeout` also bounds the start, when every rank "
+            "must reach it: a rank still importing (Lightning's launcher re-runs the script for each rank, which can "
+            "take a minute on a loaded machine), a rank that failed before it, or a wrong MASTER_ADDR/MASTER_PORT "
+            "keeps the others waiting. Raise DynMoStrategy(timeout=...) or read the other ranks' output") from err
     die_with_launcher(local_rank)  # a rank must not outlive the process that launched it
     if backend != "nccl":  # Lightning registers this for NCCL only; gloo threads need it too
         atexit.register(_destroy_dist_connection)

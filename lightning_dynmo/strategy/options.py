@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from enum import StrEnum
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Literal
 
 import lightning as L
@@ -140,7 +140,8 @@ class PipelineOptions:
     """``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys unchanged); a
     layer that arrives by migration is compiled on its new rank."""
     timeout: float | timedelta = 600.0
-    """Seconds (or a ``timedelta``) every collective may wait; a dead or stuck rank makes the others fail."""
+    """Seconds (or a ``timedelta``) every collective may wait, the start's rendezvous included (every rank
+    must have imported the script and reached it); a dead or stuck rank makes the others fail, naming it."""
     start_method: StartMethod = StartMethod.POPEN
     """``popen`` (re-run the script, like torchrun) or ``spawn``/``fork``/``forkserver`` (notebooks)."""
     process_group_backend: str | None = None
@@ -177,9 +178,14 @@ class PipelineOptions:
             spec.check_microbatches(mb, pp)
         get_balancer(self.balancer)  # unknown names fail here, listing the valid ones
         if self.partition is not None:
+            if not isinstance(self.partition, Partition) and (isinstance(self.partition, (str, bytes)) or not all(
+                    isinstance(b, Integral) and not isinstance(b, bool) for b in self.partition)):
+                raise ValueError("partition must be the stage boundaries as a sequence of layer indices, e.g. (0, 3, 7) "
+                                 f"for stages 0-2 and 3-6 of 7 layers, got {self.partition!r}")
             put("partition", Partition(tuple(self.partition)))
-        if self.memory_capacity is not None and not self.memory_capacity > 0:
-            raise ValueError(f"memory_capacity must be a positive number of bytes or None, got {self.memory_capacity!r}")
+        cap = self.memory_capacity
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, Real) or not cap > 0):
+            raise ValueError(f"memory_capacity must be a positive number of bytes per stage (e.g. 8e9) or None, got {cap!r}")
         put("link_bandwidth", check_link_bandwidth(self.link_bandwidth))
         if self.repack != "off":
             try:
@@ -187,10 +193,14 @@ class PipelineOptions:
             except ValueError:
                 raise ValueError(f"repack must be 'off', 'auto' or a positive number of pipeline ranks, "
                                  f"got {self.repack!r}") from None
+            if isinstance(self.repack, int) and pp != "auto" and self.repack >= pp:
+                raise ValueError(f"repack={self.repack} can never apply: it packs the pipeline onto fewer ranks than "
+                                 f"pipeline_parallel={pp}; use a number below {pp}, 'auto' or 'off'")
         if not 0 <= self.repack_tolerance < 1:
             raise ValueError(f"repack_tolerance must be in [0, 1), got {self.repack_tolerance!r}")
         put("repack_tolerance", float(self.repack_tolerance))
-        put("plot", bool(self.plot))
+        if not isinstance(self.plot, bool):
+            raise ValueError(f"plot must be True or False (rebalance plots in the log directory), got {self.plot!r}")
         positive_int("plot_interval", self.plot_interval)
         put("on_nonfinite", enum_value("on_nonfinite (what to do when a step's training loss is NaN/Inf)",
                                        OnNonfinite, self.on_nonfinite))
@@ -204,6 +214,7 @@ class PipelineOptions:
             put("checkpoint_format", CheckpointFormat.DCP if self.dp_sharding is DpSharding.FSDP else CheckpointFormat.SINGLE)
         put("checkpoint_format", enum_value("checkpoint_format", CheckpointFormat, self.checkpoint_format))
         put("timeout", check_timeout(self.timeout))
+        put("process_group_backend", check_backend(self.process_group_backend))
         put("rebalance", enum_value("rebalance", Rebalance, self.rebalance))
         self.policy(), self.budget()  # the policy's and the budget's own checks, once, here
 
@@ -221,10 +232,26 @@ class PipelineOptions:
 
 def check_timeout(value) -> timedelta:
     """``timeout`` (seconds or a timedelta) as a positive timedelta."""
+    seconds = value
     if isinstance(value, Real) and not isinstance(value, bool):
-        value = timedelta(seconds=float(value)) if math.isfinite(value) else value
-    if not isinstance(value, timedelta) or value.total_seconds() <= 0:
+        seconds = timedelta(seconds=float(value)) if math.isfinite(value) and value > 0 else None
+    if not isinstance(seconds, timedelta) or seconds.total_seconds() <= 0:
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {value!r}")
+    return seconds
+
+
+def check_backend(value: str | None) -> str | None:
+    """``process_group_backend``: None (gloo on CPU, nccl on GPU), a backend torch knows, or
+    torch's per-device form (``"cpu:gloo,cuda:nccl"``)."""
+    if value is None:
+        return None
+    import torch.distributed as dist
+
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    names = [part.split(":")[-1].strip().lower() for part in str(value).split(",")] if isinstance(value, str) else []
+    if not names or any(n not in known for n in names):
+        raise ValueError(f"process_group_backend must be None (gloo on CPU, nccl on GPU), one of {known} or "
+                         f"'device:backend' pairs such as 'cpu:gloo,cuda:nccl', got {value!r}")
     return value
 
 

@@ -97,7 +97,9 @@ def dynmo_summary_text(summary: dict) -> str:
              f"{summary['skipped']} skip records"]
     for p in summary.get("applied_decisions", []):
         if p["step_ms_after"] is None or p["gain"] is None:
-            lines.append(f"  step {p['step']}: applied, step time {p['step_ms_before']:.1f} ms before, not measured after")
+            before = p.get("step_ms_before")  # 0 when the step before was not measured (e.g. a rebalance every step)
+            lines.append(f"  step {p['step']}: applied, step time "
+                         + (f"{before:.1f} ms before, not measured after" if before else "not measured"))
         else:
             lines.append(f"  step {p['step']}: step time {p['step_ms_before']:.1f} -> {p['step_ms_after']:.1f} ms "
                          f"({-p['gain']:+.1%}), cost {p['cost_ms']:.0f} ms: "

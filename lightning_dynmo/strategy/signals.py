@@ -98,6 +98,9 @@ def act_on_signals(state: DeferredSignals | None, trainer, any_terminate: bool, 
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         trainer._signal_connector.received_sigterm = True
+        who = "this rank" if mine.terminate else "another rank"
+        log.warning("dynmo: every rank stops at step %d: %s received SIGTERM (Lightning ends the run with exit "
+                    "code 0, as under DDP)", trainer.global_step, who)
         with suppress(Exception):
             dist.barrier()  # Lightning's own: every rank stops together
         raise SIGTERMException()

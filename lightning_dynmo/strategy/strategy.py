@@ -408,13 +408,16 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         return self._eval_step("test", *args, **kwargs)
 
     def _eval_step(self, stage: str, *args: Any, **kwargs: Any):
-        return eval_batch(self, stage, args[0] if args else kwargs["batch"])  # strategy/evaluation.py
+        where = f"{'validation' if stage == 'val' else 'test'} batch {_batch_idx(args, kwargs)}"
+        with step_region(where):  # a rank that fails or stalls here is named to its peers, as in training
+            return eval_batch(self, stage, args[0] if args else kwargs["batch"])  # strategy/evaluation.py
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any):
         """Forward through the pipeline; the last layer's output, or the module's optional
         ``pipeline_predict`` of it, on every rank of the pipeline (strategy/predict.py)."""
-        return predict_batch(self, *args, *kwargs.values())
+        with step_region(f"predict batch {_batch_idx(args, kwargs)}"):
+            return predict_batch(self, *args, *kwargs.values())
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -432,6 +435,10 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         strategy_registry.register(
             "dynmo_spawn", cls, description="lightning_dynmo with spawned processes", start_method="spawn", override=True
         )
+
+
+def _batch_idx(args: tuple, kwargs: dict) -> Any:
+    return args[1] if len(args) > 1 else kwargs.get("batch_idx", "?")
 
 
 DynMoStrategy.register_strategies(StrategyRegistry)

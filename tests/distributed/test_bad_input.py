@@ -91,15 +91,39 @@ def _exitcode_of(rank: int, output: str) -> int:
 def test_a_dead_rank_makes_the_others_fail_not_hang(tmp_path):
     out, seen = _launch("die", tmp_path)
     assert _exitcode_of(1, out) == 3  # the rank that died
-    # rank 0 fails by itself in its pending collective, naming the lost peer
-    assert re.match(r"RuntimeError: .*Connection (closed|reset) by peer", seen), seen
+    # rank 0 fails by itself in its pending collective, naming the rank that did not answer
+    assert re.match(r"RankFailedError: rank 0 stopped in .*: its collective timed out or lost its peer, and no rank "
+                    r"reported an error\. rank\(s\) 1 did not answer: the process is gone", seen), seen
+    assert re.search(r"Connection (closed|reset) by peer", seen), seen  # gloo's own words follow
 
 
 def test_a_stuck_rank_times_out_with_a_message(tmp_path):
     out, seen = _launch("stall", tmp_path)
-    # rank 0's own collective times out after the strategy's timeout (8 s), says so, and ends rank 0
-    assert re.match(r"RuntimeError: .*Timed out waiting 8000ms", seen), seen
+    # rank 0's own collective times out after the strategy's timeout (8 s), names where rank 1 is
+    # (running a callback, not waiting in a collective) and ends rank 0
+    assert re.match(r"RankFailedError: rank 0 stopped in .*: its collective timed out", seen), seen
+    assert re.search(r"rank 1 is running outside the pipeline step .* not waiting in a collective, at "
+                     r".*bad_input_worker\.py:\d+ in on_train_batch_start", seen), seen
+    assert "Timed out waiting 8000ms" in seen, seen
     assert _exitcode_of(0, out) == 1, out[-3000:]
+
+
+def test_a_rank_stalled_in_a_layer_is_the_one_named_not_its_waiting_peer(tmp_path):
+    """An independent check found the healthy rank blamed: rank 0's timeout went on the board as
+    rank 0's failure, and the stalled rank 1 printed "rank 0 failed ... waiting for that rank"."""
+    out, seen = _launch("stall_in_layer", tmp_path)
+    assert re.match(r"RankFailedError: rank 0 stopped in training step 2: its collective timed out", seen), seen
+    assert re.search(r"rank 1 is running in training step 2 for [\d.]+ s, not waiting in a collective, at "
+                     r".*bad_input_worker\.py:\d+ in forward: the job stalled there", seen), seen
+    # rank 1 says it is the one, with its stacks, before the launcher stops it
+    assert re.search(r"while rank 1 has been running in training step 2 .* the job stalled here", out), out[-4000:]
+    assert "rank 0 failed" not in out, out[-4000:]
+
+
+def test_a_layer_that_raises_in_validation_on_one_rank_is_named_by_its_peer(tmp_path):
+    out, seen = _launch("val_raises", tmp_path)
+    assert re.match(r"RankFailedError: rank 0 stopped in validation batch 0: rank 1 failed in validation batch 0: "
+                    r"RuntimeError: a layer failed in validation on rank 1", seen), seen
 
 
 def test_a_callback_that_raises_on_one_rank_is_named_by_its_peer(tmp_path):

@@ -213,7 +213,8 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
     assert supported.startswith("apertus, arcee, cohere, cohere2, ") and "gemma3_text, glm, glm4, gpt2, gpt_neox" in supported
-    with pytest.raises(UnsupportedArchitectureError, match=rf"model_type='falcon'.*supported: {supported}\."):
+    with pytest.raises(UnsupportedArchitectureError, match=rf"model_type='falcon'.*supported: {supported}\. To train "
+                       r"another architecture on the pipeline, wrap it in a LightningModule that defines pipeline_layers"):
         HFCausalLM.from_pretrained(path)
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})

@@ -33,6 +33,29 @@ def test_nonsense_options_are_rejected(kw):
         DynMoStrategy(**kw)
 
 
+@pytest.mark.parametrize("kw, says", [
+    ({"plot": "no"}, r"plot must be True or False.*got 'no'"),  # bool("no") was True: plots on
+    ({"memory_capacity": "1GB"}, r"memory_capacity must be a positive number of bytes.*got '1GB'"),
+    ({"partition": "0,3"}, r"partition must be the stage boundaries.*\(0, 3, 7\).*got '0,3'"),
+    ({"timeout": -1}, r"timeout must be a positive number of seconds or a timedelta, got -1$"),
+    ({"process_group_backend": "bogus"}, r"process_group_backend must be None .*'gloo'.*'cpu:gloo,cuda:nccl'"),
+    ({"pipeline_parallel": 2, "repack": 5}, r"repack=5 can never apply.*pipeline_parallel=2; use a number below 2"),
+    ({"pipeline_parallel": 2, "repack": 2}, r"repack=2 can never apply"),
+])
+def test_options_an_independent_check_found_accepted_are_refused_with_the_fix(kw, says):
+    """Each was accepted (plot='no' meant plot=True, repack=5 on 2 ranks trained on with one INFO
+    line) or failed later with a raw TypeError or torch's AssertionError."""
+    with pytest.raises(ValueError, match=says):
+        DynMoStrategy(**kw)
+
+
+@pytest.mark.parametrize("kw", [{"process_group_backend": "gloo"}, {"process_group_backend": "cpu:gloo,cuda:nccl"},
+                                {"partition": [0, 3, 7]}, {"memory_capacity": 8e9}, {"plot": False},
+                                {"pipeline_parallel": 4, "repack": 2}])
+def test_their_valid_neighbours_still_pass(kw):
+    DynMoStrategy(**kw)
+
+
 def test_devices_not_divisible_by_pipeline_parallel_fails_before_launch():
     with pytest.raises(ValueError, match="multiple of pipeline_parallel"):
         L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2), accelerator="cpu", devices=3)

@@ -64,3 +64,15 @@ def test_readme_option_defaults_are_the_dataclass_defaults():
     for name, shown in rows:
         assert name in defaults, f"README.md's option table names {name!r}, which PipelineOptions does not have"
         assert shown == defaults[name], f"README.md shows {name}={shown}, PipelineOptions has {defaults[name]}"
+
+
+def test_a_decision_with_no_measured_step_reads_not_measured():
+    """With a rebalance every step nothing is measured around a decision; "0.0 ms before" read
+    like a measurement."""
+    summary = {"overhead_s": 0.01, "train_s": 1.0, "overhead_fraction": 0.01, "migration_s": 0.0, "decisions": 2,
+               "skipped": 0, "applied_decisions": [
+                   {"step": 1, "step_ms_before": 0.0, "step_ms_after": None, "gain": None},
+                   {"step": 2, "step_ms_before": 12.5, "step_ms_after": None, "gain": None}]}
+    lines = dynmo_summary_text(summary).splitlines()
+    assert lines[1] == "  step 1: applied, step time not measured"
+    assert lines[2] == "  step 2: applied, step time 12.5 ms before, not measured after"

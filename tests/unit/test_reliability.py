@@ -313,8 +313,14 @@ def _compose(overrides: list[str]):
 def test_recipe_refuses_unknown_model_keys():
     recipe = _recipe()
     cfg = _compose(["model=tiny", "+model.n_layer=8"])
-    with pytest.raises(ValueError, match=r"unknown model key.*n_layer.*model.overrides.n_layer"):
+    with pytest.raises(ValueError, match=r"unknown model key.*n_layer.*use \+model.overrides.n_layer=\.\.\."):
         recipe.check_config_keys(cfg)
+    # the hint is what Hydra takes (model.overrides.n_layer=8, without +, is "not in struct")
+    cfg = _compose(["model=tiny", "+model.overrides.n_layer=8"])
+    recipe.check_config_keys(cfg)
+    assert cfg.model.overrides.n_layer == 8
+    with pytest.raises(ValueError, match=r"use model.overrides.head_chunks=\.\.\."):  # in the yaml: no +
+        recipe.check_config_keys(_compose(["model=tiny", "+model.head_chunks=2"]))
     cfg = _compose(["model=tiny", "+model.overrides.n_layers=8"])
     with pytest.raises(ValueError, match=r"n_layers.*valid"):
         recipe.check_config_keys(cfg)
@@ -430,7 +436,7 @@ def test_infeasible_partition_error_formats_without_a_capacity():
     from lightning_dynmo import InfeasiblePartitionError
 
     err = InfeasiblePartitionError(None, None, 4, 2)
-    assert str(err) == "no partition of 4 layers into 2 stages fits the memory capacity"
+    assert str(err).startswith("no partition of 4 layers into 2 stages fits the memory capacity: raise memory_capacity")
     assert "1e+06 bytes per stage" in str(InfeasiblePartitionError(1e6, 2e6, 4, 2))
 
 

@@ -115,8 +115,11 @@ def _check_architecture(model_type: str | None, where: str) -> None:
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"HFCausalLM does not support model_type={model_type!r} (from {where}); supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. Their decoder layers are split into pipeline layers "
-            "by lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES"
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}. To train another architecture on the pipeline, wrap it "
+            "in a LightningModule that defines pipeline_layers() and pipeline_loss() (docs/model_protocol.md; "
+            "lightning_dynmo.models.GPT is one). Adding a name to SUPPORTED_ARCHITECTURES is not enough: an "
+            "architecture's embedding, positions and norms differ (OPT offsets its positions by 2), and each supported "
+            "one is tested equal to transformers' own forward (tests/unit/test_hf.py)"
         )
 
 

@@ -22,7 +22,9 @@ class InfeasiblePartitionError(ValueError):
         cap = "the memory capacity" if capacity is None else f"the memory capacity of {capacity:.6g} bytes per stage"
         peak = "" if min_peak_memory is None else (
             f"; the smallest achievable peak stage memory is {min_peak_memory:.6g} bytes")
-        super().__init__(f"no partition of {num_layers} layers into {num_stages} stages fits {cap}{peak}")
+        super().__init__(f"no partition of {num_layers} layers into {num_stages} stages fits {cap}{peak}: raise "
+                         "memory_capacity, spread the model over more pipeline stages, or trade compute for memory "
+                         "with activation_checkpointing=True")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Usage: torchrun --nproc-per-node 2 bad_input_worker.py CASES OUT
        CASES: comma-separated names from ``CASES`` below, run one after another in this one
        process group (each fails the same way on every rank, before the ranks could disagree);
        every rank writes ``{case: "ExceptionType: message"}`` to ``OUT.rank<r>.json``.
-       torchrun --nproc-per-node 2 bad_input_worker.py die|stall|save_on_rank0|callback_raises OUT
-       a rank that dies or hangs mid-training, a collective call made on rank 0 only, or a callback
+       torchrun --nproc-per-node 2 bad_input_worker.py die|stall|stall_in_layer|val_raises|save_on_rank0|callback_raises OUT
+       a rank that dies or hangs mid-training (in a callback, or in a layer on rank 1), a layer that
+       raises in validation on rank 1 only, a collective call made on rank 0 only, or a callback
        that raises on rank 1 only (outside the pipeline step); the job
        must fail (these end the process group).
        Each surviving rank writes the exception it saw to ``OUT.rank<r>.txt`` the moment Lightning
@@ -118,7 +119,8 @@ class DiesOrStalls(L.Callback):
             time.sleep(600)  # a stuck rank: the others must time out
 
 
-def fit(model=None, batch: int = 8, loader=None, ckpt_path=None, trainer_kw=None, callbacks=(), **strategy_kw):
+def fit(model=None, batch: int = 8, loader=None, ckpt_path=None, trainer_kw=None, callbacks=(), val_loader=None,
+        **strategy_kw):
     kwargs = dict(pipeline_parallel=2, microbatches=4, timeout=8)
     kwargs.update(strategy_kw)
     trainer_kw = dict(dict(max_steps=CFG["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -126,7 +128,8 @@ def fit(model=None, batch: int = 8, loader=None, ckpt_path=None, trainer_kw=None
     trainer = L.Trainer(strategy=DynMoStrategy(**kwargs), accelerator="cpu", devices=2, callbacks=list(callbacks),
                         **trainer_kw)
     trainer.fit(model if model is not None else make_model(CFG),
-                train_dataloaders=loader if loader is not None else make_loader(CFG, batch), ckpt_path=ckpt_path)
+                train_dataloaders=loader if loader is not None else make_loader(CFG, batch), val_dataloaders=val_loader,
+                ckpt_path=ckpt_path)
     return trainer
 
 
@@ -216,12 +219,48 @@ def run_cases(names: list[str], out: str) -> None:
         dist.destroy_process_group()
 
 
+class OnRankOne(nn.Module):
+    """``inner`` on rank 1 with a fault: it sleeps in training step 2 (``stall_in_layer``) or raises
+    in validation (``val_raises``)."""
+
+    def __init__(self, inner: nn.Module, how: str):
+        super().__init__()
+        self.inner, self.how = inner, how
+        self.step = -1  # set by the callback below (the layer itself knows no step)
+        self.eval_calls = 0
+
+    def forward(self, x):
+        if int(os.environ.get("RANK", "0")) == 1:
+            if self.how == "stall_in_layer" and self.training and self.step == 2:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as in DiesOrStalls.on_train_batch_start
+                time.sleep(600)
+            if self.how == "val_raises" and not self.training:
+                self.eval_calls += 1
+                if self.eval_calls > 1:  # not in the shape discovery (a problem there is every rank's error)
+                    raise RuntimeError("a layer failed in validation on rank 1")
+        return self.inner(x)
+
+
+class StepOf(L.Callback):
+    def __init__(self, layer: OnRankOne):
+        self.layer = layer
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.layer.step = trainer.global_step
+
+
 def main(case: str, out: str) -> None:
-    fit(callbacks=[DiesOrStalls(case, out)])
+    if case not in ("stall_in_layer", "val_raises"):
+        fit(callbacks=[DiesOrStalls(case, out)])
+        return
+    model = make_model(CFG)
+    model.layers[-1] = layer = OnRankOne(model.layers[-1], case)  # the head: on rank 1 (the last stage)
+    fit(model, rebalance="never", callbacks=[DiesOrStalls(case, out), StepOf(layer)],
+        trainer_kw=dict(val_check_interval=2, limit_val_batches=1), val_loader=make_loader(CFG, 8))
 
 
 if __name__ == "__main__":
-    if sys.argv[1] in ("die", "stall", "save_on_rank0", "callback_raises"):
+    if sys.argv[1] in ("die", "stall", "stall_in_layer", "val_raises", "save_on_rank0", "callback_raises"):
         main(sys.argv[1], sys.argv[2])
     else:
         run_cases(sys.argv[1].split(","), sys.argv[2])
