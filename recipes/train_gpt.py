@@ -139,6 +139,14 @@ def check_config_keys(cfg: DictConfig) -> None:
     from lightning_dynmo.models import GPTConfig
     from lightning_dynmo.cli.hf_model import check_hf_keys, is_hf
 
+    main = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "train_gpt.yaml")
+    groups = [next(iter(d)).split(" ")[-1].split("/")[0] for d in main.defaults if not isinstance(d, str)]
+    for where, have, known in (("", cfg, [k for k in main if k not in ("defaults", "hydra")] + groups),
+                               ("checkpoint.", cfg.get("checkpoint") or {}, list(main.checkpoint))):
+        typo = sorted(set(have.keys()) - set(known))
+        if typo:  # a `+key=...` Hydra accepted and nothing reads
+            raise ValueError(f"unknown key(s) {[where + k for k in typo]}: nothing reads them; "
+                             f"{where.rstrip('.') or 'the top level'} takes {', '.join(where + k for k in sorted(known))}")
     if is_hf(cfg):
         return check_hf_keys(cfg)
     unknown = sorted(k for k in cfg.model.keys() if k not in MODEL_KEYS)

@@ -71,9 +71,14 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
     local = isinstance(path, (str, os.PathLike)) and os.path.isfile(path)
     if local and not zipfile.is_zipfile(path):
         with open(path, "rb") as fh:
-            head = fh.read(2)
+            head = fh.read(4)
+        if head == b"PK\x03\x04":  # a zip archive's first entry, but no readable end: cut short
+            raise CheckpointError(f"{path} is truncated or damaged: it starts as a torch.save archive but its end (the "
+                                  f"archive's directory) is missing or unreadable ({os.path.getsize(path)} bytes; an "
+                                  "interrupted copy or save?). Resume from another checkpoint")
         if not head.startswith(b"\x80"):  # neither torch.save's zip archive nor a (legacy) pickle
-            raise CheckpointError(f"{path} is not a checkpoint: it is not a torch.save archive")
+            what = "an empty file" if not head else "not a torch.save archive"
+            raise CheckpointError(f"{path} is not a checkpoint: it is {what}")
     if local and zipfile.is_zipfile(path):
         check_archive(path)
     try:

@@ -165,6 +165,19 @@ def test_random_bytes_are_not_a_checkpoint(tmp_path):
     assert "weights_only=False" not in str(err.value)
 
 
+def test_a_truncated_or_empty_checkpoint_says_so(tmp_path):
+    good = tmp_path / "good.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(64, 64)}}, good)
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(Exception, match=r"cut.ckpt is truncated or damaged: it starts as a torch.save archive"):
+        DynMoStrategy().load_checkpoint(cut)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(Exception, match=r"empty.ckpt is not a checkpoint: it is an empty file"):
+        DynMoStrategy().load_checkpoint(empty)
+
+
 @pytest.mark.parametrize("entry", ["good/data/3", "good/data.pkl"])  # torch.save names entries after the file
 def test_flipped_bytes_inside_a_checkpoint_are_refused_naming_the_entry(tmp_path, entry):
     """Issue 26 item 3: torch.load does not check the zip CRCs, so this file loads (wrong values)."""
@@ -324,6 +337,19 @@ def test_recipe_refuses_unknown_model_keys():
     cfg = _compose(["model=tiny", "+model.overrides.n_layers=8"])
     with pytest.raises(ValueError, match=r"n_layers.*valid"):
         recipe.check_config_keys(cfg)
+
+
+
+@pytest.mark.parametrize("override, says", [
+    ("+foo=1", r"unknown key\(s\) \['foo'\]: nothing reads them; the top level takes checkpoint, ckpt_path"),
+    ("+checkpoint.every_n_steps=2", r"\['checkpoint.every_n_steps'\].*checkpoint takes .*checkpoint.every_n_train_steps"),
+])
+def test_recipe_refuses_added_keys_nothing_reads(override, says):
+    """Hydra accepts any `+key=...`; a typo there used to train on with the default (found by an
+    independent check: +checkpoint.every_n_steps=2 kept checkpointing every 100 steps)."""
+    with pytest.raises(ValueError, match=says):
+        _recipe().check_config_keys(_compose(["model=tiny", override]))
+    _recipe().check_config_keys(_compose(["model=tiny", "dynamism=freezing", "experiment=moe"]))
 
 
 def test_recipe_refuses_more_stages_than_layers():
