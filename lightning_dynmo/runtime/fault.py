@@ -129,12 +129,13 @@ class FailureBoard:
             pass
         return failure
 
-    def anything(self, epoch: int) -> bool:
-        """Whether any rank published in ``epoch`` (the watchdog's one store call per poll)."""
+    def anything(self, epoch: int) -> bool | None:
+        """Whether any rank published in ``epoch`` (the watchdog's one store call per poll); None
+        when the store is gone (its host exited: under Lightning's launcher, rank 0)."""
         try:
             return self.store.check([f"dynmo/failure/{epoch}/any"])
         except Exception:  # noqa: BLE001
-            return False
+            return None
 
     def first(self, epoch: int, wait: float = 0.0) -> Failure | None:
         return self._read(f"dynmo/failure/{epoch}/first", wait)
@@ -398,7 +399,10 @@ class FailureWatchdog(threading.Thread):
         job, board = self.job, self.board
         while not self.stopped.wait(_POLL_SECONDS) and dist.is_initialized():
             epoch = job.epoch
-            if not board.anything(epoch):
+            anything = board.anything(epoch)
+            if anything is None:
+                return  # the store is gone: polling it again only fills stderr with the C++ client's errors
+            if not anything:
                 continue
             failure = board.first(epoch)
             if failure is None:
