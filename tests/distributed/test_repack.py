@@ -22,7 +22,9 @@ EQUAL = {"n_layer": 8, "mlp_ratios": [4] * 8}
 
 RUNS = {
     "pack_4_to_2": base(pp=4, steps=8, rebalance="every_n", rebalance_interval=3, balancer="partition_time", repack=2),
-    "not_below": base(pp=4, steps=6, rebalance="every_n", rebalance_interval=3, balancer="partition_param", repack=4),
+    # a runtime request (the option repack=4 on 4 ranks is refused at construction: test_options.py)
+    "not_below": base(pp=4, steps=6, rebalance="every_n", rebalance_interval=3, balancer="partition_param",
+                      request_repack=[2, 4]),
     "memory": base(pp=4, steps=6, rebalance="every_n", rebalance_interval=3, balancer="partition_param", repack=2,
                    memory_capacity=0.45 * total_static_bytes({})),
     "save": base(pp=4, steps=6, n_samples=48, rebalance="every_n", rebalance_interval=3, balancer="partition_param",

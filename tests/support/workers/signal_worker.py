@@ -62,9 +62,12 @@ def as_slurm_task() -> None:
 
 
 def signal_in_forward(trainer, sig) -> None:
-    """Send ``sig`` to this rank from its first local layer's next forward (inside the schedule)."""
+    """Send ``sig`` to this rank from a local layer's next forward (inside the schedule): the first
+    stage's layer 0 or the last stage's last layer, which no rebalance moves (a hooked layer that
+    migrated before its forward would be pickled with this closure and fail the step)."""
     strategy = trainer.strategy
-    layer = strategy.layers[strategy.local_layer_indices()[0]]
+    local = strategy.local_layer_indices()
+    layer = strategy.layers[local[0] if local[0] == 0 else local[-1]]
 
     def send(module, args):
         handle.remove()
