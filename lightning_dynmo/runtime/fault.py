@@ -290,6 +290,7 @@ def _report(where: str, err: BaseException) -> None:
         return
     origin = board.first(_job.epoch, wait=2.0)  # a peer's own error explains the lost connection
     _job.pending = board.publish_lost(_job.epoch, where, err)
+    board.tell(_job.epoch, {"failed": True, "lost": True, "region": where})  # for the others' diagnosis
     if origin is not None and origin.rank != board.rank:
         raise _reported(RankFailedError(f"rank {board.rank} stopped in {where}: {origin.describe()}")) from err
     # no rank reported an error: a peer stalled or died. The others' watchdogs answer where they are
@@ -311,13 +312,15 @@ def _reported(err: BaseException) -> BaseException:
 def diagnose(rank: int, world_size: int, answers: dict[int, dict]) -> str:
     """Where each other rank was when ``rank`` lost its peer: the ones running code (not waiting in
     a collective) are where the job stalled; the silent ones are dead or frozen."""
-    stalled, waiting, failed, silent = [], [], [], []
+    stalled, waiting, failed, lost, silent = [], [], [], [], []
     for r in range(world_size):
         if r == rank:
             continue
         a = answers.get(r)
         if a is None:
             silent.append(r)
+        elif a.get("lost"):
+            lost.append(r)
         elif a.get("failed"):
             failed.append(r)
         elif a.get("collective"):
@@ -332,6 +335,8 @@ def diagnose(rank: int, world_size: int, answers: dict[int, dict]) -> str:
     if silent:
         parts.append(f"rank(s) {', '.join(map(str, silent))} did not answer: the process is gone (killed, out of "
                      "memory, os._exit) or frozen")
+    if lost:
+        parts.append(f"rank(s) {', '.join(map(str, lost))} timed out or lost a peer too")
     if waiting:
         parts.append(f"rank(s) {', '.join(map(str, waiting))} are waiting in a collective too")
     if failed:

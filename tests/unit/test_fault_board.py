@@ -33,12 +33,14 @@ def test_a_timeout_goes_beside_the_failures_not_into_them(board):
 def test_diagnose_names_the_running_rank_the_silent_one_and_the_waiting_one():
     answers = {1: {"region": "training step 3", "seconds": 12.0, "collective": False, "failed": False,
                    "at": "model.py:42 in forward"},
-               3: {"region": "training step 3", "seconds": 12.0, "collective": True, "failed": False, "at": "x"}}
-    text = diagnose(0, 4, answers)
+               3: {"region": "training step 3", "seconds": 12.0, "collective": True, "failed": False, "at": "x"},
+               4: {"failed": True, "lost": True, "region": "training step 3"}}
+    text = diagnose(0, 5, answers)
     assert "rank 1 is running in training step 3 for 12.0 s, not waiting in a collective, at model.py:42 in forward: " \
            "the job stalled there" in text
     assert "rank(s) 2 did not answer: the process is gone" in text
     assert "rank(s) 3 are waiting in a collective too" in text
+    assert "rank(s) 4 timed out or lost a peer too" in text  # alive: not among the silent ones
     outside = diagnose(1, 2, {0: {"region": None, "collective": False, "at": "cb.py:7 in on_train_batch_start"}})
     assert "rank 0 is running outside the pipeline step (a hook, callback or data loading)" in outside
 
