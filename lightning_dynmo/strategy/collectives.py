@@ -14,8 +14,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from ..runtime.fault import (CollectiveLedger, RankFailedError, explain_lost_peer, peer_missing, report_failure,
+from ..runtime.fault import (RankFailedError, explain_lost_peer, peer_missing, report_failure,
                              step_region)
+from ..runtime.ledger import CollectiveLedger
 from .signals import DeferredSignals, act_at_batch_boundary
 
 

@@ -43,7 +43,8 @@ from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel
 from ..runtime.fsdp import ShardedLayers, check_fsdp_composition, dp_mesh
-from ..runtime.fault import CollectiveLedger, install as install_failure_board, step_region
+from ..runtime.fault import install as install_failure_board, step_region
+from ..runtime.ledger import CollectiveLedger
 from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
 from ..runtime.groups import PipelineGroups, groups_of_layout
 from ..runtime.materialize import meta_init_context
