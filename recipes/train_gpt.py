@@ -352,6 +352,7 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         "train_loss": last("train_loss"),
         "val_loss": last("val_loss"),
         "val_ppl": last("val_ppl"),
+        "val_acc": last("val_acc"),  # next-token accuracy (the model's pipeline_eval_step)
         "val_step": stats.last_val_step,
         "tokens_per_sec_mean": tps_mean,
         "tokens_per_sec_source": tps_source,
@@ -383,6 +384,7 @@ def summary_text(s: dict) -> str:
         + (f" schedule={s['schedule']}" if s["schedule"] else ""),
         f"  train_loss {f(s['train_loss'], '.4f')} | val_loss {f(s['val_loss'], '.4f')} | "
         f"val_ppl {f(s['val_ppl'], '.2f')}"
+        + (f" | val_acc {s['val_acc']:.3f}" if s.get("val_acc") is not None else "")
         + (f" (validated at step {s['val_step']})" if s["val_step"] is not None else ""),
         f"  tokens/s (mean) {f(s['tokens_per_sec_mean'], ',.0f')} | train {f(s['train_time_s'], '.1f')} s | "
         f"wall {s['wall_time_s']:.1f} s",

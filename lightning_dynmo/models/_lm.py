@@ -11,7 +11,11 @@ import warnings
 
 import lightning as L
 import torch
+from torch import nn
 from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from ..protocol.activations import run_layers
 
 from .vocab_head import IGNORE_INDEX
 
@@ -53,9 +57,12 @@ class CausalLMModule(L.LightningModule):
     updated it).
     """
 
-    def _init_eval_metric(self) -> None:
+    def _init_eval_metric(self, vocab_size: int) -> None:
         with torch.device("cpu"):  # a real tensor even when the layers are built on the meta device
             self.val_loss_mean = MeanMetric()
+            self.token_accuracy = nn.ModuleDict({stage: MulticlassAccuracy(vocab_size, average="micro",
+                                                                           ignore_index=IGNORE_INDEX)
+                                                 for stage in ("val", "test")})
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -81,10 +88,23 @@ class CausalLMModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.lm_loss(x, y)
+        output = run_layers(self.pipeline_layers(), self.pipeline_inputs(x, y))  # what the last stage sees
+        loss = self.pipeline_loss(output, y)
         self.val_loss_mean.update(loss.detach(), weight=self.pipeline_loss_tokens(y))  # padding weighs nothing
         self.log("val_loss", loss, prog_bar=True, batch_size=x.size(0))
+        self.pipeline_eval_step(output, batch, batch_idx, "val")
         return loss
+
+    def pipeline_eval_step(self, output: torch.Tensor, batch, batch_idx, stage: str) -> None:
+        """The next-token accuracy (``{stage}_acc``, targets -100 not counted) from the last
+        layer's logits: DynMoStrategy calls it on the last stage's ranks (``validation_step``
+        here). A chunked head's last layer returns per-token losses, not logits: no accuracy."""
+        target = batch[1]
+        if output.dim() != target.dim() + 1:
+            return
+        accuracy = self.token_accuracy[stage]
+        accuracy.update(output.argmax(-1), target)
+        self.log(f"{stage}_acc", accuracy, on_step=False, on_epoch=True, batch_size=target.size(0))
 
     def on_pipeline_eval_loss(self, stage: str, loss: torch.Tensor, tokens: int) -> None:
         """Called by DynMoStrategy, which evaluates through the pipeline instead of calling

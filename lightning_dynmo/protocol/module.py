@@ -29,6 +29,10 @@ same on every rank:
 * ``on_pipeline_train_loss(loss, batch, batch_idx)`` after each training step (the step's loss);
 * ``on_pipeline_eval_loss(stage, loss, tokens)`` for each validation (``"val"``) or test batch.
 
+Metrics beyond the loss come from ``pipeline_eval_step(output, batch, batch_idx, stage)``, called
+on the last stage's ranks with the last layer's output for the batch; its ``self.log`` calls and
+torchmetrics reach every rank (``strategy/eval_metrics.py``).
+
 Under ``trainer.predict`` the module's ``predict_step`` is not called either: a prediction is the
 last layer's output, or what an optional ``pipeline_predict(output, batch, batch_idx)`` makes of
 it on the last stage's rank (``strategy/predict.py``).

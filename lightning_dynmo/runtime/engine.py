@@ -336,10 +336,14 @@ class PipelineEngine:
         self.has_first = any(st.is_first for st in self.stages)
         self.has_last = any(st.is_last for st in self.stages)
         self.last_step_seconds = 0.0
+        self.output: object | None = None  # the last evaluation's output (run(..., keep_output=True))
 
-    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True) -> list[torch.Tensor] | None:
+    def run(self, inputs: torch.Tensor, targets: torch.Tensor, train: bool = True,
+            keep_output: bool = False) -> list[torch.Tensor] | None:
         """Run one step over the whole batch; returns per-micro-batch losses on the last-stage rank.
-        A protocol problem a stage met is left in :attr:`problem` for the step's collective."""
+        A protocol problem a stage met is left in :attr:`problem` for the step's collective. An
+        evaluation run with ``keep_output`` also leaves the last layer's output for the whole batch
+        (micro-batches merged along dim 0) in :attr:`output` on the last-stage rank."""
         args = first_stage_inputs(inputs, targets, self.inputs_fn) if self.has_first else ()
         self.problems.clear()
         target = targets if self.has_last else None
@@ -356,7 +360,8 @@ class PipelineEngine:
                             p.grad.div_(self.microbatches)
         else:
             with torch.no_grad():
-                self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+                output = self.schedule.eval(*args, target=target, losses=losses, return_outputs=keep_output)
+            self.output = output if keep_output and self.has_last else None
         self.last_step_seconds = time.perf_counter() - t0
         return losses if self.has_last else None
 

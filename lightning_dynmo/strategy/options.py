@@ -384,13 +384,11 @@ def batch_statistics_warning(layers) -> str | None:
             "RMSNorm) trains the same either way.")
 
 
-def skipped_training_step_warning(module) -> str | None:
-    """The warning to give when ``module.training_step`` holds logic the pipeline will skip
-    (None: it does not define one, or it defines ``on_pipeline_train_loss``, the documented hook
-    for per-step logic under the pipeline)."""
-    cls = type(module)
-    step = getattr(cls, "training_step", None)
-    if step is None or step is L.LightningModule.training_step or callable(getattr(module, "on_pipeline_train_loss", None)):
+def _skipped_step_calls(module, step_name: str, hook_name: str) -> set[str] | None:
+    """What ``module.<step_name>`` does beyond computing the loss (None: nothing is lost by
+    skipping it, or the module defines ``hook_name``, the hook that takes its place)."""
+    step = getattr(type(module), step_name, None)
+    if step is None or step is getattr(L.LightningModule, step_name) or callable(getattr(module, hook_name, None)):
         return None
     calls = set()
     try:
@@ -399,10 +397,46 @@ def skipped_training_step_warning(module) -> str | None:
                 calls.add(ins.argval)
     except TypeError:
         pass
-    if not calls - _PIPELINE_NAMES:
-        return None  # only computes the loss, which the pipeline does itself
+    return calls if calls - _PIPELINE_NAMES else None  # only the loss, which the pipeline computes itself
+
+
+def _noted_calls(calls: set[str]) -> str:
     noted = sorted(n for n in calls if n.startswith("log") or n in ("manual_backward", "optimizers", "toggle_optimizer"))
-    what = f" (it calls {', '.join('self.' + n for n in noted)})" if noted else ""
+    return f" (it calls {', '.join('self.' + n for n in noted)})" if noted else ""
+
+
+def skipped_eval_step_warning(module, stage: str) -> str | None:
+    """The warning to give when ``validation_step`` (``stage="val"``) or ``test_step`` holds
+    logic the pipeline will skip (None: it does not, or the module defines ``pipeline_eval_step``)."""
+    step_name = "validation_step" if stage == "val" else "test_step"
+    calls = _skipped_step_calls(module, step_name, "pipeline_eval_step")
+    if calls is None:
+        return None
+    return (
+        f"{type(module).__name__}.{step_name} is not called under DynMoStrategy{_noted_calls(calls)}: the pipeline "
+        f"runs pipeline_layers() and pipeline_loss() itself and logs {stage}_loss. Move metrics and other per-batch "
+        "logic into `def pipeline_eval_step(self, output, batch, batch_idx, stage)`, which the strategy calls on the "
+        "last stage's ranks with the last layer's output; its self.log calls and torchmetrics reach every rank "
+        "(defining it also silences this warning)."
+    )
+
+
+def warn_skipped_eval_steps(module, stages: tuple[str, ...]) -> None:
+    """At setup: one warning per evaluation step of ``stages`` whose logic the pipeline skips."""
+    for stage in stages:
+        message = skipped_eval_step_warning(module, stage)
+        if message:
+            rank_zero_warn(message)
+
+
+def skipped_training_step_warning(module) -> str | None:
+    """The warning to give when ``module.training_step`` holds logic the pipeline will skip
+    (None: it does not define one, or it defines ``on_pipeline_train_loss``, the documented hook
+    for per-step logic under the pipeline)."""
+    calls = _skipped_step_calls(module, "training_step", "on_pipeline_train_loss")
+    if calls is None:
+        return None
+    cls, what = type(module), _noted_calls(calls)
     return (
         f"{cls.__name__}.training_step is not called under DynMoStrategy{what}: the pipeline runs "
         "pipeline_layers() and pipeline_loss() itself and logs train_loss. Move per-step logic such as "

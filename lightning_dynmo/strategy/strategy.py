@@ -67,7 +67,7 @@ from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
 from ..callbacks.pruning import GradualPruning
-from .options import DpSharding, PipelineOptions, StartMethod, check_fit, check_module
+from .options import DpSharding, PipelineOptions, StartMethod, check_fit, check_module, warn_skipped_eval_steps
 from .partial_batch import BatchSizes
 from .predict import predict_batch
 from .rebalancer import Rebalancer
@@ -245,6 +245,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.full_state_shapes = checkpoint.whole_model_state_shapes(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        warn_skipped_eval_steps(module, {TrainerFn.FITTING: ("val",), TrainerFn.VALIDATING: ("val",),
+                                         TrainerFn.TESTING: ("test",)}.get(trainer.state.fn, ()))
         if fitting:
             check_fit(module, layers, self.global_rank, trainer.callbacks)
             # Built once on the full model: every parameter's group and hyper-parameters are known
@@ -411,7 +413,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
     def _eval_step(self, stage: str, *args: Any, **kwargs: Any):
         where = f"{'validation' if stage == 'val' else 'test'} batch {_batch_idx(args, kwargs)}"
         with step_region(where):  # a rank that fails or stalls here is named to its peers, as in training
-            return eval_batch(self, stage, args[0] if args else kwargs["batch"])  # strategy/evaluation.py
+            return eval_batch(self, stage, args[0] if args else kwargs["batch"],  # strategy/evaluation.py
+                              _batch_idx(args, kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any):

@@ -19,6 +19,10 @@ EXPECTED = {
     "no_protocol": r"PipelineProtocolError: .*does not define pipeline_layers and pipeline_loss",
     "partition_does_not_fit": r"ValueError: partition \(0, 2, 4\) does not split 5 layers into 2 stages",
     "predict_hook_raises": r"RuntimeError: RaisingGPT.pipeline_predict raised ValueError: no prediction for batch 0",
+    "eval_hook_raises": r"RuntimeError: EvalStepGPT.pipeline_eval_step raised ValueError: no metric for batch 0",
+    "eval_metric_mean_state": r"ValueError: pipeline_eval_step's metrics cannot be synchronised exactly .*odd_metric "
+                              r"\(MeanStateMetric\) reduces its state 'value' by 'dim_zero_mean'",
+    "eval_metric_sync_on_step": r"ValueError: odd_metric \(MeanMetric\) has dist_sync_on_step=True",
     "manual_optimisation": r"PipelineProtocolError: .*needs automatic optimisation",
     "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
     "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different batches \(step 0\)",

@@ -320,30 +320,36 @@ def test_memory_capacity_refuses_live_rebalancing_that_cannot_fit(two_rank_resul
     check_against_reference(res, cfg)
 
 
-def _eval_reference(cfg: dict, state_path: str, dp: int) -> tuple[float, float, float]:
-    """Single-process validation (its first ``val_batches`` batches, as in fit: val_loss, val_ppl)
-    and test (every batch) of the final weights on the same data (the union of the replicas' batches)."""
+def _eval_reference(cfg: dict, state_path: str, dp: int) -> tuple[dict, dict]:
+    """Single-process validation (its first ``val_batches`` batches, as in fit: val_loss, val_ppl,
+    val_acc) and test (every batch: test_loss, test_acc) of the final weights on the same data (the
+    union of the replicas' batches)."""
     model = GPTWithTest(**make_model(cfg).hparams)
     model.load_state_dict(torch.load(state_path))
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=cfg["evaluate"]["val_batches"])
     val = trainer.validate(model, eval_loader(cfg, cfg["batch"] * dp), verbose=False)[0]
-    test = trainer.test(model, eval_loader(cfg, cfg["batch"] * dp), verbose=False)[0]["test_loss"]
-    return val["val_loss"], val["val_ppl"], test
+    test = trainer.test(model, eval_loader(cfg, cfg["batch"] * dp), verbose=False)[0]
+    return val, test
 
 
 def check_evaluation(res: dict, cfg: dict) -> None:
     """Validation inside ``fit`` (and ``trainer.test`` after it), through the pipeline, equal
-    single-process evaluation of the same weights."""
-    val, ppl, test = _eval_reference(cfg, res["state"], res["dp"])
-    assert res["metrics"]["val_loss"] == pytest.approx(val, rel=RTOL)
+    single-process evaluation of the same weights: the loss, and the model's own torchmetrics
+    (``pipeline_eval_step`` on the last stage), on every rank."""
+    val, test = _eval_reference(cfg, res["state"], res["dp"])
+    assert res["metrics"]["val_loss"] == pytest.approx(val["val_loss"], rel=RTOL)
     # the model's own metric: batches weighted by their counted targets (by batch size without padding)
-    assert res["metrics"]["val_ppl"] == pytest.approx(ppl, rel=RTOL)
+    assert res["metrics"]["val_ppl"] == pytest.approx(val["val_ppl"], rel=RTOL)
     if not cfg.get("padded"):
-        assert ppl == pytest.approx(math.exp(val), rel=RTOL)
+        assert val["val_ppl"] == pytest.approx(math.exp(val["val_loss"]), rel=RTOL)
+    # token accuracy: a MulticlassAccuracy updated on the last stage only, the same on every rank
+    assert 0 < val["val_acc"] < 1
+    assert res["val_acc_per_rank"] == [pytest.approx(val["val_acc"], abs=1e-7)] * len(res["val_acc_per_rank"])
     if cfg["evaluate"].get("test"):
         assert "test_error" not in res, res["test_error"]
-        assert res["test_metrics"]["test_loss"] == pytest.approx(test, rel=RTOL)
+        assert res["test_metrics"]["test_loss"] == pytest.approx(test["test_loss"], rel=RTOL)
+        assert res["test_metrics"]["test_acc"] == pytest.approx(test["test_acc"], abs=1e-7)
 
 
 def test_validation_after_migrations_equals_single_process(two_rank_results):

@@ -14,8 +14,10 @@ class GPTWithTest(GPT):
 
     def test_step(self, batch, batch_idx):
         x, y = batch
-        loss = self.pipeline_loss(self(x), y)
+        output = self(x)
+        loss = self.pipeline_loss(output, y)
         self.log("test_loss", loss, batch_size=x.size(0))
+        self.pipeline_eval_step(output, batch, batch_idx, "test")  # test_acc, as the pipeline logs it
         return loss
 
 

@@ -93,7 +93,7 @@ class GPT(CausalLMModule):
         if cfg.tie_embeddings:  # after init: the embedding's values win (the head's draw is dropped)
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
-        self._init_eval_metric()
+        self._init_eval_metric(self.config.vocab_size)
         self._layers_built(GPT)
 
     def _layers_built(self, cls: type) -> None:

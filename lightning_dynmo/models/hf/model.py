@@ -251,7 +251,7 @@ class HFCausalLM(CausalLMModule):
         if self.head_chunks > 1:  # checkpoints name the head as one matrix, whatever head_chunks is
             self._register_state_dict_hook(merge_head_hook)
             self._register_load_state_dict_pre_hook(split_head_hook, with_module=True)
-        self._init_eval_metric()
+        self._init_eval_metric(head.out_features)
         if self._checkpoint is not None:
             self._check_checkpoint()
         if real:  # single process (or a build on a real device): initialise every layer now

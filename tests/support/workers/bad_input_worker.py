@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -150,6 +151,40 @@ def predict_raising():
     trainer.predict(model, make_loader(CFG, 8))
 
 
+class MeanStateMetric(torchmetrics.Metric):
+    """A metric whose state syncs by averaging: not exact when only the last stage updates it."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("value", default=torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, output):
+        self.value += output.float().mean()
+
+    def compute(self):
+        return self.value
+
+
+def validate_eval_step(how: str):
+    """``trainer.validate`` whose ``pipeline_eval_step`` raises, or uses a metric that cannot be
+    synchronised exactly from the last stage: every rank raises the same error."""
+    from lightning_dynmo.models import GPT
+
+    class EvalStepGPT(GPT):
+        def pipeline_eval_step(self, output, batch, batch_idx, stage):
+            if how == "raises":
+                raise ValueError(f"no metric for batch {batch_idx}")
+            self.odd_metric.update(output)
+            self.log("odd", self.odd_metric)
+
+    model = EvalStepGPT(**make_model(CFG).hparams)
+    model.odd_metric = (torchmetrics.MeanMetric(dist_sync_on_step=True) if how == "sync_on_step"
+                        else MeanStateMetric())
+    trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, timeout=8), accelerator="cpu",
+                        devices=2, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(model, make_loader(CFG, 8), verbose=False)
+
+
 def damaged_checkpoint(out_dir: str, how: str) -> str:
     """A real checkpoint of this model (2 steps on 2 ranks), damaged by rank 0; every rank waits."""
     import torch.distributed as dist
@@ -177,6 +212,9 @@ CASES = {
     "no_protocol": lambda out: fit(model=NoProtocol()),
     "partition_does_not_fit": lambda out: fit(partition=[0, 2, 4]),  # covers 4 of the 5 layers
     "predict_hook_raises": lambda out: predict_raising(),
+    "eval_hook_raises": lambda out: validate_eval_step("raises"),
+    "eval_metric_mean_state": lambda out: validate_eval_step("mean_state"),
+    "eval_metric_sync_on_step": lambda out: validate_eval_step("sync_on_step"),
     "manual_optimisation": lambda out: fit(model=manual_optimisation_model()),
     "parameter_outside_layers": lambda out: fit(model=parameter_outside_layers_model()),
     "different_batches": lambda out: fit(loader=per_rank_shuffled_loader(8), trainer_kw={"use_distributed_sampler": False}),

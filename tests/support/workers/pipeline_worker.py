@@ -268,7 +268,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
              list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel,
-             (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))))
+             (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))),
+             metrics.get("val_acc"))
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     state = trainer.strategy.lightning_module_state_dict()
@@ -282,6 +283,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "repack_to_returned_per_rank": [x[8] for x in per_rank],
               "local_param_numel_per_rank": [x[9] for x in per_rank],
               "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
+              "val_acc_per_rank": [x[11] for x in per_rank],  # pipeline_eval_step's metric as each rank logged it
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
