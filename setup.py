@@ -9,6 +9,8 @@ from setuptools import find_packages, setup
 from cpp.build import extension_modules, build_ext_cmdclass  # noqa: E402  (owned by cpp/)
 
 HF_REQUIRES = ["transformers>=5.0", "safetensors>=0.4"]  # neither pulls torch
+# LightningCLI (recipes/cli_gpt.py); the range of lightning 2.6's own extra, pulls no torch
+CLI_REQUIRES = ["jsonargparse[signatures]>=4.39.0,<5.0"]
 
 setup(
     name="lightning_dynmo",
@@ -31,8 +33,10 @@ setup(
     extras_require={
         # lightning_dynmo.models.hf (Hugging Face GPT-2 / Llama / Mistral); tested with transformers 5.24
         "hf": HF_REQUIRES,
-        # the test suite runs the Hugging Face tests too, so a clean clone skips only CUDA tests
-        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja", *HF_REQUIRES],
+        # Lightning's own command line, LightningCLI (its `jsonargparse[signatures]` requirement)
+        "cli": CLI_REQUIRES,
+        # the test suite runs the Hugging Face and LightningCLI tests too, so a clean clone skips only CUDA tests
+        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja", *HF_REQUIRES, *CLI_REQUIRES],
     },
     # DYNMO_SKIP_EXTENSION=1: no kernels (scripts/test_lowest_torch.sh's second environment, whose
     # torch must not rebuild the in-tree module the main environment imports)

@@ -5,13 +5,11 @@ docstrings), so the page cannot drift from the code; ``tests/unit/test_options_d
 """
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
 from dataclasses import MISSING, fields
 from enum import Enum
 
 from .options import PipelineOptions
+from .signature import field_docs
 
 HEADER = """# DynMoStrategy options
 
@@ -19,25 +17,16 @@ Generated from `PipelineOptions` (`lightning_dynmo/strategy/options.py`) by
 `python -m lightning_dynmo.strategy.options_doc > docs/options.md`; do not edit by hand.
 Pass any of them to `DynMoStrategy(...)`, or in the Hydra recipe as `strategy.<name>=<value>`
 (the structured config `dynmo_options` is registered from the same dataclass; the
-recipe's own overrides are in `conf/strategy/dynmo.yaml`). Lightning's own strategy arguments
-(`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision_plugin`)
-are accepted too.
+recipe's own overrides are in `conf/strategy/dynmo.yaml`), or under Lightning's `LightningCLI`
+(`recipes/cli_gpt.py`, `pip install -e ".[cli]"`) as `--trainer.strategy.<name>=<value>` after
+`--trainer.strategy=lightning_dynmo.DynMoStrategy` (the strategy's signature lists them, made from
+the same dataclass; `--trainer.strategy.help lightning_dynmo.DynMoStrategy` prints this table's
+meanings). Lightning's own strategy arguments (`accelerator`, `parallel_devices`,
+`cluster_environment`, `checkpoint_io`, `precision_plugin`) are accepted too.
 
 | option | default | meaning |
 |---|---|---|
 """
-
-
-def field_docs(cls: type = PipelineOptions) -> dict[str, str]:
-    """Each dataclass field's docstring (the string literal right after it), as one line."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
 
 
 def default_text(value) -> str:

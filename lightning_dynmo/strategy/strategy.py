@@ -28,7 +28,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -71,6 +74,7 @@ from .options import DpSharding, PipelineOptions, StartMethod, check_fit, check_
 from .partial_batch import BatchSizes
 from .predict import predict_batch
 from .rebalancer import Rebalancer
+from .signature import expose_options
 from .recorder import dynmo_summary_text, log_step, notify_released
 from .state import Relayout
 from .step_guard import check_before_run, check_closure_optimizers, evaluated_once, waiting_hint
@@ -87,8 +91,10 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
 
     strategy_name = "dynmo"
 
-    def __init__(self, accelerator=None, parallel_devices: list[torch.device] | None = None, cluster_environment=None,
-                 checkpoint_io=None, precision_plugin=None, **options: Any) -> None:
+    @expose_options  # the options as keyword-only parameters in the visible signature (LightningCLI reads it)
+    def __init__(self, accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, **options: Any) -> None:
         """Lightning's own arguments, then any :class:`PipelineOptions` field by name (its default,
         type and meaning are written there, once); unknown names fail naming the closest option."""
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+from lightning.pytorch.callbacks import (EMAWeightAveraging, LearningRateMonitor, ModelCheckpoint, ModelPruning,
+                                         StochasticWeightAveraging, WeightAveraging)
 
 from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.plan.policy import Rebalance
 from lightning_dynmo.protocol import PipelineProtocolError, pipeline_layers_of
+from lightning_dynmo.strategy.options import check_fit
 
 
 def test_unknown_schedule_lists_valid_ones():
@@ -150,3 +154,29 @@ def test_dcp_refuses_a_model_that_keeps_a_parameter_in_pieces():
 
     with pytest.raises(ValueError, match="checkpoint_format='dcp' does not support Chunked yet.*checkpoint_format='single'"):
         check_model_supported(Chunked())
+
+
+class _EveryOtherStep(WeightAveraging):
+    """A user's own averaging (the pattern Lightning's docs show): refused like Lightning's."""
+
+    def should_update(self, step_idx=None, epoch_idx=None):
+        return step_idx is not None and step_idx % 2 == 0
+
+
+@pytest.mark.parametrize("callback", [EMAWeightAveraging(), WeightAveraging(), _EveryOtherStep(),
+                                      StochasticWeightAveraging(swa_lrs=1e-2)], ids=lambda c: type(c).__name__)
+def test_weight_averaging_callbacks_are_refused_at_fit_setup(callback):
+    """Each keeps an averaged copy of the whole module and zips it with the module's parameters: under the
+    pipeline a rank holds only its layers (the zip pairs the wrong tensors) and layers move between ranks."""
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+    name = type(callback).__name__
+    with pytest.raises(ValueError, match=rf"^rank 3: DynMoStrategy cannot train with {name}: it keeps an averaged copy "
+                                         r"of the whole module.*layers move between ranks.*not supported yet"):
+        check_fit(model, pipeline_layers_of(model), 3, [ModelCheckpoint(), callback])
+
+
+def test_model_pruning_is_refused_naming_gradual_pruning_and_other_callbacks_pass():
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+    with pytest.raises(ValueError, match=r"ModelPruning: .*Use lightning_dynmo.callbacks.GradualPruning"):
+        check_fit(model, pipeline_layers_of(model), 0, [ModelPruning("l1_unstructured")])
+    check_fit(model, pipeline_layers_of(model), 0, [ModelCheckpoint(), LearningRateMonitor()])
