@@ -351,6 +351,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
                 self.profiler.begin_step()
                 losses = unscale_losses(self.precision_plugin, engine.run(inputs, targets, train=True))
                 losses = self._window.batch_losses(losses)  # each batch's loss, not divided by k
+            if self.sharded_layers is not None:  # the zeros FSDP reduced for a parameter no replica used
+                self.sharded_layers.drop_never_graded(self.data_parallel_group)
             self._held_grads.hold(module.parameters())
             busy, wall, problem = sum(self.profiler.busy_seconds().values()), engine.last_step_seconds, engine.problem
             loads = collect_load_factors(self._layers, self.local_layer_indices())

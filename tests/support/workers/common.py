@@ -50,7 +50,19 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
     cls = SGDGPT if cfg.get("optimizer") == "sgd" and cls is GPT else cls
-    return cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+    model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+    add_unused_parameters(model, cfg.get("unused", ()))
+    return model
+
+
+def add_unused_parameters(model, unused) -> None:
+    """``unused``: ``[[layer, shape], ...]``: a parameter ``unused`` of that shape on each pipeline
+    layer, which no forward reads (it never gets a gradient anywhere). A 2-D one falls in the
+    weight-decayed optimizer group, a 1-D one in the other; one process leaves both untouched."""
+    layers = model.pipeline_layers()
+    for k, (layer, shape) in enumerate(unused):
+        g = torch.Generator().manual_seed(1000 + k)
+        layers[int(layer)].register_parameter("unused", torch.nn.Parameter(torch.randn(*shape, generator=g)))
 
 
 class EpochPermutation(torch.utils.data.Sampler):
