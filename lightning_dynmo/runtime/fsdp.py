@@ -43,12 +43,13 @@ token reached, the layers past an early exit, a weight no forward uses): one pro
 a parameter's ``.grad`` at ``None``, so AdamW creates no state for it, does not decay it and does
 not count the step. Each unit's post-backward therefore first notes which parameters have a
 gradient of their own (:meth:`ShardedLayers.watch`, the same test FSDP2 makes before it
-substitutes zeros), and after the batch's schedule :meth:`ShardedLayers.drop_never_graded` agrees
-on them in one small all-reduce over the dp group (a flag per local parameter; every replica
-holds the same layers in the same order) and sets ``.grad = None`` where no replica had one. Per
-batch, so under gradient accumulation a parameter graded in any batch of the window keeps that
-batch's gradient (the window adds it to the others'), and a layer that moves mid-window carries
-``None`` exactly where one process would have it.
+substitutes zeros), and in the batch's ``backward`` (every rank has passed the step's problem
+check by then) :meth:`ShardedLayers.drop_never_graded` agrees on them in one small all-reduce
+over the dp group (a flag per local parameter; every replica holds the same layers in the same
+order) and sets ``.grad = None`` where no replica had one. Per batch, so under gradient
+accumulation a parameter graded in any batch of the window keeps that batch's gradient (the
+window adds it to the others'), and a layer that moves mid-window carries ``None`` exactly where
+one process would have it. Clipping is unaffected: zeros add nothing to the global norm.
 
 Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded parameter's
 ``requires_grad`` to its unsharded one at every all-gather, so a frozen layer's parameters build
@@ -160,8 +161,9 @@ class ShardedLayers:
             group.post_backward = post_backward
 
     def drop_never_graded(self, group) -> None:
-        """After a batch's schedule: ``.grad = None`` for each parameter that no replica of ``group``
-        (the stage's dp group) produced a gradient for (one all-reduce of a flag per parameter)."""
+        """After a batch's schedule, before its gradients join the accumulation window's:
+        ``.grad = None`` for each parameter that no replica of ``group`` (the stage's dp group)
+        produced a gradient for (one all-reduce of a flag per parameter; collective)."""
         params = [p for layer in self.layers if isinstance(layer, FSDPModule)
                   for p in layer.parameters() if p.grad is not None]
         graded, self._graded = self._graded, set()
