@@ -148,7 +148,12 @@ class ShardedLayers:
     def watch(self, unit: FSDPModule) -> None:
         """Note, at each of ``unit``'s post-backwards and before FSDP2 reduces, which of its
         parameters have a gradient of their own (not the zeros it reduce-scatters for the others)."""
-        for group in fully_shard.state(unit)._fsdp_param_groups:
+        groups = getattr(fully_shard.state(unit), "_fsdp_param_groups", None)
+        if groups is None or not all(hasattr(g, "post_backward") and hasattr(g, "fsdp_params") for g in groups):
+            raise RuntimeError(f"torch {torch.__version__}: FSDP2's per-unit post-backward is not where "
+                               "dp_sharding='fsdp' notes which parameters got a gradient (FSDPState._fsdp_param_groups"
+                               "[i].post_backward / .fsdp_params); use dp_sharding='replicate' with this torch")
+        for group in groups:
             real = group.post_backward
 
             def post_backward(*args, group=group, real=real):
