@@ -8,7 +8,8 @@ Three schedules run in one torchrun job. The same job checks that state really i
 what ``dp_sharding="fsdp"`` refuses at setup. Every run's model has two parameters no forward
 uses, on layers that migrate (a 2-D weight-decayed one and a 1-D one): they must end as in one
 process, with their original values and no optimizer state (FSDP reduce-scatters zeros for them;
-the strategy sets their gradient back to ``None``, runtime/fsdp.py).
+the strategy sets their gradient back to ``None``, runtime/fsdp.py). An early-exit run where every
+token leaves after block 1 does the same for whole layers (blocks 2-5, which migrate).
 
 Tolerance: FSDP reduce-scatters each batch's gradients when its schedule ends (torch's pipelining
 reduces at every step's last backward), so an accumulation window sums the replicas' gradients
@@ -47,6 +48,9 @@ RUNS = {
                         rebalance="every_n", balancer="test_cycle"),
     "1f1b_no_accumulation": base(dp_sharding="fsdp", unused=UNUSED, accumulate=1, partition=[0, 6, 9],
                                  rebalance="every_n", balancer="test_cycle"),
+    # every token exits after block 1 (cos > -1 always holds): blocks 2-5 get no gradient anywhere
+    "early_exit": base(dp_sharding="fsdp", accumulate=1, partition=[0, 6, 9], rebalance="every_n",
+                       balancer="test_cycle", early_exit={"exit_layers": [1], "exit_threshold": -1.0}),
 }
 ACCUMULATING = [n for n in RUNS if RUNS[n]["accumulate"] > 1]
 
@@ -94,7 +98,7 @@ def _optimizer_index(cfg: dict) -> dict[str, int]:
     return {names[id(p)]: i for i, p in enumerate(order)}
 
 
-@pytest.mark.parametrize("schedule", list(RUNS))
+@pytest.mark.parametrize("schedule", [n for n in RUNS if RUNS[n].get("unused")])
 def test_parameters_no_forward_uses_are_left_alone(four_rank, schedule):
     """As in one process: no weight decay (the 2-D one), no Adam state or step count (both), after
     migrations with them (and inside accumulation windows). Without the strategy's correction
@@ -108,3 +112,20 @@ def test_parameters_no_forward_uses_are_left_alone(four_rank, schedule):
         name = f"layers.{layer}.unused"
         assert torch.equal(state[name], init[name]), name
         assert index[name] not in optim, (name, optim.get(index[name]))
+
+
+def test_layers_past_an_early_exit_train_as_in_one_process(four_rank):
+    """Whole layers without a gradient on any replica (every token exited before them), moving
+    between stages: equal to one process, and left as they were (no state, no decay)."""
+    cfg, res = four_rank["early_exit"]
+    assert res["dp"] == 2 and migrations(res) == STEPS - 1
+    check_accumulation(res, cfg, replica_averages=0, close=assert_close)
+    state, init = torch.load(res["state"]), make_model(cfg).state_dict()
+    optim = torch.load(res["optim"], weights_only=False)["state"]
+    index = _optimizer_index(cfg)
+    deep = [n for n in index if n.split(".")[1] in {"3", "4", "5", "6"}]  # blocks 2-5 (layer 0: the embedding)
+    assert len(deep) > 4
+    for name in deep:
+        assert torch.equal(state[name], init[name]), name
+        assert index[name] not in optim, name
+    assert any(index[n] in optim for n in index if n.split(".")[1] == "2")  # block 1 (the exit) trained

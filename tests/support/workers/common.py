@@ -13,7 +13,7 @@ import lightning as L
 
 from lightning_dynmo import Partition, register_balancer
 from lightning_dynmo.plan.balancers import BalanceResult
-from lightning_dynmo.models import GPT, GPTConfig
+from lightning_dynmo.models import GPT, EarlyExitGPT, GPTConfig
 
 
 class SGDGPT(GPT):
@@ -35,7 +35,8 @@ class SGDGPT(GPT):
 def make_model(cfg: dict, cls: type = GPT) -> GPT:
     """The test GPT; ``cfg["gpt"]``: further GPTConfig fields; ``cfg["tied"]``: the LM head shares
     the token embedding's weight (GPT-2's tying), so the parameter is used by the first and the
-    last pipeline layer."""
+    last pipeline layer; ``cfg["early_exit"]``: an EarlyExitGPT with these kwargs (same weights);
+    ``cfg["unused"]``: see :func:`add_unused_parameters`."""
     n_layer = cfg.get("n_layer", 6)
     config = GPTConfig(
         vocab_size=64,
@@ -50,7 +51,10 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
     cls = SGDGPT if cfg.get("optimizer") == "sgd" and cls is GPT else cls
-    model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+    kw = {}
+    if cfg.get("early_exit") and cls is GPT:  # EarlyExitGPT kwargs (exit_layers, exit_threshold)
+        cls, kw = EarlyExitGPT, dict(cfg["early_exit"])
+    model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0), **kw)
     add_unused_parameters(model, cfg.get("unused", ()))
     return model
 
