@@ -38,6 +38,19 @@ reduce-scatters zeros for a trainable parameter without a gradient
 which is what ``replicate`` computes too (an absent gradient counts as zero in the replicas'
 average). Frozen parameters (``requires_grad=False``) are left out on every replica alike.
 
+Those zeros must not outlive the reduce-scatter where *no* replica had a gradient (an expert no
+token reached, the layers past an early exit, a weight no forward uses): one process leaves such
+a parameter's ``.grad`` at ``None``, so AdamW creates no state for it, does not decay it and does
+not count the step. Each unit's post-backward therefore first notes which parameters have a
+gradient of their own (:meth:`ShardedLayers.watch`, the same test FSDP2 makes before it
+substitutes zeros), and in the batch's ``backward`` (every rank has passed the step's problem
+check by then) :meth:`ShardedLayers.drop_never_graded` agrees on them in one small all-reduce
+over the dp group (a flag per local parameter; every replica holds the same layers in the same
+order) and sets ``.grad = None`` where no replica had one. Per batch, so under gradient
+accumulation a parameter graded in any batch of the window keeps that batch's gradient (the
+window adds it to the others'), and a layer that moves mid-window carries ``None`` exactly where
+one process would have it. Clipping is unaffected: zeros add nothing to the global norm.
+
 Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded parameter's
 ``requires_grad`` to its unsharded one at every all-gather, so a frozen layer's parameters build
 no graph and get no gradient, and :func:`~lightning_dynmo.dynamic.freeze_layer` pops their
@@ -77,6 +90,10 @@ def whole(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def shard_like(t: torch.Tensor, like: DTensor) -> DTensor:
     """This rank's piece of the whole tensor ``t`` laid out as ``like`` (no communication: every
     rank of the mesh holds the same ``t``)."""
@@ -102,6 +119,7 @@ class ShardedLayers:
         self.optimizers = list(optimizers)
         self.optimizer_layout = optimizer_layout
         self._plain: dict[int, nn.Module] = {}  # layer index -> its structure before sharding (meta)
+        self._graded: set[int] = set()  # ids of sharded parameters that had a local gradient this batch
 
     def _prefix(self, i: int) -> str:
         return f"{self.layers_attr}.{i}."
@@ -117,6 +135,7 @@ class ShardedLayers:
             self._plain[i] = _meta_skeleton(layer)
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
             layer.set_reduce_scatter_unused_params(True)  # see the module docstring: unused parameters
+            self.watch(layer)
             for name, p in layer.named_parameters():
                 old = before[name]
                 if old.grad is not None:
@@ -125,6 +144,41 @@ class ShardedLayers:
                 if self.optimizer_layout is not None:
                     self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, old, p,
                                                         lambda t, p=p: shard_like(t, p))
+
+    def watch(self, unit: FSDPModule) -> None:
+        """Note, at each of ``unit``'s post-backwards and before FSDP2 reduces, which of its
+        parameters have a gradient of their own (not the zeros it reduce-scatters for the others)."""
+        groups = getattr(fully_shard.state(unit), "_fsdp_param_groups", None)
+        if groups is None or not all(hasattr(g, "post_backward") and hasattr(g, "fsdp_params") for g in groups):
+            raise RuntimeError(f"torch {torch.__version__}: FSDP2's per-unit post-backward is not where "
+                               "dp_sharding='fsdp' notes which parameters got a gradient (FSDPState._fsdp_param_groups"
+                               "[i].post_backward / .fsdp_params); use dp_sharding='replicate' with this torch")
+        for group in groups:
+            real = group.post_backward
+
+            def post_backward(*args, group=group, real=real):
+                for fp in group.fsdp_params:
+                    if fp.unsharded_accumulated_grad is not None or (
+                            hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None):
+                        self._graded.add(id(fp.sharded_param))
+                return real(*args)
+
+            group.post_backward = post_backward
+
+    def drop_never_graded(self, group) -> None:
+        """After a batch's schedule, before its gradients join the accumulation window's:
+        ``.grad = None`` for each parameter that no replica of ``group`` (the stage's dp group)
+        produced a gradient for (one all-reduce of a flag per parameter; collective)."""
+        params = [p for layer in self.layers if isinstance(layer, FSDPModule)
+                  for p in layer.parameters() if p.grad is not None]
+        graded, self._graded = self._graded, set()
+        if not params:
+            return
+        flags = torch.tensor([float(id(p) in graded) for p in params], device=_local(params[0].grad).device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        for p, anywhere in zip(params, flags.tolist()):
+            if not anywhere:
+                p.grad = None
 
     def gather(self, indices: Iterable[int], device: torch.device) -> None:
         """Replace each sharded layer in ``indices`` by a plain copy holding the whole parameters,

@@ -392,6 +392,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._held_grads.restore()
+        if self.sharded_layers is not None and not self.released:  # FSDP's zeros for what no replica used
+            self.sharded_layers.drop_never_graded(self.data_parallel_group)  # (this batch's, before the window's sum)
         exchange = self._window.last and self._window.apply
         if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
             self.tied.sync_gradients(self._layers, replicated=exchange and self.topology.dp > 1)

@@ -67,14 +67,14 @@ def accumulated_reference(cfg: dict, dp: int):
                     opt.zero_grad(set_to_none=True)
                 acc = None
                 for j in BACKWARD_ORDER.get(cfg.get("schedule", "1f1b"), lambda m: range(m))(m):
-                    acc = list(per_mb[j]) if acc is None else [a + g for a, g in zip(acc, per_mb[j])]
-                batch = [a / m for a in acc]
-                window[r] = [b if w is None else w + b for w, b in zip(window[r], batch)]
+                    acc = list(per_mb[j]) if acc is None else [_add(a, g) for a, g in zip(acc, per_mb[j])]
+                batch = [None if a is None else a / m for a in acc]
+                window[r] = [_add(w, b) for w, b in zip(window[r], batch)]
         for i, p in enumerate(params):
             g = window[0][i]
             for other in window[1:]:
-                g = g + other[i]
-            p.grad = g / dp if dp > 1 else g
+                g = _add(g, other[i])
+            p.grad = g / dp if dp > 1 and g is not None else g  # None: no gradient anywhere, as in Lightning
         if cfg.get("clip"):
             norms.append(float(torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
                                                               cfg["clip"])))
@@ -82,6 +82,11 @@ def accumulated_reference(cfg: dict, dp: int):
         sched.step()
         opt.zero_grad(set_to_none=True)
     return {k_: v.clone() for k_, v in model.state_dict().items()}, opt.state_dict(), norms
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """A sum of gradients where ``None`` (no gradient) adds nothing."""
+    return a if b is None else b if a is None else a + b
 
 
 def assert_close_tied(a: torch.Tensor, b: torch.Tensor, what: str, kind: str) -> None:

@@ -13,7 +13,7 @@ import lightning as L
 
 from lightning_dynmo import Partition, register_balancer
 from lightning_dynmo.plan.balancers import BalanceResult
-from lightning_dynmo.models import GPT, GPTConfig
+from lightning_dynmo.models import GPT, EarlyExitGPT, GPTConfig
 
 
 class SGDGPT(GPT):
@@ -35,7 +35,8 @@ class SGDGPT(GPT):
 def make_model(cfg: dict, cls: type = GPT) -> GPT:
     """The test GPT; ``cfg["gpt"]``: further GPTConfig fields; ``cfg["tied"]``: the LM head shares
     the token embedding's weight (GPT-2's tying), so the parameter is used by the first and the
-    last pipeline layer."""
+    last pipeline layer; ``cfg["early_exit"]``: an EarlyExitGPT with these kwargs (same weights);
+    ``cfg["unused"]``: see :func:`add_unused_parameters`."""
     n_layer = cfg.get("n_layer", 6)
     config = GPTConfig(
         vocab_size=64,
@@ -50,7 +51,22 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
         **cfg.get("gpt", {}),  # further GPTConfig fields (e.g. attention="hash_sparse")
     )
     cls = SGDGPT if cfg.get("optimizer") == "sgd" and cls is GPT else cls
-    return cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0))
+    kw = {}
+    if cfg.get("early_exit") and cls is GPT:  # EarlyExitGPT kwargs (exit_layers, exit_threshold)
+        cls, kw = EarlyExitGPT, dict(cfg["early_exit"])
+    model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0), **kw)
+    add_unused_parameters(model, cfg.get("unused", ()))
+    return model
+
+
+def add_unused_parameters(model, unused) -> None:
+    """``unused``: ``[[layer, shape], ...]``: a parameter ``unused`` of that shape on each pipeline
+    layer, which no forward reads (it never gets a gradient anywhere). A 2-D one falls in the
+    weight-decayed optimizer group, a 1-D one in the other; one process leaves both untouched."""
+    layers = model.pipeline_layers()
+    for k, (layer, shape) in enumerate(unused):
+        g = torch.Generator().manual_seed(1000 + k)
+        layers[int(layer)].register_parameter("unused", torch.nn.Parameter(torch.randn(*shape, generator=g)))
 
 
 class EpochPermutation(torch.utils.data.Sampler):

@@ -6,9 +6,11 @@ Usage: torchrun --nproc-per-node N tests/support/workers/moe_worker.py SPEC.json
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch (per replica), moe (MoEConfig
 fields), pp (absent: single process), schedule, microbatches, balancer, rebalance,
 rebalance_interval, rebalance_cooldown, imbalance_threshold, monitor_threshold (MoELoadMonitor's
-shift_threshold), expert_parallel, checkpointing (activation checkpointing), repack, save_ckpt (a Lightning checkpoint at the last step), resume (a
-checkpoint to resume from), n_samples, dp (single
-process only: train on the global batch of that many replicas, in their sampler's order).
+shift_threshold), expert_parallel, dp_sharding, accumulate (accumulate_grad_batches), per_expert
+(experts with weights of their own), block_expert ([expert, batch indices] the routers skip),
+checkpointing (activation checkpointing), repack, save_ckpt (a Lightning checkpoint at the last
+step), resume (a checkpoint to resume from), n_samples, dp (single process only: train on the
+global batch of that many replicas, in their sampler's order).
 Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
 state dict and optimizer state paths, the
 rebalance history, the MoELoadMonitor's last per-layer statistics, per rank, the expert rows
@@ -19,6 +21,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 torch.set_num_threads(1)
 
@@ -28,6 +31,7 @@ import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models import MoEGPT
+from tests.support.per_expert import BlockExpert, use_per_expert_weights
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
 from tests.support.workers.real_models_worker import InfGradient, ScaleRecorder, precision_kwargs
 
@@ -44,16 +48,21 @@ class GradNorms(L.Callback):
 
     @staticmethod
     def _norm(trainer, module) -> float:
-        sq = torch.zeros(2, dtype=torch.float64)
+        sq, sharded = torch.zeros(2, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         for name, p in module.named_parameters():
-            if p.grad is not None:
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):  # dp_sharding="fsdp": each stage's shards count once
+                sharded += p.grad.to_local().double().square().sum()
+            else:
                 sq[int("experts." in name)] += p.grad.double().square().sum()
         if not torch.distributed.is_initialized():
             return float(sq.sum().sqrt())
+        sq = torch.cat([sq, sharded.reshape(1)])
         torch.distributed.all_reduce(sq)
         s = trainer.strategy
         dp, ep = s.topology.dp, s.options.expert_parallel
-        return float((sq[0] / dp + sq[1] * ep / dp).sqrt())
+        return float((sq[0] / dp + sq[1] * ep / dp + sq[2]).sqrt())
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         self.before.append(self._norm(trainer, pl_module))
@@ -117,8 +126,11 @@ class LoadSignal(L.Callback):
 
 def build_model(cfg: dict) -> MoEGPT:
     dense = make_model(cfg)  # the shared test GPT's sizes and heterogeneous widths
-    return MoEGPT(dense.config, moe=cfg["moe"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
-                  seed=cfg.get("seed", 0))
+    model = MoEGPT(dense.config, moe=cfg["moe"], lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
+                   seed=cfg.get("seed", 0))
+    if cfg.get("per_expert"):  # each expert its own weights: an empty one gets none (tests/support/per_expert.py)
+        use_per_expert_weights(model)
+    return model
 
 
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
@@ -138,6 +150,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             expert_parallel=cfg.get("expert_parallel", 1),
             activation_checkpointing=cfg.get("checkpointing", False),
             repack=cfg.get("repack", "off"),
+            dp_sharding=cfg.get("dp_sharding", "replicate"),
+            checkpoint_format="single",  # the full state below is gathered onto rank 0 (fsdp defaults to "dcp")
             plot=False,
             timeout=120,
         )
@@ -153,6 +167,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if cfg.get("inf_at"):  # [step, parameter name]: inf in that gradient on data-parallel replica 0 only
         inf = ScaleRecorder(), SharedDigest()
         callbacks += [InfGradient(*cfg["inf_at"], replica=0), *inf]
+    if cfg.get("block_expert"):  # [expert, [batch indices]]: the routers may not choose it on those batches
+        callbacks.append(BlockExpert(*cfg["block_expert"]))
     freezing = None
     if cfg.get("freezing"):  # LayerFreezing kwargs; its per-layer gradient-norm means are recorded per rank
         from lightning_dynmo.callbacks import LayerFreezing
@@ -166,12 +182,13 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     trainer = L.Trainer(
         accelerator="cpu", max_steps=cfg["steps"], logger=False, enable_checkpointing=bool(cfg.get("save_ckpt")),
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        gradient_clip_val=cfg.get("clip"), callbacks=callbacks, default_root_dir=out_dir, **kw,
+        gradient_clip_val=cfg.get("clip"), callbacks=callbacks, default_root_dir=out_dir,
+        accumulate_grad_batches=cfg.get("accumulate", 1), **kw,
     )
     dp = 1 if pipeline else cfg.get("dp", 1)
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp),
                 ckpt_path=cfg.get("resume"))
-    expert_rows = {i: int(block.mlp.experts.w1.shape[0]) for i, block in model.moe_blocks()}
+    expert_rows = {i: len(block.mlp.experts.w1) for i, block in model.moe_blocks()}  # (a ParameterList per expert too)
     if pipeline:
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
