@@ -63,6 +63,11 @@ def test_interleaving_and_zero_bubble_shrink_the_bubble():
     assert flat.step_time == work + (pp - 1) * 4 * (F + B)  # bubble (p-1) full stages
     assert inter.step_time == work + (pp - 1) * 2 * (F + B)  # bubble (p-1) / v stages
     assert zb.bubble_fraction < inter.bubble_fraction < flat.bubble_fraction
+    # DualPipeV: torch runs each overlapped F/B pair one after the other, so at equal costs its step
+    # is ZBV's (what the pair would overlap, a transfer with compute, torch's runtime does not)
+    zbv = simulate(uniform(16), megatron_layout(16, 2 * pp), "zbv", m)
+    dual = simulate(uniform(16), megatron_layout(16, 2 * pp), "dualpipev", m)
+    assert dual.step_time == zbv.step_time < inter.step_time and dual.busy == zbv.busy
 
 
 def test_transfer_time_adds():
