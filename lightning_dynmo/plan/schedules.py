@@ -20,6 +20,8 @@ class ScheduleSpec:
     v_shape: bool = False  # stage layout 0..p-1 then p-1..0 (ZBV) instead of round-robin
     fixed_virtual: int | None = None
     description: str = ""
+    min_per_rank: int = 1  # micro-batches >= this x pipeline ranks (0: any count)
+    rank_multiple: bool | None = None  # micro-batches a multiple of the ranks (None: where ``multi``)
 
     def virtual_stages(self, requested: int | None) -> int:
         if not self.multi:
@@ -50,19 +52,24 @@ class ScheduleSpec:
     def stages_of_rank(self, rank: int, pp: int, virtual: int) -> list[int]:
         return [s for s in range(pp * virtual) if self.rank_of_stage(s, pp) == rank]
 
+    def min_microbatches(self, pp: int) -> int:
+        """The fewest micro-batches this schedule runs on ``pp`` ranks."""
+        return max(1, self.min_per_rank * pp)
+
     def check_microbatches(self, microbatches: int, pp: int) -> None:
         """Raise a ValueError naming the fix when this schedule cannot run ``microbatches``."""
         if microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-        if self.name == "gpipe":
-            return
-        if microbatches < pp:
+        k = self.min_per_rank
+        if microbatches < k * pp:
+            need = "as many micro-batches as pipeline ranks" if k == 1 else f"{k} micro-batches per pipeline rank"
+            bound = f"pipeline_parallel={pp}" if k == 1 else f"{k} x pipeline_parallel={k * pp}"
             raise ValueError(
-                f"schedule {self.name!r} needs at least as many micro-batches as pipeline ranks: "
-                f"got microbatches={microbatches} < pipeline_parallel={pp}. Raise `microbatches` "
-                f"(>= 4 x stages keeps the bubble small) or use schedule='gpipe'."
+                f"schedule {self.name!r} needs at least {need}: got microbatches={microbatches} < {bound}. "
+                f"Raise `microbatches` (>= 4 x stages keeps the bubble small) or use schedule='gpipe'."
             )
-        if self.multi and microbatches % pp:
+        multiple = self.multi if self.rank_multiple is None else self.rank_multiple
+        if multiple and microbatches % pp:
             raise ValueError(
                 f"schedule {self.name!r} needs microbatches to be a multiple of pipeline_parallel: "
                 f"got {microbatches} with pipeline_parallel={pp}"
@@ -98,7 +105,8 @@ def choose_microbatches(spec: ScheduleSpec, batch_size: int, pp: int, virtual: i
     if not valid:
         raise ValueError(
             f"no micro-batch count divides batch size {batch_size} and suits schedule "
-            f"{spec.name!r} with {pp} pipeline ranks; use a batch size that is a multiple of {pp}"
+            f"{spec.name!r} with {pp} pipeline ranks; use a batch size that is a multiple of "
+            f"{spec.min_microbatches(pp)}"
         )
     return max(valid)
 
@@ -106,7 +114,8 @@ def choose_microbatches(spec: ScheduleSpec, batch_size: int, pp: int, virtual: i
 _SCHEDULES: dict[str, ScheduleSpec] = {
     s.name: s
     for s in (
-        ScheduleSpec("gpipe", "GPipe", False, "gpipe", description="fill-drain (all forwards, then all backwards)"),
+        ScheduleSpec("gpipe", "GPipe", False, "gpipe", description="fill-drain (all forwards, then all backwards)",
+                     min_per_rank=0),
         ScheduleSpec("1f1b", "1F1B", False, "1f1b", description="PipeDream-Flush: one forward, one backward"),
         ScheduleSpec("interleaved_1f1b", "Interleaved1F1B", True, "interleaved_1f1b",
                      description="Megatron interleaved 1F1B"),
@@ -117,6 +126,12 @@ _SCHEDULES: dict[str, ScheduleSpec] = {
                      description="interleaved zero bubble (split dI/dW)"),
         ScheduleSpec("zbv", "ZBVZeroBubble", True, "zero_bubble", v_shape=True, fixed_virtual=2,
                      description="zero bubble, V layout"),
+        # DeepSeek's DualPipeV: ZBV's layout, a forward of one stage paired with a backward of the
+        # other (torch runs the pair one after the other); each stage keeps ZBV's activations in
+        # flight (checked against torch's action lists in tests/unit/test_sim.py)
+        ScheduleSpec("dualpipev", "DualPipeV", True, "zero_bubble", v_shape=True, fixed_virtual=2,
+                     description="DeepSeek DualPipeV: V layout, paired forward/backward", min_per_rank=2,
+                     rank_multiple=False),
     )
 }
 

@@ -38,6 +38,14 @@ and 2.13/2.14. The differences made 2.11 fail on one rank while its peers waited
   chunk, I runs the whole backward and W has nothing left to do: the gradients are the same,
   that chunk's weight pass just does not fill a bubble.
 
+* **Evaluation under a V schedule** (every release): ``eval()`` walks the training actions with
+  backward turned off. Each backward returns at once, but where the previous stage lives on the
+  same rank (``zbv``, ``dualpipev``: stages p-1 and p; any multi-stage schedule on one rank) the
+  runtime then hands that stage the input gradient by function call, and torch's stage raises
+  "can't steal_bwd_input if this stage doesn't have backward": ``trainer.validate`` and the
+  validation inside ``fit`` failed on the rank holding both. Without backward that hand-off
+  carries nothing.
+
 All are detected by capability, not by version string, so a backport or a nightly is handled
 by what it does.
 """
@@ -135,7 +143,14 @@ class PortablePipelineStage(PipelineStage):
         finally:
             self.grad_send_info = planned
 
+    def get_local_bwd_output(self, mb_index: int):
+        if not self.has_backward:  # eval() under a V schedule (the module docstring)
+            return ()
+        return super().get_local_bwd_output(mb_index)
+
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if not self.has_backward:
+            return None
         if STRICT_GRADIENT_SEND:  # torch 2.12 keeps the previous micro-batch's gradient for a None; 2.13 zeroes it
             for info, grad in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs):
                 if grad is None and getattr(info, "buffer", None) is not None:

@@ -9,6 +9,11 @@ so the simulator replays what torch would run, including its 1F1B and GPipe
 order to send/recv actions, which the simulator does not need and which dominates their cost at
 scale (about 1 s for 32 ranks x 128 micro-batches); a subclass skips that lowering.
 
+DualPipeV pairs a forward of one stage with a backward of the other in one ``OVERLAP_F_B``
+action; torch's runtime runs its two sub-actions one after the other, and so does the replay.
+Action kinds are read through torch's own constants (an ``Enum`` of ints on torch 2.10, of the
+letters from 2.11 on).
+
 torch 2.13's ``Schedule1F1B`` order numbers the last rank's forwards 1..m instead of 0..m-1 (the
 order is only displayed by torch, never executed; its runtime loop is right), so a stage whose
 actions of one kind are not micro-batches 0..m-1 once each is renumbered in order of appearance.
@@ -41,7 +46,10 @@ def schedule_ops(schedule: str, pp: int, virtual: int, microbatches: int) -> tup
     ``schedule`` is a name from :func:`lightning_dynmo.plan.schedules.available_schedules`;
     ``virtual`` stages per rank as that table allows. Non-compute actions (``REDUCE_GRAD``) and
     idle slots are dropped: the replay derives waiting from dependencies."""
+    from torch.distributed.pipelining import schedules as ts
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    kinds = {ts.FORWARD: "F", ts.FULL_BACKWARD: "B", ts.BACKWARD_INPUT: "I", ts.BACKWARD_WEIGHT: "W"}
 
     spec = get_schedule(schedule)
     virtual = spec.virtual_stages(virtual)
@@ -55,24 +63,35 @@ def schedule_ops(schedule: str, pp: int, virtual: int, microbatches: int) -> tup
         order = _order_only(cls)(stages, n_microbatches=microbatches).pipeline_order
     else:
         order = cls(stages[0], n_microbatches=microbatches).pipeline_order
-    ops = [
-        [Op(a.stage_index, a.computation_type.value, a.microbatch_index) for a in order[rank]
-         if a is not None and a.computation_type.value in COMPUTE]
-        for rank in range(pp)
-    ]
+    ops = [[Op(a.stage_index, kinds[a.computation_type], a.microbatch_index) for a in _leaves(order[rank])
+            if a.computation_type in kinds] for rank in range(pp)]
     return tuple(tuple(_numbered(rank_ops, microbatches)) for rank_ops in ops)
 
 
+def _leaves(actions):
+    """``actions`` without idle slots, an overlapped pair as its two sub-actions in order."""
+    for a in actions:
+        if a is None:
+            continue
+        subs = getattr(a, "sub_actions", None)
+        yield from subs if subs else (a,)
+
+
 def _numbered(ops: list[Op], microbatches: int) -> list[Op]:
-    """``ops`` with each (stage, kind) covering micro-batches 0..m-1 once (see module docstring)."""
+    """``ops`` with each stage's forwards, and its backwards (``B`` and ``I`` together: DualPipeV
+    runs some micro-batches' backward whole and others' split), covering micro-batches 0..m-1 once
+    (see module docstring). ``W`` keep torch's numbers (those of their ``I``)."""
+    def family(op: Op) -> tuple[int, str]:
+        return op.stage, "B" if op.kind == "I" else op.kind
+
     seen: dict[tuple[int, str], list[int]] = {}
     for op in ops:
-        seen.setdefault((op.stage, op.kind), []).append(op.mb)
-    broken = {key for key, mbs in seen.items() if sorted(mbs) != list(range(microbatches))}
+        seen.setdefault(family(op), []).append(op.mb)
+    broken = {key for key, mbs in seen.items() if key[1] != "W" and sorted(mbs) != list(range(microbatches))}
     count: dict[tuple[int, str], int] = {}
     out = []
     for op in ops:
-        key = (op.stage, op.kind)
+        key = family(op)
         if key in broken:
             count[key] = count.get(key, 0) + 1
             op = op._replace(mb=count[key] - 1)

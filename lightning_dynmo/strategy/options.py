@@ -64,13 +64,16 @@ class PipelineOptions:
     devices x num_nodes / pipeline_parallel."""
     schedule: str | ScheduleSpec = "1f1b"
     """A ``torch.distributed.pipelining`` schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b``,
-    ``looped_bfs``, ``zero_bubble`` or ``zbv``."""
+    ``looped_bfs``, ``zero_bubble``, ``zbv`` or ``dualpipev`` (DeepSeek's DualPipeV: ZBV's V layout
+    of 2 stages per rank, a forward of one stage paired with a backward of the other, which torch
+    runs one after the other; it needs at least 2 micro-batches per rank, any count above)."""
     microbatches: int | None = None
     """Micro-batches per step; ``None``: the largest divisor of the batch size that is at most
-    4 x stages (and at least the stage count where the schedule needs it). An epoch's last,
-    partial batch that the count does not divide runs as fewer equal micro-batches."""
+    4 x stages (and at least the rank count where the schedule needs it, twice it under
+    ``dualpipev``). An epoch's last, partial batch that the count does not divide runs as fewer
+    equal micro-batches."""
     virtual_stages: int | None = None
-    """Stages per rank for interleaved and looped schedules (``None``: 2; ZBV: 2; 1 for the others)."""
+    """Stages per rank for interleaved and looped schedules (``None``: 2; ZBV and DualPipeV: 2; 1 for the others)."""
     balancer: str = "partition_time"
     """Balancer of the initial partition (from parameter counts, before any step) and of every
     rebalance (on profiled per-layer times): ``partition_time`` (the exact min-max contiguous

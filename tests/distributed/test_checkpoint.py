@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # an epoch is one step).
 BASE = {"steps": 6, "batch": 8, "microbatches": 4, "clip": CLIP, "n_samples": 24, "schedule": "1f1b",
         "rebalance": "every_n", "balancer": "partition_time"}
-RESUME_SCHEDULES = ["interleaved_1f1b", "zbv", "zero_bubble", "looped_bfs"]
+RESUME_SCHEDULES = ["interleaved_1f1b", "zbv", "dualpipev", "zero_bubble", "looped_bfs"]
 
 
 def _clipped(res: dict, steps: int) -> None:

@@ -16,11 +16,13 @@ from tests.support.multiproc import ROOT, run_worker
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "attribution_worker.py"
 DELAY = 0.05  # seconds the loss sleeps in its forward and again in its backward, per micro-batch
-RUNS = {  # the last stage on rank 1 (one and two stages per rank) and on rank 0 (the V schedule)
+RUNS = {  # the last stage on rank 1 (one and two stages per rank) and on rank 0 (the V schedules)
     "1f1b": {"schedule": "1f1b"},
     "zero_bubble": {"schedule": "zero_bubble"},
     "interleaved_1f1b": {"schedule": "interleaved_1f1b", "virtual_stages": 2},
     "zbv": {"schedule": "zbv", "virtual_stages": 2},
+    # whole and split backwards of one stage in one step, forwards paired with backwards
+    "dualpipev": {"schedule": "dualpipev", "virtual_stages": 2},
 }
 
 

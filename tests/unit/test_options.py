@@ -29,6 +29,16 @@ def test_1f1b_with_fewer_microbatches_than_stages():
     DynMoStrategy(pipeline_parallel=4, schedule="gpipe", microbatches=2)  # GPipe has no such limit
 
 
+def test_dualpipev_needs_two_microbatches_per_rank_and_two_stages_per_rank():
+    with pytest.raises(ValueError, match="'dualpipev' needs at least 2 micro-batches per pipeline rank: got "
+                                         "microbatches=3 < 2 x pipeline_parallel=4"):
+        DynMoStrategy(pipeline_parallel=2, schedule="dualpipev", microbatches=3)
+    strategy = DynMoStrategy(pipeline_parallel=2, schedule="dualpipev", microbatches=5)  # not a multiple of 2: fine
+    assert strategy.options.virtual_stages == 2 and strategy.options.schedule.v_shape
+    with pytest.raises(ValueError, match="'dualpipev' needs exactly 2 stages per rank, got virtual_stages=3"):
+        DynMoStrategy(schedule="dualpipev", virtual_stages=3)
+
+
 @pytest.mark.parametrize("kw", [{"pipeline_parallel": 0}, {"microbatches": -1}, {"rebalance": "sometimes"},
                                 {"rebalance_interval": 0}, {"memory_capacity": -5}, {"virtual_stages": 2},
                                 {"timeout": 0}, {"repack": "sometimes"}, {"repack_tolerance": 2.0}])

@@ -199,8 +199,9 @@ def test_topology_layout_and_released_ranks():
         layout.packed_pp = 1
 
 
-def test_zbv_layout_is_a_v():
-    layout = PipelineLayout(Topology(2, 2), get_schedule("zbv"), 2, global_rank=0,
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_schedules_lay_stages_out_as_a_v(schedule):
+    layout = PipelineLayout(Topology(2, 2), get_schedule(schedule), 2, global_rank=0,
                             partition=Partition.from_sizes([1, 1, 1, 1]))
     assert [layout.rank_of_stage(s) for s in range(4)] == [0, 1, 1, 0]
     assert layout.local_layer_indices() == [0, 3]

@@ -3,6 +3,7 @@ the heaviest stage's pace, transfer and all-reduce costs; every table schedule r
 
 Dyadic costs (1, 2, 0.5, ...) keep every sum exact, so closed forms are compared with ``==``."""
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -62,6 +63,11 @@ def test_interleaving_and_zero_bubble_shrink_the_bubble():
     assert flat.step_time == work + (pp - 1) * 4 * (F + B)  # bubble (p-1) full stages
     assert inter.step_time == work + (pp - 1) * 2 * (F + B)  # bubble (p-1) / v stages
     assert zb.bubble_fraction < inter.bubble_fraction < flat.bubble_fraction
+    # DualPipeV: torch runs each overlapped F/B pair one after the other, so at equal costs its step
+    # is ZBV's (what the pair would overlap, a transfer with compute, torch's runtime does not)
+    zbv = simulate(uniform(16), megatron_layout(16, 2 * pp), "zbv", m)
+    dual = simulate(uniform(16), megatron_layout(16, 2 * pp), "dualpipev", m)
+    assert dual.step_time == zbv.step_time < inter.step_time and dual.busy == zbv.busy
 
 
 def test_transfer_time_adds():
@@ -147,13 +153,80 @@ def per_stage_end(per_stage, s, kind, mb):
 
 
 def test_torch_orders_are_complete():
+    """Every (stage, micro-batch) runs one forward and one backward: whole (``B``) or split into
+    ``I`` then ``W`` (DualPipeV does both, per micro-batch; its overlapped pairs count as their two
+    sub-actions)."""
     for schedule in available_schedules():
         pp, m = 4, 8
         S = stages_for(schedule, pp)
         ops = schedule_ops(schedule, pp, S // pp, m)
-        kinds = {(o.stage, o.kind, o.mb) for rank_ops in ops for o in rank_ops}
-        grad = ("I", "W") if any(k == "W" for _, k, _ in kinds) else ("B",)
-        assert kinds == {(s, k, i) for s in range(S) for k in ("F", *grad) for i in range(m)}
+        kinds: dict = {}
+        for rank_ops in ops:
+            for o in rank_ops:
+                kinds.setdefault((o.stage, o.mb), []).append(o.kind)
+        assert set(kinds) == {(s, i) for s in range(S) for i in range(m)}, schedule
+        for (s, i), seq in kinds.items():
+            assert seq in (["F", "B"], ["F", "I", "W"]), (schedule, s, i, seq)
+    mixed = {o.kind for rank_ops in schedule_ops("dualpipev", 4, 2, 8) for o in rank_ops}
+    assert mixed == {"F", "B", "I", "W"}
+
+
+def peak_inflight(ops, stages: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once, replaying torch's
+    order: a forward keeps them, a whole backward (``B``) or the weight pass (``W``) frees them
+    (``I`` keeps them for ``W``)."""
+    alive, peak = [0] * stages, [0] * stages
+    for rank_ops in ops:
+        for o in rank_ops:
+            alive[o.stage] += {"F": 1, "B": -1, "I": 0, "W": -1}[o.kind]
+            peak[o.stage] = max(peak[o.stage], alive[o.stage])
+    return peak
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "looped_bfs", "zbv", "dualpipev"])
+def test_the_cost_models_inflight_rule_is_torchs(schedule):
+    """The cost model's activations in flight per stage are what torch's own action order keeps
+    alive, exactly. (Not so for the round-robin interleaved schedules: ``interleaved_1f1b``'s rule
+    spreads a rank's warm-up evenly over its chunks, and ``zero_bubble``'s per-stage 1F1B rule
+    counts fewer than torch's order keeps on the later ranks.)"""
+    spec = get_schedule(schedule)
+    v = spec.virtual_stages(None)
+    for pp in (1, 2, 3, 4):
+        for m in sorted({spec.min_microbatches(pp), 2 * pp, 2 * pp + 1, 4 * pp, 8 * pp}):
+            try:
+                spec.check_microbatches(m, pp)
+            except ValueError:
+                continue
+            S = pp * v
+            model = CostModel(m, spec.cost_schedule, virtual_stages=v)
+            assert peak_inflight(schedule_ops(schedule, pp, v, m), S) == [model.inflight(s, S) for s in range(S)], \
+                (schedule, pp, m)
+
+
+def test_dualpipev_micro_batch_rule_is_torchs():
+    """At least one micro-batch per stage (2 per rank), any count above: what torch's constructor
+    accepts, and every accepted count gives a complete order."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    spec = get_schedule("dualpipev")
+    cls = get_schedule_class(spec.torch_class)
+    for pp in (1, 2, 3):
+        for m in range(1, 4 * pp + 2):
+            ours = True
+            try:
+                spec.check_microbatches(m, pp)
+            except ValueError as e:
+                ours = False
+                assert "2 micro-batches per pipeline rank" in str(e)
+            stages = [SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=0, submod=None) for _ in range(2)]
+            try:
+                type("Probe", (cls,), {"_prepare_schedule_with_comms": lambda self, *a, **k: None})(stages, m)
+                theirs = True
+            except ValueError:
+                theirs = False
+            assert ours == theirs == (m >= 2 * pp), (pp, m)
+            if ours:
+                assert len([o for r in schedule_ops("dualpipev", pp, 2, m) for o in r if o.kind == "F"]) == 2 * pp * m
 
 
 def test_input_validation():
