@@ -78,7 +78,7 @@ def test_cli_strategy_by_registered_name(monkeypatch):
 
 @pytest.mark.parametrize("flag, message", [
     ("--trainer.strategy.pipeline_parallel=0", "pipeline_parallel must be a positive integer or one of ['auto']"),
-    ("--trainer.strategy.schedule=nosuch", "unknown schedule 'nosuch'; valid schedules: 1f1b, gpipe"),
+    ("--trainer.strategy.schedule=nosuch", "unknown schedule 'nosuch'; valid schedules: 1f1b, dualpipev, gpipe"),
     ("--trainer.strategy.repack_tolerance=1.5", "repack_tolerance must be in [0, 1), got 1.5"),
 ])
 def test_cli_bad_value_gives_the_strategy_error(monkeypatch, flag, message):
