@@ -200,7 +200,7 @@ class RebalanceController:
         self.smoothed_load = smooth_load(self.smoothed_load, layer_load, self.policy.ema_decay)
         self.policy.observe_busy(rank_busy)
         if rank_work is not None and not profiled and len(rank_work) == len(rank_busy):
-            self.policy.observe_speeds(speeds_from_busy(rank_busy, rank_work))
+            self.policy.observe_speeds(speeds_from_busy(rank_busy, rank_work, to=None))
         self.budget.observe_step(step, max(rank_wall) if rank_wall else 0.0, profiled)
 
     # ------------------------------------------------------------------ decisions

@@ -159,8 +159,9 @@ class RebalancePolicy:
 
     @property
     def speed_estimate(self) -> tuple[float, ...] | None:
-        """Smoothed per-pipeline-rank speeds (fastest 1.0) to balance for; None before any estimate."""
-        return self.speed_watch.estimate
+        """Per-pipeline-rank speeds (fastest 1.0) a decision now balances for
+        (:attr:`~lightning_dynmo.plan.straggler.SpeedWatch.for_balancing`); None before any estimate."""
+        return self.speed_watch.for_balancing
 
     def profile_reason(self, step: int) -> str | None:
         """Why this step should be profiled per layer (None: it should not)."""

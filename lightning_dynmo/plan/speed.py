@@ -109,18 +109,21 @@ def estimate_speeds(
     return tuple(scaled.get(i, fallback[i]) for i in range(len(raw)))
 
 
-def speeds_from_busy(busy: Sequence[float], work: Sequence[float], *, to: str = "max") -> tuple[float, ...]:
+def speeds_from_busy(busy: Sequence[float], work: Sequence[float], *, to: str | None = "max") -> tuple[float, ...]:
     """Per-rank speed from one step's busy seconds: rank ``r`` did ``work[r]`` (from
-    :func:`rank_work`, any common unit) in ``busy[r]`` seconds. A rank with no busy time or no work
-    says nothing and is taken at 1.0 before normalising (never a straggler by default)."""
+    :func:`rank_work`, any common unit) in ``busy[r]`` seconds. Normalised by
+    :func:`normalise_speeds` (``to=None``: the raw ratios, in work units per second, comparable
+    from step to step while the unit is). A rank with no busy time or no work says nothing: it is
+    taken as fast as the fastest that does (never a straggler by default)."""
     if len(busy) != len(work):
         raise ValueError(f"busy has {len(busy)} ranks, work has {len(work)}")
     raw = [w / b if b > 0 and w > 0 and math.isfinite(w / b) else None for b, w in zip(busy, work)]
     known = [v for v in raw if v is not None]
     if not known:
         return tuple(1.0 for _ in raw)
-    norm = dict(zip((i for i, v in enumerate(raw) if v is not None), normalise_speeds(known, to)))
-    return tuple(norm.get(i, 1.0) for i in range(len(raw)))
+    top = max(known)
+    filled = [top if v is None else v for v in raw]
+    return tuple(filled) if to is None else normalise_speeds(filled, to)
 
 
 def rank_work(costs: LayerCosts, model: CostModel, partition: Partition, rank_of_stage: Sequence[int],

@@ -5,19 +5,24 @@ device) shows up only in its own busy time. :class:`SpeedWatch` follows the per-
 estimates (:mod:`lightning_dynmo.plan.speed`), smoothed, and says when some rank's speed relative
 to the fastest differs from the one the current partition was balanced for by more than a factor
 ``1 + tolerance``, either way (a slowdown, or the recovery from one), on ``confirm_steps``
-consecutive steps. A decision (applied or not) rebases it on the speeds it was taken for, so it
-fires again only after a further drift of the same size: the hysteresis.
+consecutive steps; each rank's estimate is the median of its last ``window`` ones. A decision (applied or not) rebases it on the speeds it was taken for
+(:attr:`SpeedWatch.for_balancing`), so it fires again only after a further drift of the same
+size: the hysteresis. Below the tolerance decisions keep balancing for the old speeds.
 
-Why jitter cannot fire it: if every rank's estimate stays within ``[1 - j, 1 + j]`` of its true
-speed, the smoothed estimates (an average of them) do too, and so does the reference the partition
-was balanced for; a relative speed (over the fastest) then moves by at most a factor
-``(1 + j) / (1 - j)`` between the two, 1.22 for j = 10 %. The default tolerance of 0.3 therefore
-never fires on a +-10 % jitter (nor on anything below +-13 %), whatever its pattern, while a drop to
-half speed (a factor 2) fires within a few steps.
+Why jitter does not fire it: on ranks of equal speed whose estimates stay within ``[1 - j, 1 + j]``
+of it, every relative speed (over the fastest, a median of them or not) lies in ``[(1 - j) / (1 + j), 1]``,
+so it moves by at most a factor ``(1 + j) / (1 - j)`` between any two steps: 1.22 for j = 10 %.
+The default tolerance of 0.3 therefore never fires there on a +-10 % jitter (nor on anything below
++-13 %), whatever its pattern. A rank slower than the fastest is not clipped at 1.0, and its bound
+is the square, 1.49 for j = 10 %; the median keeps a random jitter well inside it, which the tests
+check. A drop to half speed (a factor 2) fires within 4 steps (the median turns after 3, then the
+drift is confirmed), and the decision balances for the new speed itself, not a blend.
 """
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,10 +33,10 @@ from .speed import normalise_speeds
 class SpeedWatch:
     tolerance: float = 0.3  # fire beyond a factor 1 + tolerance between the relative speeds
     confirm_steps: int = 2  # ... on this many consecutive steps
-    ema_decay: float = 0.7  # smoothing of the estimates (decay x previous + the rest x now)
+    window: int = 5  # each rank's estimate: the median of its last this many
     # state
     balanced_for: tuple[float, ...] | None = None  # relative speeds the partition was balanced for
-    smoothed: list[float] | None = None
+    recent: deque = field(default_factory=deque, repr=False)  # the last ``window`` estimates
     streak: int = 0
     _drift: tuple[int, float] | None = field(default=None, repr=False)
 
@@ -42,25 +47,47 @@ class SpeedWatch:
         c = self.confirm_steps
         if isinstance(c, bool) or not isinstance(c, int) or c < 1:
             raise ValueError(f"confirm_steps must be an int >= 1, got {c!r}")
-        if not 0 <= self.ema_decay < 1:
-            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
+        w = self.window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"window must be an int >= 1, got {w!r}")
+        self.recent = deque(self.recent, maxlen=w)
+
+    @property
+    def smoothed(self) -> list[float] | None:
+        """Per rank, the median of its recent estimates (None before any). A median, not a moving
+        average: after a step change it is the new speed itself once half the window has seen it,
+        never a blend of the old and new, so a decision is not taken for a speed on its way."""
+        if not self.recent:
+            return None
+        return [statistics.median(col) for col in zip(*self.recent)]
 
     @property
     def estimate(self) -> tuple[float, ...] | None:
-        """The smoothed speeds, normalised (fastest 1.0): what to balance for now."""
+        """The smoothed speeds, normalised (fastest 1.0)."""
         return None if self.smoothed is None else normalise_speeds(self.smoothed)
 
+    @property
+    def for_balancing(self) -> tuple[float, ...] | None:
+        """What a decision should balance for: the current estimate once it drifted beyond the
+        tolerance, else the speeds the partition was balanced for. A decision for another reason
+        (a dynamism event, the busy-time imbalance) so does not chase jitter: speeds within the
+        tolerance of the last ones balanced for give the same problem, so the same partition."""
+        return self.estimate if self._drift is not None else self.balanced_for
+
     def observe(self, speeds: Sequence[float]) -> None:
-        """One step's per-pipeline-rank speed estimates. A change in the rank count (re-packing)
-        starts over, balanced for the first estimate it sees."""
-        now = list(normalise_speeds(speeds))
-        if self.smoothed is None or len(self.smoothed) != len(now):
-            self.smoothed, self.streak = now, 0
-            if self.balanced_for is None or len(self.balanced_for) != len(now):
-                self.balanced_for = tuple(1.0 for _ in now)  # what a partition balanced without speeds assumed
-        else:
-            d = self.ema_decay
-            self.smoothed = [d * a + (1 - d) * b for a, b in zip(self.smoothed, now)]
+        """One step's per-pipeline-rank speed estimates, in a unit common to the steps: best the
+        raw ``work / busy`` (``speeds_from_busy(..., to=None)``), whose per-rank medians carry no
+        step's normalisation noise (normalised ones work too). A change in the rank count
+        (re-packing) starts over."""
+        now = tuple(float(v) for v in speeds)
+        if not all(math.isfinite(v) and v > 0 for v in now):
+            raise ValueError(f"speeds must be finite numbers > 0, got {speeds!r}")
+        if self.recent and len(self.recent[-1]) != len(now):
+            self.recent.clear()
+            self.streak = 0
+        if self.balanced_for is None or len(self.balanced_for) != len(now):
+            self.balanced_for = tuple(1.0 for _ in now)  # what a partition balanced without speeds assumed
+        self.recent.append(now)
         self._drift = self.drift()
         self.streak = self.streak + 1 if self._drift is not None else 0
 
@@ -83,9 +110,9 @@ class SpeedWatch:
                 f"(beyond 1/{1 + self.tolerance:.2f}..{1 + self.tolerance:.2f})")
 
     def rebase(self, speeds: Sequence[float] | None = None) -> None:
-        """A decision was taken for ``speeds`` (default: the current estimate): drift is measured
+        """A decision was taken for ``speeds`` (default: :attr:`for_balancing`): drift is measured
         from them now."""
-        base = speeds if speeds is not None else self.smoothed
+        base = speeds if speeds is not None else self.for_balancing
         if base is not None:
             self.balanced_for = normalise_speeds(base)
         self.streak, self._drift = 0, None
