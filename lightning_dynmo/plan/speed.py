@@ -153,7 +153,10 @@ def slowest_replicas(speeds: Sequence[float], topology: Topology, active: int | 
 
 def work_costs(costs: LayerCosts, partition: Partition, stage_speed: Sequence[float] | None) -> LayerCosts:
     """Measured per-layer times -> work: each layer's time times the speed of the stage that timed
-    it (``partition``: where the layers were when measured). ``None`` or all 1.0: ``costs`` itself."""
+    it (``partition``: where the layers were when measured). With replicas the merged time is the
+    slowest replica's (:func:`~lightning_dynmo.plan.measurements.merge_layer_costs`), so the stage
+    speeds are the slowest replicas' too (:func:`slowest_replicas`). ``None`` or all 1.0: ``costs``
+    itself."""
     if stage_speed is None:
         return costs
     costs._check(partition)

@@ -1,22 +1,23 @@
 """When a rank's speed has drifted from the one the partition was balanced for (pure).
 
 A rank that slows down with no dynamism event (same layers, more time: a throttled or shared
-device) shows up only in its own busy time. :class:`SpeedWatch` follows the per-rank speed
-estimates (:mod:`lightning_dynmo.plan.speed`), smoothed, and says when some rank's speed relative
-to the fastest differs from the one the current partition was balanced for by more than a factor
-``1 + tolerance``, either way (a slowdown, or the recovery from one), on ``confirm_steps``
-consecutive steps; each rank's estimate is the median of its last ``window`` ones. A decision (applied or not) rebases it on the speeds it was taken for
-(:attr:`SpeedWatch.for_balancing`), so it fires again only after a further drift of the same
-size: the hysteresis. Below the tolerance decisions keep balancing for the old speeds.
+device) shows up only in its own busy time. :class:`SpeedWatch` follows per-rank speed estimates
+(:mod:`lightning_dynmo.plan.speed`; each rank's is the median of its last ``window`` ones) and says
+when some rank's speed relative to the fastest differs from the one the current partition was
+balanced for by more than a factor ``1 + tolerance``, either way (a slowdown, or the recovery from
+one), on ``confirm_steps`` consecutive steps. A decision (applied or not) rebases it on the speeds
+it was taken for (:attr:`SpeedWatch.for_balancing`), so it fires again only after a further drift
+of the same size: the hysteresis. Below the tolerance decisions keep balancing for the old speeds.
 
 Why jitter does not fire it: on ranks of equal speed whose estimates stay within ``[1 - j, 1 + j]``
-of it, every relative speed (over the fastest, a median of them or not) lies in ``[(1 - j) / (1 + j), 1]``,
-so it moves by at most a factor ``(1 + j) / (1 - j)`` between any two steps: 1.22 for j = 10 %.
-The default tolerance of 0.3 therefore never fires there on a +-10 % jitter (nor on anything below
-+-13 %), whatever its pattern. A rank slower than the fastest is not clipped at 1.0, and its bound
-is the square, 1.49 for j = 10 %; the median keeps a random jitter well inside it, which the tests
-check. A drop to half speed (a factor 2) fires within 4 steps (the median turns after 3, then the
-drift is confirmed), and the decision balances for the new speed itself, not a blend.
+of it, every relative speed (over the fastest; a median of estimates or a single one) lies in
+``[(1 - j) / (1 + j), 1]``, so it moves by at most a factor ``(1 + j) / (1 - j)`` between any two
+steps: 1.22 for j = 10 %. The default tolerance of 0.3 therefore never fires there on a +-10 %
+jitter (nor on anything below +-13 %), whatever its pattern. A rank slower than the fastest is not
+clipped at 1.0, and its bound is the square, 1.49 for j = 10 %; the median keeps a random jitter
+well inside it, which the tests check. A drop to half speed (a factor 2) fires within 4 steps (the
+median turns after 3, then the drift is confirmed), and the decision balances for the new speed
+itself, not a blend of the old and the new.
 """
 from __future__ import annotations
 

@@ -6,12 +6,13 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
 from lightning_dynmo.plan.budget import OverheadBudget
 from lightning_dynmo.plan.controller import RebalanceController
 from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.plan.policy import RebalancePolicy, decide
-from lightning_dynmo.plan.speed import rank_work, speeds_from_busy
+from lightning_dynmo.plan.speed import rank_work
 from lightning_dynmo.plan.straggler import SpeedWatch
 
 
@@ -92,7 +93,8 @@ def simulate(true_speed, steps, seed=0, jitter=0.1, L=16, S=4, threshold=0.1):
     work = LayerCosts([rnd.uniform(0.8, 1.2) for _ in range(L)], [0.0] * L, [1] * L, [0.0] * L, [0.0] * L)
     model = CostModel(16)
     part = decide_partition(work, model, Partition.from_sizes([L // S] * S), S)
-    ctl = RebalanceController(policy(imbalance_threshold=threshold), OverheadBudget(overhead_budget=float("inf")), "off")
+    budget = OverheadBudget(overhead_budget=float("inf"))
+    ctl = RebalanceController(policy(imbalance_threshold=threshold), budget, "off")
     migrations = []
     for step in range(steps):
         true = true_speed(step)
@@ -114,7 +116,6 @@ def simulate(true_speed, steps, seed=0, jitter=0.1, L=16, S=4, threshold=0.1):
 
 
 def decide_partition(work, model, start, S):
-    from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
     return get_balancer("partition_time")(BalanceProblem(work, S, model, start)).partition
 
 
