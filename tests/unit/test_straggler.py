@@ -11,7 +11,7 @@ from lightning_dynmo.plan.budget import OverheadBudget
 from lightning_dynmo.plan.controller import RebalanceController
 from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 from lightning_dynmo.plan.partition import Partition
-from lightning_dynmo.plan.policy import RebalancePolicy, decide
+from lightning_dynmo.plan.policy import Decision, RebalancePolicy, decide
 from lightning_dynmo.plan.speed import rank_work
 from lightning_dynmo.plan.straggler import SpeedWatch
 
@@ -143,6 +143,8 @@ def test_a_straggler_is_rebalanced_within_a_few_steps_then_left_alone_and_recove
         assert re.search(r"pipeline rank 2 runs at 0\.[45]\dx", d_slow.reason), d_slow.reason
         assert re.search(r"pipeline rank 2 runs at [12]\.\d\dx", d_back.reason), d_back.reason
     assert slow_part.sizes[2] < 4 and d_slow.speeds[2] < 0.6  # less work on the slow rank
+    record = d_slow.to_record()  # the JSONL line says what the decision balanced for
+    assert record["speeds"] == list(d_slow.speeds) and Decision.from_record(record) == d_slow
     assert back_part.sizes[2] >= 4 and min(d_back.speeds or (1.0,)) > 0.8  # balanced for ranks alike again
 
 

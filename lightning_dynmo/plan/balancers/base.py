@@ -86,11 +86,6 @@ class Objective:
     recv: Sequence[list[float]]
     speed: tuple[float, ...] | None = None
 
-    def compute(self, stage: int, start: int, stop: int) -> float:
-        """The compute part of the load (what memory-free windows bound)."""
-        c = (self.p[stop] - self.p[start]) / self.den
-        return c if self.speed is None else c / self.speed[stage]
-
     def load(self, stage: int, start: int, stop: int) -> float:
         c = (self.p[stop] - self.p[start]) / self.den
         if self.speed is not None:
