@@ -20,12 +20,15 @@ from .partition import Partition
 from .policy import Decision, RebalancePolicy, decide
 from .repack import RepackPlan, RepackRefused, plan_repack
 from .schedules import ScheduleSpec, available_schedules, get_schedule
+from .speed import estimate_speeds, rank_work, slowest_replicas, speeds_from_busy, work_costs
+from .straggler import SpeedWatch
 from .topology import Topology
 
 __all__ = [
     "BalanceProblem", "BalanceResult", "CostModel", "Decision", "InfeasiblePartitionError", "LayerCosts",
     "LayerMove", "MigrationPlan", "OverheadBudget", "Partition", "RebalanceController", "RebalancePolicy",
-    "RepackPlan", "RepackRefused", "ScheduleSpec", "StepActions", "Topology", "available_balancers",
-    "available_schedules", "decide", "get_balancer", "get_schedule", "imbalance", "merge_layer_costs",
-    "plan_repack", "register_balancer",
+    "RepackPlan", "RepackRefused", "ScheduleSpec", "SpeedWatch", "StepActions", "Topology", "available_balancers",
+    "available_schedules", "decide", "estimate_speeds", "get_balancer", "get_schedule", "imbalance",
+    "merge_layer_costs", "plan_repack", "rank_work", "register_balancer", "slowest_replicas", "speeds_from_busy",
+    "work_costs",
 ]

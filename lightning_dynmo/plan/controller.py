@@ -29,6 +29,7 @@ from .budget import OverheadBudget
 from .cost_model import LayerCosts
 from .measurements import loads_near_profile, scale_by_load, smooth_load
 from .policy import Rebalance, RebalancePolicy
+from .speed import speeds_from_busy
 
 #: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
 REPROFILE_STEPS = 200
@@ -179,8 +180,12 @@ class RebalanceController:
         return (self._unchanged_refusal() if action == "counters" else None) or self.budget.refusal(step, action)
 
     def after_step(self, step: int, profiled: bool, rank_busy: list[float], rank_wall: list[float],
-                   layer_load: list[float | None]) -> None:
-        """The step's shared statistics (``profiled``: some rank profiled layers)."""
+                   layer_load: list[float | None], rank_work: list[float] | None = None) -> None:
+        """The step's shared statistics (``profiled``: some rank profiled layers). ``rank_work``:
+        per pipeline rank, the work its layers hold (:func:`~lightning_dynmo.plan.speed.rank_work`
+        on the current work costs, scaled by the loads); with it each unprofiled step's busy times
+        give the ranks' speeds (:func:`~lightning_dynmo.plan.speed.speeds_from_busy`: a profiled
+        step's busy time carries the profiler's hooks), which ``auto`` watches for a straggler."""
         self.rank_busy, self.rank_wall = list(rank_busy), list(rank_wall)
         if profiled:  # the profile window's mean load is what its times were measured at
             self.profiled_steps += 1
@@ -194,9 +199,16 @@ class RebalanceController:
         self.recent_loads.append(list(layer_load))
         self.smoothed_load = smooth_load(self.smoothed_load, layer_load, self.policy.ema_decay)
         self.policy.observe_busy(rank_busy)
+        if rank_work is not None and not profiled and len(rank_work) == len(rank_busy):
+            self.policy.observe_speeds(speeds_from_busy(rank_busy, rank_work, to=None))
         self.budget.observe_step(step, max(rank_wall) if rank_wall else 0.0, profiled)
 
     # ------------------------------------------------------------------ decisions
+    @property
+    def rank_speed(self) -> tuple[float, ...] | None:
+        """Per-pipeline-rank speeds to balance for (fastest 1.0; None: no estimate yet)."""
+        return self.policy.speed_estimate
+
     def profiled(self, step: int, costs: LayerCosts) -> None:
         """The merged costs of the profile window that closed at ``step``."""
         self.profiled_costs, self.profile_step = costs, step

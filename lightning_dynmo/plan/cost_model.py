@@ -28,6 +28,11 @@ Conventions (the runtime must profile accordingly):
   again, so a stage with recomputed layers also holds the largest of their ``activation`` once.
   ``backward`` stays the layer's plain backward: costs profiled *with* checkpointing already
   contain the recompute and go with ``recompute=frozenset()``.
+* Rank speed (``CostModel.speed``): a layer's ``forward``/``backward`` are its *work*, the seconds
+  it takes on a rank of speed 1.0; on stage ``s`` it takes ``work / speed[s]`` (one value per
+  partition stage: its rank's speed, the slowest replica's with data parallelism; see
+  :mod:`lightning_dynmo.plan.speed`). Receive times are the link's and do not scale. ``None`` (the
+  default) is every stage at 1.0, bit for bit: measured times are then taken as the work itself.
 """
 from __future__ import annotations
 
@@ -203,6 +208,21 @@ def imbalance(loads: Sequence[float]) -> float:
     return 0.0 if mean == 0 else (max(loads) - min(loads)) / mean
 
 
+def _check_speed(speed) -> tuple[float, ...] | None:
+    """None, or one speed factor per stage, each finite and > 0."""
+    if speed is None:
+        return None
+    if isinstance(speed, (str, bytes)) or not isinstance(speed, Iterable):
+        raise ValueError(f"speed must be None or one factor per stage (a sequence of floats > 0), got {speed!r}")
+    values = tuple(speed)
+    for i, v in enumerate(values):
+        if not isinstance(v, Real) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+            raise ValueError(f"speed[{i}] must be a finite number > 0 (1.0: a rank of reference speed), got {v!r}")
+    if not values:
+        raise ValueError("speed needs one factor per stage (None: every stage at 1.0)")
+    return tuple(float(v) for v in values)
+
+
 def _check_bandwidth(bw) -> float | tuple[float, ...] | None:
     """None, one float, or a tuple of per-boundary floats, each > 0 (``inf``: free)."""
     if bw is None:
@@ -230,6 +250,7 @@ class CostModel:
     capacity: float | None = None  # bytes per stage; None = unlimited
     virtual_stages: int = 1  # stages per rank; >1: the partition's stages are virtual stages
     recompute: frozenset[int] = frozenset()  # layers under activation checkpointing
+    speed: tuple[float, ...] | None = None  # per stage: work / speed = seconds (None: all 1.0)
     _recompute_prefix: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -250,6 +271,7 @@ class CostModel:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
         object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
+        object.__setattr__(self, "speed", _check_speed(self.speed))
         v = self.capacity
         if v is not None:
             v = float(v)
@@ -344,12 +366,26 @@ class CostModel:
         return isinstance(self.bandwidth, tuple)
 
     def check_stages(self, num_stages: int) -> None:
-        """Raise a ValueError when a per-boundary ``bandwidth`` does not fit ``num_stages``."""
+        """Raise a ValueError when a per-boundary ``bandwidth`` or the ``speed`` factors do not fit
+        ``num_stages``."""
         if self.per_boundary and len(self.bandwidth) != num_stages - 1:
             raise ValueError(
                 f"bandwidth has {len(self.bandwidth)} per-boundary values but a pipeline of {num_stages} stages has "
                 f"{num_stages - 1} boundaries; pass one value per boundary between stages s and s+1 (or one float)"
             )
+        if self.speed is not None and len(self.speed) != num_stages:
+            raise ValueError(f"speed has {len(self.speed)} factors but the pipeline has {num_stages} stages; pass one "
+                             "per stage (PipelineLayout.stage_speed maps per-rank speeds to stages) or None")
+
+    def stage_speed(self, stage: int | None) -> float:
+        """Speed factor of ``stage`` (1.0 without ``speed``); ``stage`` may be None only then."""
+        if self.speed is None:
+            return 1.0
+        if stage is None:
+            raise ValueError("this CostModel has a speed per stage: pass the stage")
+        if not 0 <= stage < len(self.speed):
+            raise ValueError(f"stage {stage} outside the {len(self.speed)} stages of speed")
+        return self.speed[stage]
 
     def link_bandwidth(self, stage: int | None) -> float | None:
         """Bytes/s of the link stage ``stage`` receives its input on (None: free; stage 0 receives
@@ -369,10 +405,17 @@ class CostModel:
         bw = None if start == 0 else self.link_bandwidth(stage)
         return 0.0 if bw is None else 2.0 * costs.activation[start - 1] / bw
 
+    def segment_work(self, costs: LayerCosts, start: int, stop: int) -> float:
+        """Per-micro-batch compute of layers ``start..stop-1`` at speed 1.0 (no receive); a
+        recomputed layer adds its forward once more."""
+        return self._prefixes(costs)["time"].sum(start, stop) if self.recompute else costs.time_sum(start, stop)
+
     def segment_time(self, costs: LayerCosts, start: int, stop: int, stage: int | None = None) -> float:
-        """Per-micro-batch time of stage ``stage`` owning layers ``start..stop-1`` (compute +
-        receive); a recomputed layer adds its forward once more."""
-        compute = self._prefixes(costs)["time"].sum(start, stop) if self.recompute else costs.time_sum(start, stop)
+        """Per-micro-batch time of stage ``stage`` owning layers ``start..stop-1`` (compute at the
+        stage's speed + receive)."""
+        compute = self.segment_work(costs, start, stop)
+        if self.speed is not None:
+            compute = compute / self.stage_speed(stage)
         return compute + self.recv_time(costs, start, stage)
 
     def stage_times(self, costs: LayerCosts, partition: Partition) -> list[float]:
@@ -400,11 +443,15 @@ class CostModel:
         return 1.0 - busy / (partition.num_stages * step)
 
     def ideal_step_time(self, costs: LayerCosts, num_stages: int) -> float:
-        """Step time of a perfect continuous split (total/S per stage, no transfers):
-        (m + S - 1) * total / S. Denominator for efficiency ratios."""
+        """Step time of a perfect continuous split (no transfers; each stage's share of the work in
+        proportion to its speed, so every stage takes total / sum(speed)): (m + S - 1) * that.
+        Denominator for efficiency ratios."""
         if num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-        per_stage = costs.time_sum(0, costs.num_layers) / num_stages
+        if self.speed is not None:
+            self.check_stages(num_stages)
+        rate = num_stages if self.speed is None else math.fsum(self.speed)
+        per_stage = costs.time_sum(0, costs.num_layers) / rate
         return (self.microbatches + num_stages - 1) * per_stage
 
     imbalance = staticmethod(imbalance)

@@ -8,6 +8,7 @@ re-deriving ranks and stages. It is never changed in place: a migration returns 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from .partition import Partition
 from .schedules import ScheduleSpec
@@ -84,6 +85,20 @@ class PipelineLayout:
             for a, b in zip(ranks, ranks[1:])
         )
         return per[0] if len(set(per)) == 1 else (per or None)
+
+    def stage_speed(self, rank_speed: Sequence[float] | None, pp: int | None = None) -> tuple[float, ...] | None:
+        """The cost model's ``speed`` on ``pp`` pipeline ranks (default: now): each (virtual)
+        stage at its rank's speed, ``rank_speed`` one per pipeline rank (reduced over replicas:
+        :func:`~lightning_dynmo.plan.speed.slowest_replicas`). None when every rank is at 1.0 (or
+        ``rank_speed`` is None), so that the default cost model is unchanged."""
+        if rank_speed is None:
+            return None
+        pp = pp or self.pp_size
+        if len(rank_speed) < pp:
+            raise ValueError(f"rank_speed has {len(rank_speed)} speeds for {pp} pipeline ranks")
+        if all(float(v) == 1.0 for v in rank_speed[:pp]):
+            return None
+        return tuple(float(rank_speed[self.rank_of_stage(s, pp)]) for s in range(pp * self.virtual))
 
     def owners(self) -> list[int]:
         """Pipeline rank owning each layer."""

@@ -16,6 +16,9 @@ also disarms ``auto`` with hysteresis: it fires again only once the imbalance ha
 ``(1 + rebalance_hysteresis)`` x the level that was just judged not worth acting on, or after it has fallen
 below ``(1 - rebalance_hysteresis)`` x ``imbalance_threshold`` (the pipeline became balanced, then drifted again).
 An imbalance hovering at the threshold therefore costs one profiled decision, not one per cooldown.
+``auto`` also fires when a rank's speed drifted from the one the partition was balanced for
+(:class:`~lightning_dynmo.plan.straggler.SpeedWatch`, fed by :meth:`RebalancePolicy.observe_speeds`;
+every decision rebases it); without speed estimates it never does.
 
 Everything here works on numbers every rank agrees on, so every rank decides the same.
 """
@@ -32,6 +35,7 @@ from typing import Any
 from .balancers import BalanceProblem, InfeasiblePartitionError, get_balancer
 from .cost_model import CostModel, LayerCosts, imbalance
 from .partition import Partition
+from .straggler import SpeedWatch
 from .validation import enum_value, non_negative_int, positive_int
 
 
@@ -75,6 +79,7 @@ class Decision:
     ranks_after: int | None = None
     microbatches: int | None = None
     released: tuple[int, ...] | None = None
+    speeds: tuple[float, ...] | None = None  # per stage: the cost model's speed the decision balanced for
 
     def with_(self, **changes: Any) -> "Decision":
         return dataclasses.replace(self, **changes)
@@ -115,6 +120,7 @@ class RebalancePolicy:
     ema_busy: list[float] | None = None
     pending_reasons: list[str] = field(default_factory=list)
     left_at: dict[Partition, int] = field(default_factory=dict)  # partitions applied decisions left, and when
+    speed_watch: SpeedWatch = field(default_factory=SpeedWatch)  # rank speeds vs those last balanced for
 
     def __post_init__(self) -> None:
         self.rebalance = enum_value("rebalance", Rebalance, self.rebalance)
@@ -147,6 +153,16 @@ class RebalancePolicy:
             self.ema_busy = [d * a + (1 - d) * b for a, b in zip(self.ema_busy, busy)]
         return imbalance(self.ema_busy)
 
+    def observe_speeds(self, speeds: Sequence[float]) -> None:
+        """Feed per-pipeline-rank speed estimates of the last step (:mod:`~lightning_dynmo.plan.speed`)."""
+        self.speed_watch.observe(speeds)
+
+    @property
+    def speed_estimate(self) -> tuple[float, ...] | None:
+        """Per-pipeline-rank speeds (fastest 1.0) a decision now balances for
+        (:attr:`~lightning_dynmo.plan.straggler.SpeedWatch.for_balancing`); None before any estimate."""
+        return self.speed_watch.for_balancing
+
     def profile_reason(self, step: int) -> str | None:
         """Why this step should be profiled per layer (None: it should not)."""
         if not self.rebalances:
@@ -169,6 +185,10 @@ class RebalancePolicy:
                     return f"auto: busy-time imbalance {imb:.2f} > {self.imbalance_threshold:.2f}"
             elif imb > max(self.imbalance_threshold, self.disarmed_at * (1 + self.rebalance_hysteresis)):
                 return f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x {1 + self.rebalance_hysteresis:.2f}"
+        if self.rebalance is Rebalance.AUTO:
+            if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
+                return None
+            return self.speed_watch.reason()
         return None
 
     def accept(self, predicted_now: float, predicted_new: float, migration_cost: float) -> tuple[bool, str]:
@@ -200,6 +220,7 @@ class RebalancePolicy:
         self.last_rebalance_step = self.last_decision_step = step
         self.disarmed_at = None
         self.ema_busy = None
+        self.speed_watch.rebase()
         self.left_at = {p: t for p, t in self.left_at.items() if step - t < self.rebalance_horizon}
         if left is not None:
             self.left_at[left] = step
@@ -212,6 +233,7 @@ class RebalancePolicy:
             self.applied(step, left)
             return
         self.last_decision_step = step
+        self.speed_watch.rebase()
         if self.ema_busy:
             self.disarmed_at = max(imbalance(self.ema_busy), self.imbalance_threshold)
 
@@ -241,7 +263,8 @@ def decide(
     if isinstance(runs_per_step, bool) or not isinstance(runs_per_step, int) or runs_per_step < 1:
         raise ValueError(f"runs_per_step must be an int >= 1 (accumulate_grad_batches), got {runs_per_step!r}")
     t0 = time.perf_counter()
-    base = Decision(step=step, reason=reason, before=str(current), applied=False, why="", balancer=balancer)
+    base = Decision(step=step, reason=reason, before=str(current), applied=False, why="", balancer=balancer,
+                    speeds=model.speed)
     try:
         result = get_balancer(balancer)(
             BalanceProblem(costs=costs, num_stages=current.num_stages, model=model, current=current)

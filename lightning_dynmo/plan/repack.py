@@ -55,13 +55,16 @@ def plan_repack(
     virtual_stages: int = 1,
     tolerance: float = 0.05,
     bandwidth: Callable[[int], float | tuple[float, ...] | None] | None = None,
+    speed: Callable[[int], tuple[float, ...] | None] | None = None,
 ) -> RepackPlan:
     """A :class:`RepackPlan`, or :class:`RepackRefused` saying why the pipeline stays as it is.
 
     ``costs`` are per micro-batch of ``model_now.microbatches``; ``choose_microbatches(r)`` gives
     the micro-batch count the runtime would use on ``r`` ranks (raising ValueError when the
     schedule cannot run there). ``bandwidth(r)``: the cost model's bandwidth on ``r`` ranks (needed
-    when ``model_now`` has one per stage boundary; default: ``model_now``'s)."""
+    when ``model_now`` has one per stage boundary; default: ``model_now``'s). ``speed(r)``: the
+    cost model's per-stage ``speed`` on the ``r`` ranks that stay (needed when ``model_now`` has
+    speeds: :meth:`~lightning_dynmo.plan.layout.PipelineLayout.stage_speed` with ``pp=r``)."""
     check_repack_target(target)
     pred_now = model_now.predicted_step_time(costs, current)
     if target != "auto":
@@ -81,7 +84,10 @@ def plan_repack(
         if bandwidth is None and model_now.per_boundary:
             raise ValueError("plan_repack needs bandwidth(r) when the cost model has a bandwidth per stage boundary")
         bw = model_now.bandwidth if bandwidth is None else bandwidth(r)
-        model = dataclasses.replace(model_now, microbatches=m, bandwidth=bw)
+        if speed is None and model_now.speed is not None:
+            raise ValueError("plan_repack needs speed(r) when the cost model has a speed per stage")
+        sp = None if speed is None else speed(r)
+        model = dataclasses.replace(model_now, microbatches=m, bandwidth=bw, speed=sp)
         try:
             result = get_balancer(balancer)(
                 BalanceProblem(costs=scaled, num_stages=r * virtual_stages, model=model, current=None)

@@ -56,8 +56,11 @@ def brute(problem, kind):
 value = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]), st.floats(0, 10, allow_subnormal=False))
 
 
+speed = st.one_of(st.sampled_from([0.25, 0.5, 1.0, 2.0]), st.floats(0.1, 4.0, allow_subnormal=False))
+
+
 @st.composite
-def problems(draw, max_layers=9, max_stages=4, with_current=True):
+def problems(draw, max_layers=9, max_stages=4, with_current=True, speeds=False):
     L = draw(st.integers(1, max_layers))
     S = draw(st.integers(1, min(L, max_stages)))
     col = lambda: draw(st.lists(value, min_size=L, max_size=L))  # noqa: E731
@@ -69,6 +72,7 @@ def problems(draw, max_layers=9, max_stages=4, with_current=True):
         draw(st.sampled_from(SCHEDULES)),
         bandwidth=draw(st.one_of(st.none(), link, per_boundary) if S > 1 else st.one_of(st.none(), link)),
         capacity=draw(st.one_of(st.none(), st.floats(1.0, 150.0))),
+        speed=draw(st.lists(speed, min_size=S, max_size=S).map(tuple)) if speeds else None,
     )
     current = None
     if with_current and draw(st.booleans()):
@@ -350,3 +354,96 @@ def test_slow_link_moves_the_cut_to_a_narrow_activation():
     for bw, cuts in (((fast, fast), (0, 2, 4, 6)), ((fast, 1.0), (0, 2, 5, 6)), ((1.0, fast), (0, 2, 4, 6))):
         r = get_balancer("partition_time")(BalanceProblem(c, 3, CostModel(8, bandwidth=bw)))
         assert r.partition.boundaries == cuts, bw
+
+
+# ---- rank speeds: a stage's time is its work over its speed --------------------------------------
+def speed_loads(problem, part):
+    """Independent of the balancers' Objective: work / speed + receive, from the cost model's parts."""
+    costs, model, b = problem.costs, problem.model, part.boundaries
+    return [costs.time_sum(b[s], b[s + 1]) / model.speed[s] + model.recv_time(costs, b[s], s)
+            for s in range(part.num_stages)]
+
+
+@FAST
+@given(problems(speeds=True))
+def test_partition_time_with_speeds_is_exact_and_moves_fewest_layers(problem):
+    L, S = problem.num_layers, problem.num_stages
+    feas = [p for p in all_partitions(L, S) if fits(problem, p)]
+    if not feas:
+        with pytest.raises(InfeasiblePartitionError):
+            get_balancer("partition_time")(problem)
+        return
+    opt = min(max(speed_loads(problem, p)) for p in feas)
+    optimal = [p for p in feas if max(speed_loads(problem, p)) == opt]
+    r = get_balancer("partition_time")(problem)
+    assert r.max_load == opt and list(r.loads) == speed_loads(problem, r.partition)
+    assert problem.model.stage_times(problem.costs, r.partition) == list(r.loads)
+    if problem.current is not None:
+        fewest = min(p.moved_layers(problem.current) for p in optimal)
+        optimal = [p for p in optimal if p.moved_layers(problem.current) == fewest]
+    assert r.partition == min(optimal, key=lambda p: p.boundaries)
+    # the static proxies do not depend on speed
+    plain = BalanceProblem(problem.costs, S, replace(problem.model, speed=None), problem.current)
+    for name in ("partition_param", "param"):
+        assert get_balancer(name)(problem).partition == get_balancer(name)(plain).partition
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(max_layers=30, max_stages=8, speeds=True))
+def test_diffusion_with_speeds_reaches_the_exact_optimum(problem):
+    try:
+        exact = get_balancer("partition_time")(problem)
+    except InfeasiblePartitionError:
+        with pytest.raises(InfeasiblePartitionError):
+            get_balancer("diffusion_time")(problem)
+        return
+    r = get_balancer("diffusion_time")(problem)
+    assert fits(problem, r.partition) and r.max_load == exact.max_load
+    assert list(r.loads) == speed_loads(problem, r.partition)
+    start = problem.current or get_balancer("uniform")(problem).partition
+    if fits(problem, start):
+        assert r.max_load <= max(speed_loads(problem, start))
+    assert _no_helpful_move(problem, r.partition, "time")
+
+
+@FAST
+@given(problems(max_layers=12, max_stages=5))
+def test_all_speeds_one_is_bit_identical_to_no_speeds(problem):
+    ones = BalanceProblem(problem.costs, problem.num_stages,
+                          replace(problem.model, speed=(1.0,) * problem.num_stages), problem.current)
+    for name in BUILTIN:
+        try:
+            r = get_balancer(name)(problem)
+        except InfeasiblePartitionError:
+            with pytest.raises(InfeasiblePartitionError):
+                get_balancer(name)(ones)
+            continue
+        assert get_balancer(name)(ones) == r
+
+
+@pytest.mark.parametrize("capacity", ["none", "binding"])
+def test_exact_with_speeds_is_optimal_for_64_layers_12_stages(capacity):
+    rnd = random.Random(3)
+    L, S = 64, 12
+    costs = LayerCosts([rnd.uniform(0.5, 2) for _ in range(L)], [rnd.uniform(1, 4) for _ in range(L)], [1] * L,
+                       [rnd.uniform(1e6, 1e7) for _ in range(L)], [rnd.uniform(1e5, 1e6) for _ in range(L)])
+    sp = tuple(0.5 if s == 5 else rnd.uniform(0.8, 1.0) for s in range(S))
+    model = CostModel(32, bandwidth=1e9, speed=sp)
+    if capacity == "binding":
+        free = get_balancer("partition_time")(BalanceProblem(costs, S, model)).partition
+        model = replace(model, capacity=0.95 * max(model.stage_memory(costs, free)))
+    problem = BalanceProblem(costs, S, model, megatron_layout(L, S))
+    r = get_balancer("partition_time")(problem)
+    assert r.max_load == dp_optimum(problem, "time") and fits(problem, r.partition)
+    assert get_balancer("diffusion_time")(problem).max_load == r.max_load
+    even = get_balancer("partition_time")(BalanceProblem(costs, S, replace(model, speed=None), megatron_layout(L, S)))
+    assert r.partition.sizes[5] < even.partition.sizes[5]  # the half-speed stage gets less work
+
+
+def test_slow_stage_gets_half_the_work():
+    c = LayerCosts.uniform(12, forward=1.0, backward=2.0)
+    r = get_balancer("partition_time")(BalanceProblem(c, 3, CostModel(8, speed=(1.0, 0.5, 1.0))))
+    assert r.partition.sizes == (5, 2, 5) and r.loads == (15.0, 12.0, 15.0)
+    for name in ("diffusion_time", "partition_time"):  # and from the even split: 4 | 4 | 4
+        moved = get_balancer(name)(BalanceProblem(c, 3, CostModel(8, speed=(1.0, 0.5, 1.0)), megatron_layout(12, 3)))
+        assert moved.max_load == 15.0 and moved.partition.sizes[1] == 2

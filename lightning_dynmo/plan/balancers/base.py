@@ -2,7 +2,9 @@
 
 A balancer is a pure, deterministic function of the problem; it returns boundaries only, so it
 cannot reorder layers. An *objective* says what "load of a stage" means for a balancer: per
-micro-batch time (compute + input receive, from the cost model), parameter count, or layer count.
+micro-batch time (compute at the stage's speed + input receive, from the cost model), parameter
+count, or layer count. Only time depends on rank speed: parameter and layer counts are static
+proxies (what a static system balances, or what memory follows), the same on a slow rank.
 """
 from __future__ import annotations
 
@@ -69,11 +71,12 @@ class BalanceResult:
 
 @dataclass(frozen=True)
 class Objective:
-    """Stage ``s``'s load ``(p[stop] - p[start]) / den + recv[s][start]``.
+    """Stage ``s``'s load ``(p[stop] - p[start]) / den / speed[s] + recv[s][start]``.
 
-    ``p`` are exact int prefix sums, so the first term is monotone in both boundaries and is a
-    lower bound of the load; ``recv[s]`` is stage ``s``'s input-transfer time by first layer, over
-    the link it receives on (zeros except for time; stages on equally fast links share one list).
+    ``p`` are exact int prefix sums, so the first term (the compute part) is monotone in both
+    boundaries and is a lower bound of the load; ``recv[s]`` is stage ``s``'s input-transfer time
+    by first layer, over the link it receives on (zeros except for time; stages on equally fast
+    links share one list); ``speed`` is None (every stage at 1.0: no division) except for time.
     Bit-identical to ``CostModel.segment_time`` / ``LayerCosts.params_sum``.
     """
 
@@ -81,9 +84,13 @@ class Objective:
     p: list[int]
     den: int
     recv: Sequence[list[float]]
+    speed: tuple[float, ...] | None = None
 
     def load(self, stage: int, start: int, stop: int) -> float:
-        return (self.p[stop] - self.p[start]) / self.den + self.recv[stage][start]
+        c = (self.p[stop] - self.p[start]) / self.den
+        if self.speed is not None:
+            c = c / self.speed[stage]
+        return c + self.recv[stage][start]
 
     def loads(self, partition: Partition) -> tuple[float, ...]:
         b = partition.boundaries
@@ -102,7 +109,7 @@ def objective(kind: str, problem: BalanceProblem) -> Objective:
             if bw not in by_link:
                 by_link[bw] = [model.recv_time(costs, i, s) if s else 0.0 for i in range(L + 1)]
             recv.append(by_link[bw])
-        return Objective(kind, pre.p, pre.den, recv)
+        return Objective(kind, pre.p, pre.den, recv, model.speed)
     zeros = [0.0] * (L + 1)
     if kind == "params":
         return Objective(kind, costs._params_prefix, 1, [zeros] * S)

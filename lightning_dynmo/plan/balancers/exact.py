@@ -11,7 +11,9 @@ and the forward reconstruction takes the smallest next boundary that keeps the o
 lexicographically smallest boundaries among the ties.
 
 Exact with floats because every compared value is an actual stage load computed by the same
-expression as the cost model (``Objective``), never a sum of rounded pieces or an epsilon.
+expression as the cost model (``Objective``), never a sum of rounded pieces or an epsilon. With
+rank speeds a stage's load is its work over its speed (plus its receive time); the search only
+needs each stage's load to be monotone in its boundaries, which division by a constant keeps.
 Pruning relies only on monotonicity: the compute part of a load, and stage memory, grow when a
 stage is extended at either end. Cost is O(S L^2) in the worst case, far less in practice.
 """
@@ -88,23 +90,33 @@ def min_peak_memory(problem: BalanceProblem) -> float:
 Window = tuple[list[int], list[int]]  # smallest and largest end of each stage of a run
 
 
-def _units(obj: Objective, ub: float) -> int:
-    """An integer ``D`` with ``load(i, j) <= ub  =>  p[j] - p[i] <= D`` (the load's first term is
-    a correctly rounded quotient and ``recv >= 0``; the margin covers the rounding)."""
-    return int(Fraction(ub) * obj.den * Fraction(1 + 2**-50)) + 1
+def _units(obj: Objective, ub: float, speed: float = 1.0) -> int:
+    """An integer ``D`` with ``load(i, j) <= ub  =>  p[j] - p[i] <= D`` on a stage of ``speed``
+    (the load's compute part is a correctly rounded quotient, divided by the speed once more, and
+    ``recv >= 0``; the margin covers both roundings)."""
+    return int(Fraction(ub) * Fraction(speed) * obj.den * Fraction(1 + 2**-50)) + 1
+
+
+def _allowances(obj: Objective, run: Run, ub: float) -> list[int]:
+    """:func:`_units` for each stage of ``run`` (one value for all without speeds)."""
+    n = run.stop - run.first
+    if obj.speed is None:
+        return [_units(obj, ub)] * n
+    return [_units(obj, ub, obj.speed[s]) for s in range(run.first, run.stop)]
 
 
 def windows(obj: Objective, run: Run, ub: float) -> Window | None:
     """For each stage of ``run``, the smallest and largest end over every split whose stages'
     compute parts are all <= ``ub`` (a relaxation of ``load <= ub``: receive times and memory
     dropped), by greedy reach from both ends (exact for additive monotone loads). Every split
-    with heaviest load <= ``ub`` ends its stages inside these windows. None: no such split."""
+    with heaviest load <= ``ub`` ends its stages inside these windows. None: no such split.
+    With speeds each stage reaches as far as its own allowance (greedy stays exact)."""
     a, c, x, y = run
-    p, n, D = obj.p, run.stop - run.first, _units(obj, ub)
+    p, n, D = obj.p, run.stop - run.first, _allowances(obj, run, ub)
     hi, lo = [0] * n, [0] * n
     e = x
     for t in range(n):
-        far = bisect_right(p, p[e] + D, e, y + 1) - 1
+        far = bisect_right(p, p[e] + D[t], e, y + 1) - 1
         e = min(far, y - (n - 1 - t))
         if e < x + t + 1:
             return None
@@ -113,7 +125,7 @@ def windows(obj: Objective, run: Run, ub: float) -> Window | None:
         return None
     lo[-1] = f = y
     for t in range(n - 1, 0, -1):
-        i = max(bisect_left(p, p[f] - D, x, f), x + t)
+        i = max(bisect_left(p, p[f] - D[t], x, f), x + t)
         if i >= f or i > hi[t - 1]:
             return None
         lo[t - 1] = f = i
@@ -122,19 +134,28 @@ def windows(obj: Objective, run: Run, ub: float) -> Window | None:
 
 def _upper_bound(obj: Objective, run: Run) -> float:
     """A heaviest-stage load some split of ``run`` achieves: the compute-only optimum (greedy
-    stage counts, bisected to 1e-6) plus the largest receive time of any of its stages."""
+    stage counts, bisected to 1e-6) plus the largest receive time of any of its stages. With
+    speeds, ``D`` counts time: stage ``s`` may hold ``D x speed[s]`` units of work. (Only a guess
+    to narrow the search: :func:`bottleneck` is exact whatever it returns.)"""
     a, c, x, y = run
     p, n = obj.p, c - a
+    ratios = None if obj.speed is None else [v.as_integer_ratio() for v in obj.speed[a:c]]
 
     def stages(D: int) -> int:
         e, k = x, 0
         while e < y and k <= n:
-            e = bisect_right(p, p[e] + D, e, y + 1) - 1
+            allow = D if ratios is None or k == n else D * ratios[k][0] // ratios[k][1]
+            e = bisect_right(p, p[e] + allow, e, y + 1) - 1
             k += 1
         return k
 
-    lo = max(max(p[i + 1] - p[i] for i in range(x, y)), (p[y] - p[x]) // n) - 1  # infeasible
-    hi = p[y] - p[x]  # feasible: one stage
+    if ratios is None:
+        lo = max(max(p[i + 1] - p[i] for i in range(x, y)), (p[y] - p[x]) // n) - 1  # infeasible
+        hi = p[y] - p[x]  # feasible: one stage
+    else:
+        lo = -1  # infeasible (no D below 0 is tried)
+        num, den = ratios[0]
+        hi = -(-(p[y] - p[x]) * den // num)  # feasible: the first stage holds everything
     while hi - lo > max(1, hi >> 20):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if stages(mid) <= n else (mid, hi)
@@ -148,13 +169,15 @@ def _dp(obj: Objective, lo: list[list[int]] | None, run: Run, win: Window | None
     n = c - a
     wlo, whi = win if win is not None else ([x + t + 1 for t in range(n - 1)] + [y],
                                             [y - (n - 1 - t) for t in range(n)])
+    speeds = obj.speed
     prev = [INF] * (y + 1)
     for j in range(wlo[0], whi[0] + 1):
         if lo is None or lo[a][j] <= x:
-            prev[j] = (p[j] - p[x]) / den + obj.recv[a][x]
+            prev[j] = obj.load(a, x, j)
     for t in range(1, n):
         s = a + t
         recv = obj.recv[s]  # stage s's input link
+        sp = None if speeds is None else speeds[s]
         ilo, ihi = wlo[t - 1], whi[t - 1]  # where stage s can start
         cur = [INF] * (y + 1)
         los = None if lo is None else lo[s]
@@ -169,6 +192,8 @@ def _dp(obj: Objective, lo: list[list[int]] | None, run: Run, win: Window | None
             imin = ilo if los is None else max(ilo, los[j])
             for i in range(min(j - 1, ihi), imin - 1, -1):
                 seg = (pj - p[i]) / den
+                if sp is not None:
+                    seg = seg / sp
                 if seg >= best or floor[i] >= best:  # earlier starts cannot do better
                     break
                 v = prev[i]
@@ -227,7 +252,10 @@ def solve_run(
         if lo is not None:
             hi = min(hi, bisect_right(lo[s], i) - 1)
         pi, r = p[i], obj.recv[s][i]
-        return i + bisect_right(range(i + 1, hi + 1), opt, key=lambda j: (p[j] - pi) / den + r)
+        if obj.speed is None:
+            return i + bisect_right(range(i + 1, hi + 1), opt, key=lambda j: (p[j] - pi) / den + r)
+        sp = obj.speed[s]
+        return i + bisect_right(range(i + 1, hi + 1), opt, key=lambda j: (p[j] - pi) / den / sp + r)
 
     # Forward pass: the starts of each stage reachable from x through stages within the
     # optimum (an optimal split only uses those), with each start's last admissible end.

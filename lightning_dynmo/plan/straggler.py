@@ -1,0 +1,119 @@
+"""When a rank's speed has drifted from the one the partition was balanced for (pure).
+
+A rank that slows down with no dynamism event (same layers, more time: a throttled or shared
+device) shows up only in its own busy time. :class:`SpeedWatch` follows per-rank speed estimates
+(:mod:`lightning_dynmo.plan.speed`; each rank's is the median of its last ``window`` ones) and says
+when some rank's speed relative to the fastest differs from the one the current partition was
+balanced for by more than a factor ``1 + tolerance``, either way (a slowdown, or the recovery from
+one), on ``confirm_steps`` consecutive steps. A decision (applied or not) rebases it on the speeds
+it was taken for (:attr:`SpeedWatch.for_balancing`), so it fires again only after a further drift
+of the same size: the hysteresis. Below the tolerance decisions keep balancing for the old speeds.
+
+Why jitter does not fire it: on ranks of equal speed whose estimates stay within ``[1 - j, 1 + j]``
+of it, every relative speed (over the fastest; a median of estimates or a single one) lies in
+``[(1 - j) / (1 + j), 1]``, so it moves by at most a factor ``(1 + j) / (1 - j)`` between any two
+steps: 1.22 for j = 10 %. The default tolerance of 0.3 therefore never fires there on a +-10 %
+jitter (nor on anything below +-13 %), whatever its pattern. A rank slower than the fastest is not
+clipped at 1.0, and its bound is the square, 1.49 for j = 10 %; the median keeps a random jitter
+well inside it, which the tests check. A drop to half speed (a factor 2) fires within 4 steps (the
+median turns after 3, then the drift is confirmed), and the decision balances for the new speed
+itself, not a blend of the old and the new.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .speed import normalise_speeds
+
+
+@dataclass
+class SpeedWatch:
+    tolerance: float = 0.3  # fire beyond a factor 1 + tolerance between the relative speeds
+    confirm_steps: int = 2  # ... on this many consecutive steps
+    window: int = 5  # each rank's estimate: the median of its last this many
+    # state
+    balanced_for: tuple[float, ...] | None = None  # relative speeds the partition was balanced for
+    recent: deque = field(default_factory=deque, repr=False)  # the last ``window`` estimates
+    streak: int = 0
+    _drift: tuple[int, float] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        t = self.tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t > 0):
+            raise ValueError(f"speed tolerance must be a finite number > 0, got {t!r}")
+        c = self.confirm_steps
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"confirm_steps must be an int >= 1, got {c!r}")
+        w = self.window
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"window must be an int >= 1, got {w!r}")
+        self.recent = deque(self.recent, maxlen=w)
+
+    @property
+    def smoothed(self) -> list[float] | None:
+        """Per rank, the median of its recent estimates (None before any). A median, not a moving
+        average: after a step change it is the new speed itself once half the window has seen it,
+        never a blend of the old and new, so a decision is not taken for a speed on its way."""
+        if not self.recent:
+            return None
+        return [statistics.median(col) for col in zip(*self.recent)]
+
+    @property
+    def estimate(self) -> tuple[float, ...] | None:
+        """The smoothed speeds, normalised (fastest 1.0)."""
+        return None if self.smoothed is None else normalise_speeds(self.smoothed)
+
+    @property
+    def for_balancing(self) -> tuple[float, ...] | None:
+        """What a decision should balance for: the current estimate once it drifted beyond the
+        tolerance, else the speeds the partition was balanced for. A decision for another reason
+        (a dynamism event, the busy-time imbalance) so does not chase jitter: speeds within the
+        tolerance of the last ones balanced for give the same problem, so the same partition."""
+        return self.estimate if self._drift is not None else self.balanced_for
+
+    def observe(self, speeds: Sequence[float]) -> None:
+        """One step's per-pipeline-rank speed estimates, in a unit common to the steps: best the
+        raw ``work / busy`` (``speeds_from_busy(..., to=None)``), whose per-rank medians carry no
+        step's normalisation noise (normalised ones work too). A change in the rank count
+        (re-packing) starts over."""
+        now = tuple(float(v) for v in speeds)
+        if not all(math.isfinite(v) and v > 0 for v in now):
+            raise ValueError(f"speeds must be finite numbers > 0, got {speeds!r}")
+        if self.recent and len(self.recent[-1]) != len(now):
+            self.recent.clear()
+            self.streak = 0
+        if self.balanced_for is None or len(self.balanced_for) != len(now):
+            self.balanced_for = tuple(1.0 for _ in now)  # what a partition balanced without speeds assumed
+        self.recent.append(now)
+        self._drift = self.drift()
+        self.streak = self.streak + 1 if self._drift is not None else 0
+
+    def drift(self) -> tuple[int, float] | None:
+        """``(rank, factor)`` of the rank whose relative speed moved most since the partition was
+        balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
+        if self.smoothed is None or self.balanced_for is None:
+            return None
+        now, then = normalise_speeds(self.smoothed), normalise_speeds(self.balanced_for)
+        rank = max(range(len(now)), key=lambda r: abs(math.log(now[r] / then[r])))
+        factor = now[rank] / then[rank]
+        return (rank, factor) if abs(math.log(factor)) > math.log1p(self.tolerance) else None
+
+    def reason(self) -> str | None:
+        """Why to rebalance now (None: not yet): a drift held for ``confirm_steps`` steps."""
+        if self.streak < self.confirm_steps or self._drift is None:
+            return None
+        rank, factor = self._drift
+        return (f"auto: pipeline rank {rank} runs at {factor:.2f}x the relative speed the partition was balanced for "
+                f"(beyond 1/{1 + self.tolerance:.2f}..{1 + self.tolerance:.2f})")
+
+    def rebase(self, speeds: Sequence[float] | None = None) -> None:
+        """A decision was taken for ``speeds`` (default: :attr:`for_balancing`): drift is measured
+        from them now."""
+        base = speeds if speeds is not None else self.for_balancing
+        if base is not None:
+            self.balanced_for = normalise_speeds(base)
+        self.streak, self._drift = 0, None

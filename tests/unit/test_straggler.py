@@ -1,0 +1,173 @@
+"""A rank that slows down with no dynamism event: the speed watch's hysteresis, and the ``auto``
+policy fed per-rank speeds from busy times, deciding and migrating on a simulated pipeline."""
+import random
+import re
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
+from lightning_dynmo.plan.budget import OverheadBudget
+from lightning_dynmo.plan.controller import RebalanceController
+from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
+from lightning_dynmo.plan.partition import Partition
+from lightning_dynmo.plan.policy import Decision, RebalancePolicy, decide
+from lightning_dynmo.plan.speed import rank_work
+from lightning_dynmo.plan.straggler import SpeedWatch
+
+
+def jittered(true, rnd, j=0.1):
+    return [v * (1 + rnd.uniform(-j, j)) for v in true]
+
+
+def first_fire(watch, trace):
+    for k, speeds in enumerate(trace, 1):
+        watch.observe(speeds)
+        if watch.reason():
+            return k
+    return None
+
+
+def test_jitter_of_10_percent_never_fires_a_slowdown_fires_within_4_steps_and_recovery_fires_again():
+    rnd = random.Random(0)
+    watch = SpeedWatch()
+    assert first_fire(watch, [jittered([1.0] * 4, rnd) for _ in range(5000)]) is None
+    slow = [1.0, 1.0, 0.5, 1.0]
+    k = first_fire(watch, [jittered(slow, rnd) for _ in range(20)])
+    assert k is not None and k <= 4
+    assert re.search(r"pipeline rank 2 runs at 0\.[45]\dx", watch.reason()), watch.reason()
+    watch.rebase()  # the decision balanced for the slow rank: its new speed, not a blend with the old
+    assert watch.balanced_for[2] == pytest.approx(0.5, abs=0.06)
+    assert first_fire(watch, [jittered(slow, rnd) for _ in range(5000)]) is None  # slow, but steady
+    k = first_fire(watch, [jittered([1.0] * 4, rnd) for _ in range(20)])  # it recovers
+    assert k is not None and k <= 4 and watch.drift()[0] == 2 and watch.drift()[1] > 1.3
+    watch.rebase()
+    assert first_fire(watch, [jittered([1.0] * 4, rnd) for _ in range(2000)]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.floats(0.9, 1.1), min_size=3, max_size=3), min_size=1, max_size=60),
+       st.sampled_from([1, 2, 5]), st.booleans())
+def test_no_pattern_of_10_percent_jitter_fires_on_equal_ranks(trace, window, rebase_midway):
+    """The bound of the module docstring: adversarial (not only random) traces within +-10 %."""
+    watch = SpeedWatch(window=window, confirm_steps=1)
+    for k, speeds in enumerate(trace):
+        watch.observe(speeds)
+        assert watch.reason() is None, (k, watch.smoothed, watch.balanced_for)
+        if rebase_midway and k == len(trace) // 2:
+            watch.rebase(speeds)  # balanced for a jittered estimate
+    assert watch.for_balancing == watch.balanced_for  # nothing drifted: decisions keep the old speeds
+
+
+def test_a_lower_tolerance_does_fire_on_jitter():
+    """The guarantee is the tolerance's, not the test's: 0.1 < 1.22 - 1 fires on the same jitter."""
+    rnd = random.Random(0)
+    assert first_fire(SpeedWatch(tolerance=0.1, confirm_steps=1, window=1),
+                      [jittered([1.0] * 4, rnd) for _ in range(500)]) is not None
+
+
+def test_watch_validation_and_rank_count_change():
+    for bad in (dict(tolerance=0), dict(tolerance=True), dict(confirm_steps=0), dict(window=0)):
+        with pytest.raises(ValueError):
+            SpeedWatch(**bad)
+    watch = SpeedWatch()
+    watch.observe([1.0, 0.5])
+    assert watch.balanced_for == (1.0, 1.0) and watch.drift() == (1, 0.5) and watch.reason() is None
+    watch.observe([1.0, 1.0, 1.0])  # re-packed onto 3 ranks: starts over
+    assert watch.balanced_for == (1.0, 1.0, 1.0) and watch.streak == 0 and watch.drift() is None
+
+
+# ---- the auto policy on a simulated pipeline -------------------------------------------------------
+def policy(**kw):
+    opts = dict(rebalance="auto", rebalance_interval=1, imbalance_threshold=0.1, rebalance_horizon=50,
+                rebalance_cooldown=5, rebalance_hysteresis=0.5, profile_steps=1)
+    opts.update(kw)
+    return RebalancePolicy(**opts)
+
+
+def simulate(true_speed, steps, seed=0, jitter=0.1, L=16, S=4, threshold=0.1):
+    """Each step every rank is busy for its stages' work over its true speed, +-jitter; the policy
+    sees busy times and the speeds they imply and decides (on the true work) when it fires.
+    Returns the migrations (step, partition) and the controller."""
+    rnd = random.Random(seed)
+    work = LayerCosts([rnd.uniform(0.8, 1.2) for _ in range(L)], [0.0] * L, [1] * L, [0.0] * L, [0.0] * L)
+    model = CostModel(16)
+    part = decide_partition(work, model, Partition.from_sizes([L // S] * S), S)
+    budget = OverheadBudget(overhead_budget=float("inf"))
+    ctl = RebalanceController(policy(imbalance_threshold=threshold), budget, "off")
+    migrations = []
+    for step in range(steps):
+        true = true_speed(step)
+        busy = [model.segment_work(work, r.start, r.stop) / v * (1 + rnd.uniform(-jitter, jitter))
+                for r, v in zip(part, true)]
+        ctl.after_step(step, False, busy, busy, [None] * L, rank_work=rank_work(work, model, part, range(S), S))
+        reason = ctl.policy.profile_reason(step)
+        if reason is None:
+            continue
+        speeds = ctl.rank_speed
+        m = CostModel(16, speed=None if all(v == 1.0 for v in speeds) else speeds)
+        decision, new = decide(step=step, reason=reason, costs=work, model=m, balancer="partition_time",
+                               current=part, policy=ctl.policy, migration_cost=0.0)
+        ctl.decided(step, applied=new is not None, left=part)
+        if new is not None:
+            migrations.append((step, new, decision))
+            part = new
+    return migrations, ctl
+
+
+def decide_partition(work, model, start, S):
+    return get_balancer("partition_time")(BalanceProblem(work, S, model, start)).partition
+
+
+@pytest.mark.parametrize("threshold", [0.1, 100.0])
+def test_jitter_alone_migrates_nothing(threshold):
+    migrations, ctl = simulate(lambda step: (1.0, 1.0, 1.0, 1.0), 1500, threshold=threshold)
+    assert migrations == []
+    assert ctl.rank_speed == (1.0, 1.0, 1.0, 1.0)  # what decisions balance for: unchanged
+
+
+@pytest.mark.parametrize("busy_trigger", [True, False])
+def test_a_straggler_is_rebalanced_within_a_few_steps_then_left_alone_and_recovery_moves_back(busy_trigger):
+    """With the busy-time trigger on (the default threshold) it fires first, on speeds not yet
+    turned ("already balanced"), and the cooldown defers the move a few steps; alone, the speed
+    watch fires once the window's median has turned and the drift is confirmed."""
+    def speed(step):
+        return (1.0, 1.0, 0.5, 1.0) if 300 <= step < 900 else (1.0, 1.0, 1.0, 1.0)
+
+    migrations, _ = simulate(speed, 1500, threshold=0.1 if busy_trigger else 100.0)
+    assert len(migrations) == 2, [(s, str(p), d.reason) for s, p, d in migrations]
+    (t_slow, slow_part, d_slow), (t_back, back_part, d_back) = migrations
+    lag = 5 if busy_trigger else 3  # the cooldown; the median's turn (3 of 5) and one step to confirm
+    assert 300 < t_slow <= 300 + lag + 1 and 900 < t_back <= 900 + lag + 1, (t_slow, t_back)
+    if not busy_trigger:
+        assert re.search(r"pipeline rank 2 runs at 0\.[45]\dx", d_slow.reason), d_slow.reason
+        assert re.search(r"pipeline rank 2 runs at [12]\.\d\dx", d_back.reason), d_back.reason
+    assert slow_part.sizes[2] < 4 and d_slow.speeds[2] < 0.6  # less work on the slow rank
+    record = d_slow.to_record()  # the JSONL line says what the decision balanced for
+    assert record["speeds"] == list(d_slow.speeds) and Decision.from_record(record) == d_slow
+    assert back_part.sizes[2] >= 4 and min(d_back.speeds or (1.0,)) > 0.8  # balanced for ranks alike again
+
+
+def test_the_watch_respects_the_cooldown_and_only_auto_uses_it():
+    ctl = RebalanceController(policy(rebalance_cooldown=10), OverheadBudget(overhead_budget=float("inf")), "off")
+    ctl.policy.decided(0, applied=False)
+    for step in range(1, 12):
+        ctl.after_step(step, False, [1.0, 2.0], [1.0, 2.0], [None, None], rank_work=[1.0, 1.0])
+        reason = ctl.policy.profile_reason(step)
+        assert (reason is None) == (step < 10), (step, reason)
+    assert "busy-time imbalance" in reason  # the busy trigger fires first; the speed one after it
+    for mode in ("every_n", "on_event", "never"):
+        p = policy(rebalance=mode, rebalance_interval=10**6)
+        for _ in range(5):
+            p.observe_speeds([1.0, 0.3])
+        assert p.speed_watch.reason() is not None and p.profile_reason(3) is None
+
+
+def test_profiled_steps_do_not_feed_the_watch():
+    ctl = RebalanceController(policy(), OverheadBudget(overhead_budget=float("inf")), "off")
+    ctl.after_step(0, True, [1.0, 5.0], [1.0, 5.0], [None, None], rank_work=[1.0, 1.0])
+    assert ctl.rank_speed is None
+    ctl.after_step(1, False, [1.0, 5.0], [1.0, 5.0], [None, None])  # no work given: no estimate
+    assert ctl.rank_speed is None
+    ctl.after_step(2, False, [1.0, 2.0], [1.0, 2.0], [None, None], rank_work=[1.0, 1.0])
+    assert ctl.policy.speed_watch.estimate == (1.0, 0.5)
