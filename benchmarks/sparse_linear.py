@@ -112,7 +112,7 @@ def main():
                 print(json.dumps({"device": "cuda", "skipped": "no CUDA", "smoke": True}))
                 return
         import _sparse_linear_cuda
-        print(json.dumps(_sparse_linear_cuda.main(args)))
+        print(json.dumps(dict(_sparse_linear_cuda.main(args), smoke=args.smoke)))
         return
     torch.set_num_threads(args.threads)
     if not sparse.extension_available():  # never report the fallback as "ours"
