@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -97,10 +98,10 @@ def last_json_line(stdout: str) -> dict:
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_smoke_run_prints_its_keys(script):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _children_cpu_seconds()
     proc = subprocess.run([sys.executable, str(script), "--smoke"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=TIMEOUT_S)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _children_cpu_seconds() - cpu
     assert proc.returncode == 0, f"{script.name} --smoke exited {proc.returncode}:\n{proc.stdout[-2000:]}\n" \
                                  f"{proc.stderr[-4000:]}"
     result = last_json_line(proc.stdout)
@@ -113,4 +114,10 @@ def test_smoke_run_prints_its_keys(script):
     missing = [k for k in keys if k not in result]
     assert not missing, f"{script.name} --smoke: keys {missing} missing from {sorted(result)}"
     assert "error" not in result and not result.get("errors"), f"{script.name} --smoke reported errors: {result}"
-    print(f"{script.stem} --smoke: {seconds:.1f} s")
+    print(f"{script.stem} --smoke: {seconds:.1f} s, {cpu:.1f} CPU s (its processes)")
+
+
+def _children_cpu_seconds() -> float:
+    """CPU seconds of the finished child processes (with theirs: torchrun waits for its ranks)."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
