@@ -450,7 +450,7 @@ def main(argv=None) -> None:
     if args.plot:
         plot_sweep(summary, args.plot)
     case = load(args.case)
-    if hasattr(case, "launcher_extra") and not args.smoke:  # figures from a job of its own (e.g. another process layout)
+    if hasattr(case, "launcher_extra") and not args.smoke:  # figures from a job of its own (another process layout)
         summary.update(case.launcher_extra(args.quick))
     print(json.dumps(summary))
 

@@ -100,7 +100,8 @@ def main() -> None:
     for c, r in runs.items():
         print(f"{c:>10}: first {r['density_first']}  last {r['density_last_mean']}  loss {r['loss_last_mean']}",
               file=sys.stderr)
-    print(json.dumps({"smoke": args.smoke, "data": args.data, "steps": steps, "batch": batch, "seq": t, "block": bs, "nb_hash": nbs,
+    print(json.dumps({"smoke": args.smoke, "data": args.data, "steps": steps, "batch": batch, "seq": t, "block": bs,
+                      "nb_hash": nbs,
                       "balanced": [round(balanced_density(t, nb, bs), 3) for nb in nbs], "runs": runs}))
 
 

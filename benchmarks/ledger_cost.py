@@ -72,7 +72,8 @@ def main() -> None:
                                   env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-                print(json.dumps({"benchmark": "ledger_cost", "error": f"torchrun exit {proc.returncode} at {n} ranks"}))
+                print(json.dumps({"benchmark": "ledger_cost",
+                                  "error": f"torchrun exit {proc.returncode} at {n} ranks"}))
                 sys.exit(1)
             result["us_per_call"][str(n)] = json.load(open(out.name))
     print(json.dumps(result))

@@ -85,7 +85,8 @@ def worker(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    p.add_argument("--smoke", action="store_true", help="a tiny model, 5 steps, one repeat: checks that the script runs")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model, 5 steps, one repeat: checks that the script runs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["single", "pipeline"], default="single", help=argparse.SUPPRESS)
@@ -145,7 +146,8 @@ def main() -> None:
         block = figures(("block", 1))
         extra = {"block": block, "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
     print(json.dumps({
-        "benchmark": "pipeline_throughput", "smoke": args.smoke, "schedule": args.schedule, "microbatches": m, "stages": pp,
+        "benchmark": "pipeline_throughput", "smoke": args.smoke, "schedule": args.schedule, "microbatches": m,
+        "stages": pp,
         "granularity": args.pipeline_granularity,
         "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch,
                   "head_chunks": args.head_chunks},

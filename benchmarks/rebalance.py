@@ -139,7 +139,8 @@ def _uniform(L: int) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    p.add_argument("--smoke", action="store_true", help="a narrow model, 10 steps, one repeat: checks that the script runs")
+    p.add_argument("--smoke", action="store_true",
+                   help="a narrow model, 10 steps, one repeat: checks that the script runs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--embd", type=int, default=None, help="default 192")
@@ -181,7 +182,8 @@ def main() -> None:
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
         "benchmark": "rebalance", "smoke": args.smoke,
-        "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "") + (" --smoke" if args.smoke else "")
+        "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
+        + (" --smoke" if args.smoke else "")
         + (f" --pipeline-granularity {args.pipeline_granularity}" if args.pipeline_granularity != "block" else "")
         + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "stages": 2,
         "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.pipeline_granularity,

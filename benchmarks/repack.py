@@ -71,7 +71,8 @@ def worker(args) -> None:
             self.active.append(fr)
 
     timer, scen = StepTimer(), Scenario()
-    strategy = DynMoStrategy(pipeline_parallel=args.ranks, schedule="1f1b", microbatches=None, balancer="partition_time",
+    strategy = DynMoStrategy(pipeline_parallel=args.ranks, schedule="1f1b", microbatches=None,
+                             balancer="partition_time",
                              rebalance="on_event", repack="off", repack_tolerance=args.tolerance, plot=False)
     logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # rebalance_history / cost_trace: not the cwd
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=args.ranks, max_steps=args.steps, logger=False,
@@ -130,7 +131,8 @@ def main() -> None:
               f"applied={h['applied']} ({h.get('why', '')})")
     print(json.dumps({
         "benchmark": "repack", "smoke": args.smoke,
-        "command": "python benchmarks/repack.py" + (" --quick" if args.quick else "") + (" --smoke" if args.smoke else ""),
+        "command": "python benchmarks/repack.py" + (" --quick" if args.quick else "")
+        + (" --smoke" if args.smoke else ""),
         "ranks": args.ranks, "oversubscribed_cpu": args.ranks > (os.cpu_count() or 1), "threads_per_rank": 1,
         "stages_before": sb, "stages_after": sa, "released_ranks": r["released"],
         "tokens_per_sec_before": round(before, 1), "tokens_per_sec_after": round(after, 1),

@@ -49,8 +49,9 @@ SHAPES = ((1024, 4096), (4096, 1024))  # (in_features, out_features): GPT-2-medi
 SMOKE_SHAPES = ((256, 512),)
 TARGET = 1.1
 #: keys the last JSON line has on a GPU (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
-RESULT_KEYS = ("gpu", "device", "torch", "tokens", "shapes", "speedup_fwd_bwd_2to4", "speedup_fwd_bwd_2to4_transposable",
-               "speedup_fwd_2to4", "noise_floor_fwd_bwd", "correct", "meets_target", "seconds")
+RESULT_KEYS = ("gpu", "device", "torch", "tokens", "shapes", "speedup_fwd_bwd_2to4",
+               "speedup_fwd_bwd_2to4_transposable", "speedup_fwd_2to4", "noise_floor_fwd_bwd", "correct",
+               "meets_target", "seconds")
 #: ... and without one (``"skipped"``)
 SKIP_RESULT_KEYS = ("gpu", "skipped", "torch", "cpu_check")
 

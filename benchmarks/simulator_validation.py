@@ -77,8 +77,8 @@ def _plan(quick: bool, smoke: bool = False) -> dict:
     runs = [(c, v) for c in CASES for v in ("static", "dynamic")]
     # early exit re-checks its exits (and asks for a rebalance when they moved) every exit_check steps;
     # the smoke run checks less often, so its few steps still hold a steady stretch to replay
-    return dict(steps=steps, rounds=rounds, event=4, profiles=profiles, batch=8 if smoke else 16, microbatches=4, runs=runs,
-                exit_check=6 if smoke else 2)
+    return dict(steps=steps, rounds=rounds, event=4, profiles=profiles, batch=8 if smoke else 16, microbatches=4,
+                runs=runs, exit_check=6 if smoke else 2, model=dict(MODEL, n_embd=32) if smoke else MODEL)
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -96,7 +96,7 @@ def _worker(args) -> None:
     plan = _plan(args.quick, args.smoke)
     n = plan["batch"] * plan["steps"]
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, MODEL["vocab_size"], (n, MODEL["block_size"] + 1), generator=g)
+    data = torch.randint(0, plan["model"]["vocab_size"], (n, plan["model"]["block_size"] + 1), generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
 
     class ProfileAt(L.Callback):
@@ -142,7 +142,7 @@ def _worker(args) -> None:
     for rnd in range(plan["rounds"]):
         for case, variant in plan["runs"]:
             torch.manual_seed(0)
-            cfg = GPTConfig(**MODEL, mlp_ratios=LOPSIDED if case == "lopsided" else None)
+            cfg = GPTConfig(**plan["model"], mlp_ratios=LOPSIDED if case == "lopsided" else None)
             cbs = []
             if case == "early_exit":
                 model = EarlyExitGPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
@@ -502,7 +502,8 @@ def analyse(runs: list[dict], opt_per_param: float) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="25 steps, one round of each configuration (no median over rounds)")
+    ap.add_argument("--quick", action="store_true",
+                    help="25 steps, one round of each configuration (no median over rounds)")
     ap.add_argument("--smoke", action="store_true",
                     help="18 steps, two profiles, one round: checks that the script runs (its figures mean nothing)")
     ap.add_argument("--replay", default=None, help="analyse a saved runs file (--save) instead of running")
@@ -536,7 +537,8 @@ def main(argv=None) -> None:
               f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}) | busy {c['busy_ms']} pred {c['predicted_busy_ms']} "
               f"| comm+wait {c['comm_wait_ms']} pred {c['predicted_comm_wait_ms']} | outside {c['outside_schedule_ms']} "
               f"pred {c['predicted_outside_schedule_ms']}")
-    summary = {"benchmark": "simulator_validation", "quick": args.quick, "smoke": args.smoke, "stages": 2, "schedule": "1f1b",
+    summary = {"benchmark": "simulator_validation", "quick": args.quick, "smoke": args.smoke, "stages": 2,
+               "schedule": "1f1b",
                "threads_per_rank": 1, "target_max_step_time_error": 0.10, **res,
                "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))

@@ -30,9 +30,10 @@ SMOKE_STEPS = 8
 
 def smoke(plan: dict) -> dict:
     """``plan`` (a case's quick plan) cut to ``SMOKE_STEPS`` steps, measured over the last three,
-    one round; the case's event, model and callbacks stay as they are (an event past the last
-    step simply does not happen)."""
-    return dict(plan, steps=SMOKE_STEPS, window=(SMOKE_STEPS - 3, SMOKE_STEPS), rounds=1)
+    one round, micro-batches of 2 samples; the case's event, model and callbacks stay as they
+    are (an event past the last step simply does not happen)."""
+    return dict(plan, steps=SMOKE_STEPS, window=(SMOKE_STEPS - 3, SMOKE_STEPS), rounds=1,
+                batch=2 * plan["microbatches"])
 
 
 def load(case: str):
