@@ -3,6 +3,7 @@
     python benchmarks/dynamism.py --case none|freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
     python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
     python benchmarks/dynamism.py --case sparse_attention --sweep [--quick]
+    python benchmarks/dynamism.py --smoke [--case C]    # seconds: 6 steps, 1 round (default case none)
 
 Launches itself with torchrun (2 ranks = 2 pipeline stages by default, ``--stages S`` for more,
 gloo, 1 thread each, so it needs S free cores; with
@@ -56,7 +57,11 @@ from statistics import median  # paired ratios: the true median (an even count a
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
-from dynamism_cases import CASES, load  # noqa: E402
+from dynamism_cases import CASES, load, smoke  # noqa: E402
+
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "case", "tokens_per_sec", "best_static", "speedup_vs_static", "resolution",
+               "idle_fraction_static", "idle_fraction_dynmo", "dynmo_overhead_fraction", "errors")
 
 #: A full (non-quick) run without ``--rounds`` runs at least ``FULL_ROUNDS`` rounds and adds rounds
 #: (up to ``MAX_ROUNDS``) until two runs of one static configuration (the control) land within
@@ -68,8 +73,10 @@ TARGET_RESOLUTION = 0.02
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", choices=CASES, required=True)
-    ap.add_argument("--quick", action="store_true", help="fewer steps (CI smoke run)")
+    ap.add_argument("--case", choices=CASES, default=None, help="required unless --smoke (then: none)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few steps, one round: checks that the script runs (its figures mean nothing)")
     ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                     help="N data-parallel replicas, each stage's experts split over them (MoE cases)")
     ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="K,K,...",
@@ -81,7 +88,12 @@ def _args(argv=None):
     ap.add_argument("--stages", type=int, default=2,
                     help="pipeline stages (one process each, 1 thread; needs as many free cores as processes)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.case is None:
+        if not args.smoke:
+            ap.error("--case is required (unless --smoke)")
+        args.case = "none"
+    return args
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -112,9 +124,11 @@ def _worker(args) -> None:
     from lightning_dynmo.models import GPTConfig
 
     case = load(args.case)
-    plan = case.plan(args.quick)
-    target = None  # fixed rounds (quick, or --rounds)
-    if args.rounds:
+    plan = case.plan(args.quick or args.smoke)
+    target = None  # fixed rounds (quick, smoke, or --rounds)
+    if args.smoke:
+        plan = smoke(plan)
+    elif args.rounds:
         plan["rounds"] = args.rounds
     elif not args.quick:
         plan["rounds"], target = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION
@@ -412,6 +426,8 @@ def main(argv=None) -> None:
                "--expert-parallel", str(args.expert_parallel), "--stages", str(args.stages)]
         if args.quick:
             cmd.append("--quick")
+        if args.smoke:
+            cmd.append("--smoke")
         if args.sweep:
             cmd += ["--sweep", args.sweep]
         if args.rounds:
@@ -430,10 +446,11 @@ def main(argv=None) -> None:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
     summary = _summarise(args.case, args.quick, runs, args.expert_parallel, args.stages)
+    summary["smoke"] = args.smoke
     if args.plot:
         plot_sweep(summary, args.plot)
     case = load(args.case)
-    if hasattr(case, "launcher_extra"):  # figures from a job of its own (e.g. another process layout)
+    if hasattr(case, "launcher_extra") and not args.smoke:  # figures from a job of its own (another process layout)
         summary.update(case.launcher_extra(args.quick))
     print(json.dumps(summary))
 
