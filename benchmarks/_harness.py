@@ -182,6 +182,24 @@ def resolution(a: list[float | None], b: list[float | None], median=statistics.m
     return None if r is None else abs(1.0 - r)
 
 
+#: Do no harm: where DynMo cannot help, it keeps at least this fraction of the better static split's throughput.
+NO_HARM_TARGET = 0.98
+
+
+def no_harm_verdict(speedup: float | None, resolution: float | None, target: float = NO_HARM_TARGET) -> str:
+    """Whether a run shows ``speedup >= target``, taking its own noise floor into account:
+    ``met`` (the speedup reaches the target and the run resolves the gap, resolution <= 1 - target),
+    ``missed`` (below the target by more than the resolution: real harm), or ``unresolved`` (the
+    run's two identical static runs land further apart than the gap it would need to see)."""
+    if speedup is None or resolution is None:
+        return "unresolved"
+    if speedup < target - resolution:
+        return "missed"
+    if resolution > 1.0 - target:
+        return "unresolved"
+    return "met" if speedup >= target else "unresolved"
+
+
 def bootstrap_ratio(num: list[float], dens: list[list[float]], resamples: int = 2000, seed: int = 0,
                     level: float = 0.95, median=statistics.median) -> list[float] | None:
     """A percentile bootstrap interval over rounds of :func:`speedup` (the paired speedup over

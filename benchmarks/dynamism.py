@@ -24,8 +24,9 @@ configurations in a rotated order. ``resolution`` = |1 - control_a / control_b|,
 way, is how far apart identical runs land on this machine, so a speedup within ``resolution`` of 1
 is noise; ``resolution_ci95`` and ``speedup_vs_static_ci95`` are 95 % bootstrap intervals over
 rounds (``speedup_vs_static_of_medians``: the older unpaired ratio of medians, for comparison).
-Full runs without ``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``) until ``resolution``
-<= 0.02. ``--case none`` is a dense GPT with no dynamism and DynMo's
+Full runs without ``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``; quick runs up to
+``QUICK_MAX_ROUNDS``) until ``resolution`` <= 0.02, and ``no_harm`` judges ``speedup_vs_static``
+against 0.98 with that noise floor (``met``, ``missed`` beyond the noise, or ``unresolved``). ``--case none`` is a dense GPT with no dynamism and DynMo's
 default options: what turning DynMo on costs a model it cannot help (``dynmo_overhead_fraction``
 is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
 ``rebalance_history.jsonl``) go to a temporary directory per run, never the working directory.
@@ -56,19 +57,22 @@ import time
 from statistics import median  # paired ratios: the true median (an even count averages the middle two)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
+from _harness import NO_HARM_TARGET, bootstrap_ratio, no_harm_verdict, resolution, rotated, speedup  # noqa: E402
 from dynamism_cases import CASES, load, smoke  # noqa: E402
 
 #: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
-RESULT_KEYS = ("benchmark", "case", "tokens_per_sec", "best_static", "speedup_vs_static", "resolution",
+RESULT_KEYS = ("benchmark", "case", "tokens_per_sec", "best_static", "speedup_vs_static", "resolution", "no_harm",
                "idle_fraction_static", "idle_fraction_dynmo", "dynmo_overhead_fraction", "errors")
 
 #: A full (non-quick) run without ``--rounds`` runs at least ``FULL_ROUNDS`` rounds and adds rounds
-#: (up to ``MAX_ROUNDS``) until two runs of one static configuration (the control) land within
-#: ``TARGET_RESOLUTION`` of each other (paired: the median over rounds of their ratio).
+#: (up to ``MAX_ROUNDS``; ``--quick``: from its plan's rounds up to ``QUICK_MAX_ROUNDS``) until two runs
+#: of one static configuration (the control) land within ``TARGET_RESOLUTION`` of each other (paired:
+#: the median over rounds of their ratio). ``no_harm`` then says whether the run shows DynMo keeping
+#: ``NO_HARM_TARGET`` of the better static split: met, missed (beyond the noise) or unresolved.
 FULL_ROUNDS = 5  # enough rounds for a bootstrap interval that means something
 MAX_ROUNDS = 12
-TARGET_RESOLUTION = 0.02
+TARGET_RESOLUTION = 0.02  # = 1 - NO_HARM_TARGET: a run that resolves it can say whether DynMo does no harm
+QUICK_MAX_ROUNDS = 4  # --quick adds rounds up to this many, towards the same resolution
 
 
 def _args(argv=None):
@@ -125,13 +129,15 @@ def _worker(args) -> None:
 
     case = load(args.case)
     plan = case.plan(args.quick or args.smoke)
-    target = None  # fixed rounds (quick, smoke, or --rounds)
+    target, max_rounds = None, None  # fixed rounds (smoke, or --rounds)
     if args.smoke:
         plan = smoke(plan)
     elif args.rounds:
         plan["rounds"] = args.rounds
-    elif not args.quick:
-        plan["rounds"], target = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION
+    elif args.quick:  # a few more rounds where the first ones cannot resolve the do-no-harm gap
+        target, max_rounds = TARGET_RESOLUTION, QUICK_MAX_ROUNDS
+    else:
+        plan["rounds"], target, max_rounds = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION, MAX_ROUNDS
     plan["stages"] = args.stages
     ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
@@ -176,7 +182,7 @@ def _worker(args) -> None:
     def runs():
         nonlocal control
         done = 0
-        while done < plan["rounds"] or (target is not None and done < MAX_ROUNDS
+        while done < plan["rounds"] or (target is not None and done < max_rounds
                                          and not _agreed_resolved(out, control, target)):
             if control is None:  # the first round picks the control from its static runs
                 yield from configs
@@ -313,6 +319,9 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
     }
     res.update(_noise_floor(rounds, control, ok))
+    # do no harm, judged against this run's own noise floor (where DynMo cannot help: none, moe, mod)
+    res["no_harm_target"] = NO_HARM_TARGET
+    res["no_harm"] = no_harm_verdict(res["speedup_vs_static"], res["resolution"])
     fixed = {k: v for k, v in ok.items() if k.startswith("fixed_")}
     if dyn:
         for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead", "skip_records"):
