@@ -186,16 +186,20 @@ def resolution(a: list[float | None], b: list[float | None], median=statistics.m
 NO_HARM_TARGET = 0.98
 
 
-def no_harm_verdict(speedup: float | None, resolution: float | None, target: float = NO_HARM_TARGET) -> str:
+def no_harm_verdict(speedup: float | None, resolution: float | None, target: float = NO_HARM_TARGET,
+                    resolution_ci: list[float] | None = None) -> str:
     """Whether a run shows ``speedup >= target``, taking its own noise floor into account:
-    ``met`` (the speedup reaches the target and the run resolves the gap, resolution <= 1 - target),
-    ``missed`` (below the target by more than the resolution: real harm), or ``unresolved`` (the
-    run's two identical static runs land further apart than the gap it would need to see)."""
+    ``met`` (the speedup reaches the target and the run resolves the gap), ``missed`` (below the
+    target by more than the noise: real harm), or ``unresolved`` (two identical static runs land
+    further apart than the gap it would need to see). The noise is the control's ``resolution``, or
+    the furthest its 95 % interval ``resolution_ci`` strays from 1 where that is further (a few
+    rounds can agree by luck)."""
     if speedup is None or resolution is None:
         return "unresolved"
-    if speedup < target - resolution:
+    noise = max([resolution, *(abs(1.0 - x) for x in (resolution_ci or ()))])
+    if speedup < target - noise:
         return "missed"
-    if resolution > 1.0 - target:
+    if noise > 1.0 - target:
         return "unresolved"
     return "met" if speedup >= target else "unresolved"
 

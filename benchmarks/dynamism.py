@@ -135,7 +135,7 @@ def _worker(args) -> None:
     elif args.rounds:
         plan["rounds"] = args.rounds
     elif args.quick:  # a few more rounds where the first ones cannot resolve the do-no-harm gap
-        target, max_rounds = TARGET_RESOLUTION, QUICK_MAX_ROUNDS
+        plan["rounds"], target, max_rounds = max(plan["rounds"], 3), TARGET_RESOLUTION, QUICK_MAX_ROUNDS
     else:
         plan["rounds"], target, max_rounds = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION, MAX_ROUNDS
     plan["stages"] = args.stages
@@ -321,7 +321,12 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
     res.update(_noise_floor(rounds, control, ok))
     # do no harm, judged against this run's own noise floor (where DynMo cannot help: none, moe, mod)
     res["no_harm_target"] = NO_HARM_TARGET
-    res["no_harm"] = no_harm_verdict(res["speedup_vs_static"], res["resolution"])
+    res["no_harm"] = no_harm_verdict(res["speedup_vs_static"], res["resolution"], resolution_ci=res["resolution_ci95"])
+    # what the verdict cannot be noise about: dynmo ran a static split's own partition throughout
+    # (no migration), so its gap to that split is its measured overhead alone
+    res["dynmo_ran_partition_of"] = next(
+        (k for k in static if dyn and ok[k].get("partition_initial") == dyn.get("partition_initial")
+         and ok[k].get("partition_final") == dyn.get("partition_final") and not dyn.get("migrations")), None)
     fixed = {k: v for k, v in ok.items() if k.startswith("fixed_")}
     if dyn:
         for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead", "skip_records"):

@@ -76,3 +76,6 @@ def test_the_no_harm_verdict_takes_the_runs_noise_floor_into_account():
     assert verdict(1.02, 0.05) == "unresolved"  # a run this noisy cannot resolve a 2 % gap
     assert verdict(0.90, 0.05) == "missed"
     assert verdict(None, 0.01) == verdict(0.99, None) == "unresolved"
+    # two rounds whose control agreed by luck: the interval says how far identical runs can land
+    assert verdict(0.945, 0.012, resolution_ci=[0.80, 1.18]) == "unresolved"
+    assert verdict(0.99, 0.01, resolution_ci=[0.995, 1.015]) == "met"
