@@ -23,7 +23,9 @@ up in the same order on every member of a group, in forward and in backward.
 Gradients: an expert shard's owner receives the summed gradient of the ``ep`` replicas of its
 group; averaging over the data-parallel group would mix different experts, so expert shards are
 instead summed over the ``dp / ep`` replicas holding the *same* shard and divided by ``dp``
-(:class:`ExpertShards`), which is the data-parallel mean of single-process training.
+(:class:`ExpertShards`), which is the data-parallel mean of single-process training. Under
+``dp_sharding="fsdp"`` the experts are reduced the same way and only the dense parameters are
+FSDP-sharded over the replicas (``runtime/fsdp.py``).
 
 Layer migration moves a layer from replica ``d`` of one stage to replica ``d`` of another (each
 replica's pipeline migrates on its own), so a shard keeps its index and moves with its
@@ -166,13 +168,15 @@ class ExpertParallel:
         params = frozenset(id(p) for p in self.sharded_parameters(module).values())
         return ExpertShards(params, self.peers, self.same_shard)
 
-    def shard_module(self, module: nn.Module, optimizers=(), layout: OptimizerLayout | None = None) -> None:
+    def shard_module(self, module: nn.Module, optimizers=(), layout: OptimizerLayout | None = None,
+                     prefix: str = "") -> None:
         """Keep only this rank's shard in every expert module of ``module`` (idempotent); the
-        ``optimizers`` (placed by ``layout``) then hold the shards in place of the whole parameters."""
-        for prefix, m in expert_modules(module):
+        ``optimizers`` (placed by ``layout``) then hold the shards in place of the whole parameters.
+        ``prefix``: ``module``'s qualified name in the LightningModule, with its trailing dot."""
+        for path, m in expert_modules(module):
             for name, old, new in m.shard_experts(self.shard):
                 if optimizers:
-                    layout.replace_param(optimizers, f"{prefix}.{name}" if prefix else name, old, new)
+                    layout.replace_param(optimizers, prefix + (f"{path}.{name}" if path else name), old, new)
 
     def gather(self, tensors: dict, device: torch.device) -> dict:
         """Whole ``[num_experts, ...]`` CPU tensors from every peer's shard of ``tensors``

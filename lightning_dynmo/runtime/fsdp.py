@@ -51,6 +51,26 @@ accumulation a parameter graded in any batch of the window keeps that batch's gr
 window adds it to the others'), and a layer that moves mid-window carries ``None`` exactly where
 one process would have it. Clipping is unaffected: zeros add nothing to the global norm.
 
+Expert parallelism (``expert_parallel > 1``) stays as under ``replicate`` for the experts, like
+HSDP: replica ``d`` holds expert shard ``d % ep`` of each MoE layer (``runtime/expert_parallel.py``),
+and only the *dense* parameters (attention, norms, routers, embedding, head) are FSDP-sharded over
+the stage's replicas. Each layer is cut to its expert shard first, then made a unit with those
+shards left out (``fully_shard(..., ignored_params=...)``): they stay plain tensors that the
+layer's forward uses as they are (tokens reach them by all-to-all), and sharding them again over
+the same replicas would add an all-gather of experts that the dispatch exists to avoid. Their
+gradients are reduced as under ``replicate``, at the accumulation window's exchange: summed over
+the replicas holding the same shard, divided by ``dp``
+(:func:`~lightning_dynmo.runtime.gradients.average_expert_shards`), with the same presence
+agreement for a shard that got a gradient on some of those replicas only; the never-graded rule
+above covers the units' parameters (expert shards keep ``replicate``'s rule). Clipping counts each
+FSDP shard once (its norm made whole over the dp mesh) and each expert shard once (over its
+expert peers). A migrated layer is gathered and re-sharded with its expert shard untouched (each
+replica's pipeline moves it replica ``d`` to replica ``d``). What this changes in memory: the
+dense parameters' state drops to ``1/dp`` per rank; the experts' stays ``1/ep`` as under
+``replicate``. One consequence: an optimizer step sees DTensors beside plain tensors, which
+torch's foreach and fused kernels refuse (:func:`check_expert_shard_optimizers`), and the grad
+scaler unscales the gradients' local tensors (``runtime/precision.py``).
+
 Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded parameter's
 ``requires_grad`` to its unsharded one at every all-gather, so a frozen layer's parameters build
 no graph and get no gradient, and :func:`~lightning_dynmo.dynamic.freeze_layer` pops their
@@ -77,6 +97,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .expert_parallel import ExpertParallel
 from .migration import _meta_skeleton
 from .optimizer_layout import OptimizerLayout
 
@@ -111,8 +132,10 @@ class ShardedLayers:
     """This rank's pipeline layers as FSDP units over the stage's data-parallel mesh."""
 
     def __init__(self, mesh: DeviceMesh, layers: nn.ModuleList, layers_attr: str, module: nn.Module,
-                 optimizers, optimizer_layout: OptimizerLayout | None) -> None:
+                 optimizers, optimizer_layout: OptimizerLayout | None,
+                 expert_parallel: ExpertParallel | None = None) -> None:
         self.mesh = mesh
+        self.expert_parallel = expert_parallel
         self.layers = layers
         self.layers_attr = layers_attr
         self.module = module
@@ -126,24 +149,37 @@ class ShardedLayers:
 
     def shard(self, indices: Iterable[int]) -> None:
         """Make each layer in ``indices`` an FSDP unit; its gradients and optimizer state become
-        this rank's shards (no communication)."""
+        this rank's shards (no communication). Under expert parallelism the layer first keeps only
+        this rank's expert shard, which the unit leaves out (see the module docstring)."""
         for i in indices:
             layer = self.layers[i]
             if isinstance(layer, FSDPModule):
                 continue
+            experts = self._expert_shards(i)
             before = dict(layer.named_parameters())
             self._plain[i] = _meta_skeleton(layer)
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=False, ignored_params=experts or None)
             layer.set_reduce_scatter_unused_params(True)  # see the module docstring: unused parameters
             self.watch(layer)
             for name, p in layer.named_parameters():
                 old = before[name]
+                if p is old:  # an expert shard: not FSDP's
+                    continue
                 if old.grad is not None:
                     p.grad = shard_like(old.grad, p)
                     old.grad = None
                 if self.optimizer_layout is not None:
                     self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, old, p,
                                                         lambda t, p=p: shard_like(t, p))
+
+    def _expert_shards(self, i: int) -> set[nn.Parameter]:
+        """Layer ``i``'s expert shards, cut first if the layer still holds whole experts (built at
+        setup; a migrated layer arrives with its shard), its optimizer slots following."""
+        if self.expert_parallel is None:
+            return set()
+        layer = self.layers[i]
+        self.expert_parallel.shard_module(layer, self.optimizers, self.optimizer_layout, self._prefix(i))
+        return set(self.expert_parallel.sharded_parameters(layer).values())
 
     def watch(self, unit: FSDPModule) -> None:
         """Note, at each of ``unit``'s post-backwards and before FSDP2 reduces, which of its
@@ -168,9 +204,10 @@ class ShardedLayers:
     def drop_never_graded(self, group) -> None:
         """After a batch's schedule, before its gradients join the accumulation window's:
         ``.grad = None`` for each parameter that no replica of ``group`` (the stage's dp group)
-        produced a gradient for (one all-reduce of a flag per parameter; collective)."""
+        produced a gradient for (one all-reduce of a flag per parameter; collective). Expert
+        shards are not the units' (each replica holds other experts): they are left as they are."""
         params = [p for layer in self.layers if isinstance(layer, FSDPModule)
-                  for p in layer.parameters() if p.grad is not None]
+                  for p in layer.parameters() if p.grad is not None and is_sharded(p)]
         graded, self._graded = self._graded, set()
         if not params:
             return
@@ -250,6 +287,25 @@ def missing_fsdp_capability() -> str | None:
             "has it)")
 
 
+def check_expert_shard_optimizers(optimizers, device: torch.device) -> None:
+    """Under expert parallelism a sharded stage holds DTensor shards beside plain expert shards,
+    and torch's foreach and fused optimizer kernels (one call per group, device and dtype) refuse
+    the mix at the first step; refused at setup instead, naming the fix. ``foreach=None`` picks
+    the foreach kernels on every device but the CPU."""
+    for o, opt in enumerate(optimizers):
+        opt = getattr(opt, "_optimizer", opt)
+        for g, group in enumerate(opt.param_groups):
+            fused, foreach = group.get("fused"), group.get("foreach")
+            if fused or foreach or ("foreach" in group and foreach is None and device.type != "cpu"):
+                kind = "fused" if fused else "foreach"
+                raise ValueError(
+                    f"dp_sharding='fsdp' with expert_parallel > 1 cannot step {type(opt).__name__} (optimizer {o}, "
+                    f"param group {g}) with torch's {kind} kernels: they update a group in one call, and a stage "
+                    "holds FSDP shards (DTensors) beside its expert shards (plain tensors), which those kernels "
+                    f"cannot mix. Pass foreach=False{' and fused=False' if fused else ''} to {type(opt).__name__}, or "
+                    "use dp_sharding='replicate'")
+
+
 def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, pruning: bool) -> None:
     """What ``dp_sharding="fsdp"`` does not compose with yet, refused at setup with the reason."""
     problems = []
@@ -259,9 +315,6 @@ def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, 
     if tied:
         problems.append("tied parameters (a tied embedding and LM head live in two stages, and each stage's FSDP "
                         "units own their parameters; sharing one across units is not supported)")
-    if expert_parallel > 1:
-        problems.append(f"expert_parallel={expert_parallel} (experts are already split over the replicas; sharding "
-                        "them again over the same replicas is not supported)")
     if precision not in FSDP_PRECISIONS:
         problems.append(f"precision={precision!r} (supported under fsdp: {', '.join(FSDP_PRECISIONS)})")
     if pruning:

@@ -64,12 +64,21 @@ def average_over_replicas(params: Iterable[nn.Parameter], group, replicas: int,
     summed over the replicas holding the same shard instead (see the module docstring)."""
     if replicas == 1:
         return
+    params = list(params)
     shard_ids = experts.params if experts is not None else frozenset()
     trainable = [p for p in params if p.requires_grad or p.grad is not None]
     _mean_over(_present_anywhere([p for p in trainable if id(p) not in shard_ids], group), group, replicas)
-    if shard_ids:
-        shards = [p for p in trainable if id(p) in shard_ids]
-        _mean_over(_present_anywhere(shards, experts.same_shard), experts.same_shard, replicas)
+    average_expert_shards(params, replicas, experts)
+
+
+def average_expert_shards(params: Iterable[nn.Parameter], replicas: int, experts: ExpertShards | None) -> None:
+    """The expert shards among ``params``: summed over the replicas holding the same shard, divided
+    by the ``replicas`` of the data-parallel group (under ``dp_sharding="fsdp"`` this is all the
+    exchange does: the units' reduce-scatters average the rest)."""
+    if replicas == 1 or experts is None or not experts.params:
+        return
+    shards = [p for p in params if id(p) in experts.params and (p.requires_grad or p.grad is not None)]
+    _mean_over(_present_anywhere(shards, experts.same_shard), experts.same_shard, replicas)
 
 
 def _present_anywhere(params: list[nn.Parameter], group) -> list[torch.Tensor]:

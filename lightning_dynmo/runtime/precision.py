@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch.distributed.tensor import DTensor
 
 from ..protocol.services import grad_scaler
 
@@ -111,6 +112,26 @@ def unscale_losses(plugin, losses: list[torch.Tensor] | None) -> list[torch.Tens
     return [loss.detach() / scale for loss in losses]
 
 
+class _LocalGrads:
+    """What ``GradScaler._unscale_grads_`` reads of an optimizer, every gradient as this rank's
+    local tensor. Under ``dp_sharding="fsdp"`` with expert parallelism a stage holds DTensor
+    shards beside plain expert shards, and torch's unscale kernel (one call per device and dtype)
+    refuses the mix. The local tensors share storage with the gradients, so unscaling is in place;
+    found-inf is then agreed over the replicas (:func:`install_found_inf_agreement`), as the
+    DTensor kernel would have done over the mesh."""
+
+    def __init__(self, optimizer) -> None:
+        params = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    view = grad.detach()
+                    view.grad = grad
+                    params.append(view)
+        self.param_groups = [{"params": params}]
+
+
 def install_found_inf_agreement(plugin, group: Callable[[], object], active: Callable[[], bool],
                                 device: Callable[[], torch.device],
                                 replica_group: Callable[[], object] = lambda: None) -> None:
@@ -121,7 +142,11 @@ def install_found_inf_agreement(plugin, group: Callable[[], object], active: Cal
     scaler = getattr(plugin, "scaler", None)
     if scaler is None or getattr(scaler, "_dynmo_found_inf_agreement", False):
         return
-    original = scaler.unscale_
+    original, unscale_grads = scaler.unscale_, scaler._unscale_grads_
+
+    def _unscale_grads_(self, optimizer, *args, **kwargs):
+        kinds = {isinstance(p.grad, DTensor) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        return unscale_grads(_LocalGrads(optimizer) if len(kinds) > 1 else optimizer, *args, **kwargs)
 
     def unscale_(self, optimizer) -> None:
         original(optimizer)
@@ -143,4 +168,5 @@ def install_found_inf_agreement(plugin, group: Callable[[], object], active: Cal
             found[key] = flag.to(key)
 
     scaler.unscale_ = types.MethodType(unscale_, scaler)
+    scaler._unscale_grads_ = types.MethodType(_unscale_grads_, scaler)
     scaler._dynmo_found_inf_agreement = True

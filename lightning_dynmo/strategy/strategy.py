@@ -45,10 +45,11 @@ from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
 from ..runtime.expert_parallel import ExpertParallel
-from ..runtime.fsdp import ShardedLayers, check_fsdp_composition, dp_mesh
+from ..runtime.fsdp import ShardedLayers, check_expert_shard_optimizers, check_fsdp_composition, dp_mesh
 from ..runtime.fault import install as install_failure_board, step_region
 from ..runtime.ledger import CollectiveLedger
-from ..runtime.gradients import HeldGradients, average_over_replicas, install_global_norm_clipping
+from ..runtime.gradients import (HeldGradients, average_expert_shards, average_over_replicas,
+                                 install_global_norm_clipping)
 from ..runtime.groups import PipelineGroups, groups_of_layout
 from ..runtime.materialize import meta_init_context
 from ..runtime.migration import MigrationStats
@@ -261,13 +262,16 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             self.optimizer_layout = OptimizerLayout.record(module, self.optimizers, self.tied.aliases)
             check_precision(self.precision_plugin, self.optimizers)
             check_closure_optimizers(self.optimizers, self.global_rank)
+            if sharding and self.expert_parallel is not None:
+                check_expert_shard_optimizers(self.optimizers, self.root_device)
         if self.layout.partition is None:
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
                 layers, self.layout, self.root_device, self.global_rank, self.last_microbatches))
         optimizers = self.optimizers if fitting else ()
         if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
             self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
-                                                self._layers_attr, module, optimizers, self.optimizer_layout)
+                                                self._layers_attr, module, optimizers, self.optimizer_layout,
+                                                self.expert_parallel)
         # built on the meta device: each layer is sharded as soon as it is allocated (never the whole stage)
         shard_each = (lambda i: self.sharded_layers.shard([i])) if sharding else None
         place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
@@ -401,6 +405,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         if exchange and self.sharded_layers is None:  # (fsdp: each layer's reduce-scatter already averaged)
             average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,
                                   self.topology.dp, self.expert_shards())
+        elif exchange:  # fsdp: expert shards are not the units' (runtime/fsdp.py)
+            average_expert_shards(module.parameters(), self.topology.dp, self.expert_shards())
         if exchange:
             self.tied.share_gradients()
         elif self._window.last:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is

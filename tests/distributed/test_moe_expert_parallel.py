@@ -3,7 +3,9 @@ holds half the experts of every MoE layer it owns; tokens travel by all_to_all) 
 migration before every step equals single-process training on the global batch. Its checkpoints
 are the single-process format: one saved under expert_parallel=2 loads into a plain module and
 resumes under expert_parallel=1, and a single-process one resumes under expert_parallel=2, both
-continuing the single-process curve."""
+continuing the single-process curve. Under dp_sharding="fsdp" (dense parameters FSDP-sharded over
+a stage's replicas, experts split as above and not sharded again) the same run equals this one
+and single-process training, and its DCP checkpoint resumes on the single-process curve."""
 from __future__ import annotations
 
 import os
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from lightning_dynmo.models import MoEGPT
+from tests.distributed.test_accumulation import assert_close_tied
 from tests.distributed.test_moe_pipeline import MOE, PIPELINE, RUN, RTOL, _launch
 from tests.support.workers.moe_worker import build_model
 
@@ -21,6 +24,8 @@ CLIP = 0.3  # below the gradient norm (~0.5), so clipping acts: each expert shar
 # step's checkpoint draws the same batches as an uninterrupted one
 DATA = dict(RUN, clip=CLIP, n_samples=16)
 EP_RUN = dict(DATA, **PIPELINE, expert_parallel=2)
+FSDP_EP_RUN = dict(EP_RUN, dp_sharding="fsdp", checkpoint_format="dcp")  # (dcp: fsdp's default format)
+FSDP_EP_INDEX = 9  # its run's index in the expert-parallel job (its checkpoint's directory)
 # per-iteration decisions from load counters, on two pipelines without expert parallelism: each
 # replica's MoELoadMonitor measures its own routing, so at some step (step 7 with this data) only one
 # replica asks; every rank must still decide. (Under expert parallelism a group's replicas report the
@@ -37,7 +42,9 @@ def results(tmp_path_factory):
                                                       dict(DATA, dp=2, steps=STEPS + MORE), dict(AUTO_DATA, dp=2)],
                                         nproc=None)
     ep_ckpt = os.path.join(tmp / "ep2", "moe_ckpt0", "last.ckpt")  # where run 0 of the job saves
-    ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed, ep_fp16, ep_freeze = _launch(tmp / "ep2", [
+    fsdp_ckpt = os.path.join(tmp / "ep2", f"moe_ckpt{FSDP_EP_INDEX}", "last.ckpt")  # a DCP directory
+    (ep, ep_from_ref, ep1_from_ep, auto, ep_zb, ep_ac, ep_packed, ep_fp16, ep_freeze, ep_fsdp, ep_fsdp_resumed,
+     ep_fsdp_fp16) = _launch(tmp / "ep2", [
         dict(EP_RUN, save_ckpt=True),
         dict(EP_RUN, steps=STEPS + MORE, resume=ref["ckpt"]),
         dict(EP_RUN, steps=STEPS + MORE, expert_parallel=1, resume=ep_ckpt),
@@ -49,9 +56,13 @@ def results(tmp_path_factory):
         dict(EP_RUN, precision="16-mixed", inf_at=[1, "layers.1.mlp.experts.w1"]),
         # gradient-norm freezing: a MoE layer's norm differs between replicas (each holds other experts)
         dict(EP_RUN, freezing={"threshold": 1e-9, "interval": 1}),
+        dict(FSDP_EP_RUN, save_ckpt=True),
+        dict(FSDP_EP_RUN, steps=STEPS + MORE, resume=fsdp_ckpt),
+        dict(FSDP_EP_RUN, precision="16-mixed", inf_at=[1, "layers.1.mlp.experts.w1"]),
     ], nproc=4)
     return dict(ep=ep, ref=ref, ref_longer=ref_longer, ep_from_ref=ep_from_ref, ep1_from_ep=ep1_from_ep,
-                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed, ep_fp16=ep_fp16, ep_freeze=ep_freeze)
+                auto=auto, ref_auto=ref_auto, ep_zb=ep_zb, ep_ac=ep_ac, ep_packed=ep_packed, ep_fp16=ep_fp16,
+                ep_freeze=ep_freeze, ep_fsdp=ep_fsdp, ep_fsdp_resumed=ep_fsdp_resumed, ep_fsdp_fp16=ep_fsdp_fp16)
 
 
 def test_each_replica_holds_half_of_the_experts(results):
@@ -226,3 +237,68 @@ def test_without_expert_parallel_the_load_is_each_replicas_kept_slots(results):
     for step, (got, want) in enumerate(zip(resumed["layer_load"], expected)):
         for layer, value in want.items():
             assert got[layer] == pytest.approx(value, rel=1e-9), (step, layer)
+
+
+def test_under_fsdp_dense_parameters_are_shards_and_experts_stay_split(results):
+    """Each rank: every local parameter outside the experts is an FSDP shard (a DTensor over the
+    stage's replicas); the experts are this replica's half, plain tensors, not sharded again."""
+    got = results["ep_fsdp"]
+    assert got["expert_rows_per_rank"] == results["ep"]["expert_rows_per_rank"]
+    for rank, kinds in enumerate(got["dtensor_params_per_rank"]):
+        experts = {n for n in kinds if ".mlp.experts." in n}
+        assert experts and kinds, rank
+        assert not any(kinds[n] for n in experts), (rank, sorted(n for n in experts if kinds[n]))
+        assert all(kinds[n] for n in kinds if n not in experts), (rank, sorted(n for n in kinds if not kinds[n]))
+
+
+def test_expert_parallel_inside_fsdp_stages_matches_replicate_and_single_process(results):
+    """pp2 x dp2, expert_parallel=2, a migration before every step, clipping acting: losses and the
+    whole model's gradient norms equal single-process training, weights and Adam's state equal it to
+    the MoE tests' tolerance and the same run under ``replicate`` to fp32 rounding, step counts exactly."""
+    got, ep, ref = results["ep_fsdp"], results["ep"], results["ref"]
+    assert len(got["history"]) >= STEPS - 1 and all(h["applied"] for h in got["history"])
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+    for key in ("grad_norms", "clipped_grad_norms"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(ref[key]), rtol=RTOL, atol=0, msg=key)
+    sg, se, sr = torch.load(got["state"]), torch.load(ep["state"]), torch.load(ref["state"])
+    assert sg.keys() == sr.keys()
+    for k in sr:
+        assert sg[k].shape == sr[k].shape, k
+        torch.testing.assert_close(sg[k], sr[k], rtol=1e-4, atol=1e-4, msg=k)
+        assert_close_tied(sg[k], se[k], f"weight {k}", "weight")
+    og, oe, orf = (torch.load(r["optim"], weights_only=False) for r in (got, ep, ref))
+    assert og["param_groups"] == orf["param_groups"] and og["state"].keys() == orf["state"].keys()
+    for i, st in orf["state"].items():
+        assert float(og["state"][i]["step"]) == float(st["step"]), i
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = st[key].abs().max().item()
+            torch.testing.assert_close(og["state"][i][key], st[key], rtol=1e-3, atol=1e-3 * scale, msg=f"{i} {key}")
+            assert_close_tied(og["state"][i][key], oe["state"][i][key], f"optimizer state {i}.{key}", key)
+
+
+def test_dcp_checkpoint_of_expert_parallel_fsdp_stages_resumes_on_the_single_process_curve(results):
+    resumed, longer = results["ep_fsdp_resumed"], results["ref_longer"]
+    assert os.path.isdir(results["ep_fsdp"]["ckpt"])  # DCP, fsdp's default format
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(longer["losses"][STEPS:]),
+                               rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(resumed["grad_norms"]), torch.tensor(longer["grad_norms"][STEPS:]),
+                               rtol=RTOL, atol=0)
+
+
+def test_an_overflow_in_one_replicas_expert_shard_is_skipped_by_every_fsdp_replica(results):
+    """16-mixed under fsdp: the grad scaler unscales FSDP shards and expert shards together (torch's
+    kernel refuses the mix; runtime/precision.py) and every rank skips the step with the inf on
+    replica 0's expert shard only, so training ends where ``replicate`` does. Tolerance: up to the
+    step after the skip both runs are bitwise equal (losses, gradient norms); there the clipping
+    coefficients differ by an fp32 ulp (a sharded gradient's norm is summed from its shards' norms),
+    and fp16 autocast turns that into rounding flips that Adam amplifies: measured up to 1.0e-3 of a
+    tensor's largest entry after the last step. A replica that stepped alone at the skip would leave
+    half of every dense tensor an Adam update (~3e-3, a few % of the largest entry) away."""
+    got, ep = results["ep_fsdp_fp16"], results["ep_fp16"]
+    scales = got["scales_per_rank"]
+    assert all(s == scales[0] for s in scales) and scales[0] == ep["scales_per_rank"][0], scales
+    assert scales[0][1] == scales[0][0] / 2, scales[0]
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ep["losses"]), rtol=RTOL, atol=0)
+    sg, se = torch.load(got["state"]), torch.load(ep["state"])
+    for k, v in se.items():
+        assert float((sg[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)) <= 5e-3, k

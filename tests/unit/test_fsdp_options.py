@@ -6,7 +6,10 @@ import typing
 
 import pytest
 
-from lightning_dynmo.runtime.fsdp import check_fsdp_composition
+import torch
+from torch import nn
+
+from lightning_dynmo.runtime.fsdp import check_expert_shard_optimizers, check_fsdp_composition
 from lightning_dynmo.strategy.hydra_config import config_type
 from lightning_dynmo.strategy.options import DpSharding, PipelineOptions
 
@@ -27,8 +30,11 @@ def test_fsdp_accepts_plain_models_in_the_tested_precisions(precision):
     check_fsdp_composition(tied=False, expert_parallel=1, precision=precision, pruning=False)
 
 
+def test_fsdp_accepts_expert_parallel():
+    check_fsdp_composition(tied=False, expert_parallel=2, precision="32-true", pruning=False)
+
+
 @pytest.mark.parametrize("kw, reason", [
-    ({"expert_parallel": 2}, "expert_parallel=2 .experts are already split over the replicas"),
     ({"tied": True}, "tied parameters"),
     ({"precision": "16-true"}, "precision='16-true' .supported under fsdp: 32-true"),
     ({"pruning": True}, "gradual pruning"),
@@ -38,3 +44,23 @@ def test_fsdp_refuses_what_it_cannot_shard_naming_the_reason(kw, reason):
     args.update(kw)
     with pytest.raises(ValueError, match=f"dp_sharding='fsdp' cannot be combined with {reason}"):
         check_fsdp_composition(**args)
+
+
+def _adamw(**kw) -> torch.optim.AdamW:
+    return torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=1e-3, **kw)
+
+
+@pytest.mark.parametrize("kw, device", [({}, "cpu"), (dict(foreach=False), "cpu"), (dict(foreach=False), "cuda"),
+                                        (dict(foreach=False, fused=False), "cuda")])
+def test_fsdp_with_expert_shards_steps_optimizers_one_tensor_at_a_time(kw, device):
+    check_expert_shard_optimizers([_adamw(**kw)], torch.device(device))
+
+
+@pytest.mark.parametrize("kw, device, fix", [({}, "cuda", "Pass foreach=False to AdamW"),
+                                             (dict(foreach=True), "cpu", "Pass foreach=False to AdamW"),
+                                             (dict(fused=True), "cpu", "Pass foreach=False and fused=False")])
+def test_fsdp_with_expert_shards_refuses_foreach_and_fused_kernels(kw, device, fix):
+    """They would fail at the first step: an FSDP shard (DTensor) and an expert shard (a plain
+    tensor) in one kernel call (measured: "got mixed torch.Tensor and DTensor")."""
+    with pytest.raises(ValueError, match=f"cannot step AdamW .optimizer 0, param group 0. .*{fix}"):
+        check_expert_shard_optimizers([_adamw(**kw)], torch.device(device))

@@ -9,12 +9,13 @@ rebalance_interval, rebalance_cooldown, imbalance_threshold, monitor_threshold (
 shift_threshold), expert_parallel, dp_sharding, accumulate (accumulate_grad_batches), per_expert
 (experts with weights of their own), block_expert ([expert, batch indices] the routers skip),
 checkpointing (activation checkpointing), repack, save_ckpt (a Lightning checkpoint at the last
-step), resume (a checkpoint to resume from), n_samples, dp (single process only: train on the
-global batch of that many replicas, in their sampler's order).
+step), checkpoint_format (default "single"), resume (a checkpoint to resume from), n_samples, dp
+(single process only: train on the global batch of that many replicas, in their sampler's order).
 Rank 0 writes {"runs": [...]} with the losses, the gradient norms before and after clipping, the
 state dict and optimizer state paths, the
 rebalance history, the MoELoadMonitor's last per-layer statistics, per rank, the expert rows
-each local MoE layer holds, and the load signal (:class:`LoadSignal`).
+each local MoE layer holds and whether each local parameter is a DTensor (an FSDP shard), and the
+load signal (:class:`LoadSignal`).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models import MoEGPT
+from lightning_dynmo.strategy.options import CheckpointFormat
 from tests.support.per_expert import BlockExpert, use_per_expert_weights
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
 from tests.support.workers.real_models_worker import InfGradient, ScaleRecorder, precision_kwargs
@@ -73,14 +75,14 @@ class GradNorms(L.Callback):
 
 class SharedDigest(L.Callback):
     """At the end of training, a digest of every parameter this rank holds outside the experts
-    (replicas of a stage must hold equal ones)."""
+    (replicas of a stage must hold equal ones; under ``dp_sharding="fsdp"`` of this rank's shard)."""
 
     def __init__(self) -> None:
         self.digest = {}
 
     def on_train_end(self, trainer, pl_module):
-        self.digest = {n: float(p.detach().double().sum()) for n, p in pl_module.named_parameters()
-                       if "experts." not in n and p.numel()}
+        self.digest = {n: float((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum())
+                       for n, p in pl_module.named_parameters() if "experts." not in n and p.numel()}
 
 
 class LoadSignal(L.Callback):
@@ -151,7 +153,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             activation_checkpointing=cfg.get("checkpointing", False),
             repack=cfg.get("repack", "off"),
             dp_sharding=cfg.get("dp_sharding", "replicate"),
-            checkpoint_format="single",  # the full state below is gathered onto rank 0 (fsdp defaults to "dcp")
+            checkpoint_format=cfg.get("checkpoint_format", "single"),
             plot=False,
             timeout=120,
         )
@@ -189,19 +191,22 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp),
                 ckpt_path=cfg.get("resume"))
     expert_rows = {i: len(block.mlp.experts.w1) for i, block in model.moe_blocks()}  # (a ParameterList per expert too)
-    if pipeline:
+    if pipeline:  # the full state, gathered onto rank 0 whatever format the checkpoints have
+        object.__setattr__(trainer.strategy.options, "checkpoint_format", CheckpointFormat.SINGLE)
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
         history = trainer.strategy.rebalance_history
-        per_rank, local_load = [None] * world, [None] * world
+        per_rank, local_load, kinds = [None] * world, [None] * world, [None] * world
         torch.distributed.all_gather_object(per_rank, expert_rows)
         torch.distributed.all_gather_object(local_load, signal.local)
+        torch.distributed.all_gather_object(kinds, {n: isinstance(p, DTensor) for n, p in model.named_parameters()})
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         optim = trainer.optimizers[0].state_dict()
-        history, per_rank, local_load = [], [expert_rows], []
+        history, per_rank, local_load, kinds = [], [expert_rows], [], []
     result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank,
-              "layer_load": signal.combined, "local_load_per_rank": local_load, "routing_rows": signal.rows}
+              "layer_load": signal.combined, "local_load_per_rank": local_load, "routing_rows": signal.rows,
+              "dtensor_params_per_rank": kinds}
     if freezing is not None and pipeline:
         means = [None] * world
         torch.distributed.all_gather_object(means, freezing._prev)
