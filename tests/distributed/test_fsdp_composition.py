@@ -10,7 +10,10 @@ training directly.
 * meta-device init (``trainer.init_module(empty_init=True)``);
 * a parameter that gets a gradient on one replica and not the other (the MoE / early-exit / MoD
   hazard): FSDP units reduce-scatter zeros for it, so the replicas' collectives match (no hang)
-  and the update is replicate's (an absent gradient averages as zero).
+  and the update is replicate's (an absent gradient averages as zero);
+* gradual pruning with a pruning event at every step and a migration before every step: masks
+  sharded like their weights, the threshold counted over the shards; equal to ``replicate`` and
+  to single-process training (losses, weights, masks, thresholds, Adam state).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import math
 import pytest
 import torch
 
-from tests.distributed.test_accumulation import base, check_accumulation
+from tests.distributed.test_accumulation import accumulated_reference, base, check_accumulation
+from tests.distributed.test_dynamic_pipeline import optimizer_order
+from tests.distributed.test_equivalence import migrations
 from tests.distributed.test_equivalence import assert_close
 from tests.support.multiproc import run_worker
 
@@ -38,13 +43,22 @@ PAIRS = {
     "unused_on_one_replica": both(starve=[2, "mlp"]),
 }
 META = base(dp_sharding="fsdp", accumulate=1, steps=STEPS, meta=True)
+# prunes at every step: 30 % of the initial weights at step 0, then 58 %, 69 % and 70 %
+PRUNE = {"final_sparsity": 0.7, "initial_sparsity": 0.3, "start_step": 0, "n_steps": 3, "frequency": 1,
+         "sparse_kernels": False}
+PRUNED = {mode: base(dp_sharding=mode, accumulate=1, steps=4, partition=[0, 6, 9], rebalance="every_n",
+                     balancer="test_cycle",  # a migration before every step after the first
+                     # fsdp: the default storage_density (layers stay dense-stored, with a warning)
+                     pruning=PRUNE if mode == "fsdp" else dict(PRUNE, storage_density=None))
+          for mode in ("fsdp", "replicate")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    specs = [cfg for pair in PAIRS.values() for cfg in pair.values()] + [META]
+    pairs = dict(PAIRS, pruning=PRUNED)
+    specs = [cfg for pair in pairs.values() for cfg in pair.values()] + [META]
     results = iter(run_worker(tmp_path_factory.mktemp("fsdp_comp"), 4, specs, timeout=300))
-    out = {name: {mode: next(results) for mode in pair} for name, pair in PAIRS.items()}
+    out = {name: {mode: next(results) for mode in pair} for name, pair in pairs.items()}
     out["meta"] = next(results)
     return out
 
@@ -85,3 +99,43 @@ def test_repacked_fsdp_pipeline_releases_ranks_and_keeps_every_layer_sharded(run
 def test_meta_device_init_under_fsdp_matches_single_process(runs):
     res = runs["meta"]
     check_accumulation(res, META, replica_averages=0, close=assert_close)
+
+
+def test_gradual_pruning_under_fsdp_equals_replicate_and_one_process(runs):
+    """Sharded masks (each rank holds its weight rows' mask rows), the same thresholds as
+    ``replicate`` and one process (the first bit for bit: it ranks the initial weights), the same
+    masks and Adam state, through a migration before every step."""
+    fsdp, rep = runs["pruning"]["fsdp"], runs["pruning"]["replicate"]
+    cfg = PRUNED["fsdp"]
+    assert migrations(fsdp) == migrations(rep) == cfg["steps"] - 1
+    _same_training(fsdp, rep)
+    masks = fsdp["masks_per_rank"]  # per global rank: (masks, of them DTensor shards, local mask elements)
+    assert all(n > 0 and sharded == n for n, sharded, _ in masks), masks
+    assert all(sharded == 0 for _, sharded, _ in rep["masks_per_rank"]), rep["masks_per_rank"]
+    for stage in (0, 1):  # the two replicas of a stage hold about half of its mask each
+        a, b = masks[stage][2], masks[2 + stage][2]
+        assert a + b == rep["masks_per_rank"][stage][2] and abs(a - b) <= 0.1 * (a + b), (masks, rep["masks_per_rank"])
+    history = []
+    check_accumulation(fsdp, cfg, replica_averages=0, close=assert_close)  # weights and Adam state
+    accumulated_reference(cfg, fsdp["dp"], history)
+    hf, hr = fsdp["pruning"]["history"], rep["pruning"]["history"]
+    assert [h["step"] for h in hf] == [h["step"] for h in hr] == [h["step"] for h in history] == [0, 1, 2, 3]
+    assert hf[0]["threshold"] == hr[0]["threshold"] == history[0]["threshold"]
+    for a, b, c in zip(hf, hr, history):
+        assert a["threshold"] == b["threshold"], (hf, hr)
+        assert a["threshold"] == pytest.approx(c["threshold"], rel=1e-6) and a["sparsity"] == b["sparsity"]
+        assert a["densities"] == b["densities"]
+    assert hf[-1]["sparsity"] == pytest.approx(0.7, abs=1e-3)
+    state, ref = torch.load(fsdp["state"]), torch.load(rep["state"])
+    keys = [k for k in ref if k.endswith("weight_mask")]
+    assert len(keys) == 4 * 6
+    for k in keys:
+        assert torch.equal(state[k], ref[k]), k
+        assert torch.all(state[k[: -len("_mask")]][~state[k]] == 0), k  # pruned weights are zero
+    optim, optim_ref = (torch.load(r["optim"], weights_only=False)["state"] for r in (fsdp, rep))
+    assert optim.keys() == optim_ref.keys()
+    names = optimizer_order(cfg)
+    for i, st in optim_ref.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_close(optim[i][name], st[name], f"{names[i]}.{name}", name)
+        assert float(optim[i]["step"]) == float(st["step"])
