@@ -8,6 +8,7 @@ from typing import Any, Callable, Literal
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import torch.distributed as dist
 
@@ -294,6 +295,7 @@ class GradualPruning(Callback):
         # resumed masks came with the (dense) model state; make weights, storage and kernels follow
         for _, _, m in self._local_prunable(pl_module):
             m.apply_mask()
+        self._reshard(pl_module)
         self._apply_swaps(trainer, pl_module, self._refresh_storage(trainer, pl_module))
         self._refresh_kernels(trainer, pl_module)
 
@@ -324,6 +326,14 @@ class GradualPruning(Callback):
                 fn = getattr(trainer.strategy, "request_repack", None)
                 if callable(fn):
                     fn(self.repack)
+
+    def _reshard(self, pl_module) -> None:
+        """Sharded layers whose shards just changed in place drop any all-gathered copy a forward
+        outside a training step left (FSDP2 reuses it), so their next forward gathers the pruned
+        weights (no communication; nothing to do under ``replicate``)."""
+        for i, layer in local_layers(pl_module):
+            if i in self._prunable and isinstance(layer, FSDPModule):
+                layer.reshard()
 
     def on_after_backward(self, trainer, pl_module) -> None:
         if self.target_sparsity > 0:
@@ -368,6 +378,7 @@ class GradualPruning(Callback):
                     for v in (state or {}).values():
                         if torch.is_tensor(v) and v.shape == m.weight_mask.shape:
                             _local(v).mul_(_local(m.weight_mask))  # (fsdp: a moment's shard, the mask's rows)
+        self._reshard(pl_module)
         swaps += self._refresh_storage(trainer, pl_module)
         self._apply_swaps(trainer, pl_module, swaps)
         self._refresh_kernels(trainer, pl_module)
