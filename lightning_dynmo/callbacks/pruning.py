@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import torch.distributed as dist
 
@@ -429,12 +430,15 @@ class GradualPruning(Callback):
                 copies = 2 if p.requires_grad else 1  # the parameter, and its gradient while it trains
                 vec[0] += copies * numel * p.element_size()
                 vec[1] += copies * dense_numel * p.element_size()
+                # (fsdp: a state tensor that is not a shard, Adam's step, is on every replica: counted once)
+                copies_of_whole = p.device_mesh.size() if m.sharded else 1
                 for opt in opts:
                     for v in opt.state.get(p, {}).values():
                         if torch.is_tensor(v):
                             like = v.dim() > 0 and v.shape == p.shape
-                            vec[0] += _local(v).numel() * v.element_size()
-                            vec[1] += (dense_numel if like else _local(v).numel()) * v.element_size()
+                            share = 1 if isinstance(v, DTensor) else copies_of_whole
+                            vec[0] += _local(v).numel() * v.element_size() / share
+                            vec[1] += (dense_numel if like else _local(v).numel()) * v.element_size() / share
             vec[2] += sum(_local(b).numel() * b.element_size() for b in m.buffers(recurse=False))
         stored, dense, index = all_reduce_over_model(trainer, vec).cpu().tolist()
         return {"stored": stored, "dense": dense, "index": index,

@@ -136,6 +136,10 @@ def test_gradual_pruning_under_fsdp_equals_replicate_and_one_process(runs):
         assert a["densities"] == b["densities"]
     assert hf[-1]["sparsity"] == pytest.approx(0.7, abs=1e-3)
     _same_masks_and_moments(fsdp, rep, cfg)
+    # the pruned layers' state over all ranks (fsdp: the replicas' shards added) is the dense one,
+    # as masked dense under replicate: pruning stores nothing less at rest under fsdp
+    mem, mem_ref = fsdp["pruning_memory"], rep["pruning_memory"]
+    assert mem == mem_ref and mem["ratio"] == 1.0 and mem["index"] > 0, (mem, mem_ref)
 
 
 def test_pruned_fsdp_run_resumes_from_its_dcp_checkpoint_as_replicate_does(runs):

@@ -285,6 +285,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
              list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel,
              (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))),
              metrics.get("val_acc"), _masks(trainer.lightning_module))
+    memory = pruning.state_bytes(trainer, trainer.lightning_module) if pruning else None  # (collective)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
     if cfg.get("checkpoint_format") == "dcp":  # what the tests compare is the single-process state, gathered
@@ -306,7 +307,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
               "val_acc_per_rank": [x[11] for x in per_rank],  # pipeline_eval_step's metric as each rank logged it
               "masks_per_rank": [x[12] for x in per_rank],  # (pruning masks, of them DTensor shards, their local elements)
-              "pruning": pruning.state_dict() if pruning else None,
+              "pruning": pruning.state_dict() if pruning else None, "pruning_memory": memory,
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
