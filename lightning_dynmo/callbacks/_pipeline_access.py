@@ -58,6 +58,31 @@ def all_reduce_over_pipeline(trainer, vec: torch.Tensor, op=None) -> torch.Tenso
     return vec
 
 
+def shards_over_replicas(trainer) -> bool:
+    """True when each data-parallel replica holds a different shard of its layers
+    (``dp_sharding="fsdp"`` over more than one replica): per-layer counts then sum over the
+    replicas too, not only over the pipeline."""
+    return is_pipeline_strategy(trainer.strategy) and getattr(trainer.strategy, "sharded_layers", None) is not None
+
+
+def model_reduce_groups(trainer) -> tuple[bool, list]:
+    """``(needs_reduce, groups)``: the groups to sum a per-layer count over, in turn, so that every
+    weight of the model counts once (:func:`pipeline_reduce_group`, preceded by the replica group
+    when :func:`shards_over_replicas`)."""
+    needs, group = pipeline_reduce_group(trainer)
+    if not needs:
+        return False, []
+    return True, ([trainer.strategy.data_parallel_group] if shards_over_replicas(trainer) else []) + [group]
+
+
+def all_reduce_over_model(trainer, vec: torch.Tensor, op=None) -> torch.Tensor:
+    """:func:`all_reduce_over_pipeline`, and over the replicas too when each holds a different shard."""
+    needs, groups = model_reduce_groups(trainer)
+    for group in groups if needs else []:
+        dist.all_reduce(vec, op=op or dist.ReduceOp.SUM, group=group)
+    return vec
+
+
 def request_rebalance(trainer, reason: str, reprofile: bool = True) -> bool:
     """Ask the strategy to rebalance if it can; plain Lightning strategies just ignore it.
     ``reprofile=False``: the layers' work changed, not what they compute (see PipelineControl)."""

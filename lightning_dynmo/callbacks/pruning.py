@@ -8,13 +8,15 @@ from typing import Any, Callable, Literal
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 import torch.distributed as dist
 
-from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
-    pipeline_reduce_group, reduce_device, replica_group, request_rebalance
+from ._pipeline_access import all_reduce_over_model, all_reduce_over_pipeline, invalidate_pipeline, local_layers, \
+    model_reduce_groups, pipeline_layers, reduce_device, replica_group, request_rebalance, shards_over_replicas
 from ..dynamic.nm_sparsity import nm_droppable, nm_max_sparsity, parse_nm, satisfies_nm, transposable_droppable
-from ..dynamic.pruning import ParamSwap, PrunableLinear, cubic_sparsity, default_prunable_layer, \
+from ..dynamic.pruning import ParamSwap, PrunableLinear, _local, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
 from ..protocol import state_dict_key
 from ..runtime.optimizer_layout import replace_param
@@ -77,6 +79,14 @@ class GradualPruning(Callback):
     * Checkpoints stay in the dense single-process format: ``PrunableLinear`` densifies its state
       dict and :meth:`on_save_checkpoint` densifies the optimizer state of CSR-stored weights. On
       resume the layers are compressed again at ``on_train_start``.
+    * ``dp_sharding="fsdp"``: each replica holds a ``Shard(0)`` piece of every weight, its mask
+      rows alongside (:class:`~lightning_dynmo.dynamic.PrunableLinear`, sharded). The threshold
+      counts each replica's piece and sums over the replicas and the pipeline (every weight once:
+      the single-process threshold exactly); masks, weights and moments change on the shards
+      without communication. A pruned layer runs masked dense on its all-gathered weight, so
+      layers stay dense-stored (``storage_density`` is not used, with a warning) and
+      ``sparse_kernels`` is not used either: pruning saves no memory or time at rest under fsdp
+      (see docs/parallelism.md), only the 1/dp of sharding.
     * ``repack``: after the last pruning step, ask the strategy to pack the pipeline onto fewer
       ranks (``strategy.request_repack(repack)``: an int target or ``"auto"``); None: do not ask.
     * Logs ``pruning/sparsity`` (global, measured), ``pruning/target_sparsity`` and
@@ -186,8 +196,8 @@ class GradualPruning(Callback):
         """This rank's choice among ``dense``, ``2:4`` and ``csr`` for ``m`` (see the class docstring)."""
         from ..sparse.dispatch import choose_linear_kernel, linear_kernel_candidates
 
-        if self.sparse_kernels is False or m.density >= 1.0:
-            return "dense"
+        if self.sparse_kernels is False or m.sharded or m.density >= 1.0:
+            return "dense"  # (sharded: masked dense on the all-gathered weight)
         device, dtype = m.weight.device, self._compute_dtype(trainer, m)
         two_four = not m.compressed and self.nm == (2, 4) and satisfies_nm(m.weight_mask, 2, 4)
         if self.sparse_kernels is True:
@@ -266,7 +276,15 @@ class GradualPruning(Callback):
 
     def _refresh_storage(self, trainer, pl_module) -> list[tuple[PrunableLinear, ParamSwap]]:
         """Compress every dense-stored layer whose density reached ``storage_density``."""
-        if self.storage_density is None or self.nm is not None or not self._can_swap_parameters(trainer):
+        if self.storage_density is None or self.nm is not None:
+            return []
+        if shards_over_replicas(trainer):
+            if not self._warned_storage:
+                self._warned_storage = True
+                warnings.warn("GradualPruning: under dp_sharding='fsdp' pruned layers stay dense-stored (masked "
+                              "dense shards; storage_density ignored)")
+            return []
+        if not self._can_swap_parameters(trainer):
             return []
         return [(m, m.compress()) for _, _, m in self._local_prunable(pl_module)
                 if not m.compressed and m.density <= self.storage_density and m.density < 1.0]
@@ -278,6 +296,7 @@ class GradualPruning(Callback):
         # resumed masks came with the (dense) model state; make weights, storage and kernels follow
         for _, _, m in self._local_prunable(pl_module):
             m.apply_mask()
+        self._reshard(pl_module)
         self._apply_swaps(trainer, pl_module, self._refresh_storage(trainer, pl_module))
         self._refresh_kernels(trainer, pl_module)
 
@@ -287,6 +306,10 @@ class GradualPruning(Callback):
         bad = [f"L{i}.{n} (in_features={m.in_features}, out_features={m.out_features})"
                for i, n, m in self._local_prunable(pl_module)
                if m.in_features % m_ or (self.transposable and m.out_features % m_)]
+        if self.transposable:  # fsdp: each shard's first row must start a 4x4 tile (torch.chunk's rows per shard)
+            bad += [f"L{i}.{n} (out_features={m.out_features} in shards of {-(-m.out_features // dp)} rows over "
+                    f"{dp} replicas)" for i, n, m in self._local_prunable(pl_module) if m.sharded
+                    for dp in [m.weight.device_mesh.size()] if -(-m.out_features // dp) % m_]
         count = all_reduce_over_pipeline(
             trainer, torch.tensor([len(bad)], dtype=torch.int64, device=reduce_device(trainer, pl_module)))
         if int(count):
@@ -305,6 +328,19 @@ class GradualPruning(Callback):
                 if callable(fn):
                     fn(self.repack)
 
+    def _reshard(self, pl_module) -> None:
+        """Sharded layers whose shards just changed in place drop any all-gathered copy a forward
+        outside a training step left (FSDP2 reuses it), so their next forward gathers the pruned
+        weights (no communication; nothing to do under ``replicate``)."""
+        for i, layer in local_layers(pl_module):
+            if i in self._prunable and isinstance(layer, FSDPModule):
+                layer.reshard()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.target_sparsity > 0:
+            for _, _, m in self._local_prunable(pl_module):
+                m.mask_grad()  # sharded layers: the forward ran unmasked (see PrunableLinear)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.target_sparsity > 0:
             for _, _, m in self._local_prunable(pl_module):
@@ -316,20 +352,22 @@ class GradualPruning(Callback):
         measured global sparsity."""
         mods = self._local_prunable(pl_module)
         before = self.sparsity
-        needs, group = pipeline_reduce_group(trainer)
-        zeros = sum(m.in_features * m.out_features - m.nnz for _, _, m in mods)
+        needs, groups = model_reduce_groups(trainer)  # (fsdp: each replica counts its shards)
+        zeros = sum(total - kept for _, _, m in mods for kept, total in [m.local_counts()])
         if self.nm is not None:  # only weights outside their group's top N compete (the rest rank as +inf)
-            droppable = [transposable_droppable(m.weight, m.weight_mask) if self.transposable
-                         else nm_droppable(m.weight, m.weight_mask, *self.nm) for _, _, m in mods]
-            ranked = [torch.where(d, m.weight.detach().abs(), torch.full_like(m.weight, float("inf")))[m.weight_mask]
-                      for (_, _, m), d in zip(mods, droppable)]
+            local = [(_local(m.weight.detach()), _local(m.weight_mask)) for _, _, m in mods]  # (rows: whole groups)
+            droppable = [transposable_droppable(w, mask) if self.transposable else nm_droppable(w, mask, *self.nm)
+                         for w, mask in local]
+            ranked = [torch.where(d, w.abs(), torch.full_like(w, float("inf")))[mask]
+                      for (w, mask), d in zip(local, droppable)]
         else:
             ranked = [m.kept_values() for _, _, m in mods]
-        thr = global_magnitude_threshold(ranked, sparsity, group=group, distributed=needs, zeros=zeros)
+        thr = global_magnitude_threshold(ranked, sparsity, group=groups, distributed=needs, zeros=zeros)
         swaps = []
         for k, (_, _, m) in enumerate(mods):
             if self.nm is not None:
-                m.set_mask(m.weight_mask & ~(droppable[k] & (m.weight.detach().abs() <= thr)))
+                w, mask = local[k]
+                m.set_mask(mask & ~(droppable[k] & (w.abs() <= thr)))
                 swap = None
             else:
                 swap = m.prune_magnitude(thr)
@@ -340,7 +378,8 @@ class GradualPruning(Callback):
                     state = getattr(opt, "_optimizer", opt).state.get(m.weight)
                     for v in (state or {}).values():
                         if torch.is_tensor(v) and v.shape == m.weight_mask.shape:
-                            v.mul_(m.weight_mask)
+                            _local(v).mul_(_local(m.weight_mask))  # (fsdp: a moment's shard, the mask's rows)
+        self._reshard(pl_module)
         swaps += self._refresh_storage(trainer, pl_module)
         self._apply_swaps(trainer, pl_module, swaps)
         self._refresh_kernels(trainer, pl_module)
@@ -367,9 +406,10 @@ class GradualPruning(Callback):
         L = len(pipeline_layers(pl_module))
         vec = torch.zeros(2 * L, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         for i, _, m in self._local_prunable(pl_module):
-            vec[i] += float(m.nnz)
-            vec[L + i] += m.in_features * m.out_features
-        vec = all_reduce_over_pipeline(trainer, vec).cpu().tolist()
+            kept, total = m.local_counts()  # (fsdp: this replica's shard; summed over the replicas below)
+            vec[i] += float(kept)
+            vec[L + i] += total
+        vec = all_reduce_over_model(trainer, vec).cpu().tolist()
         out: dict = {i: vec[i] / vec[L + i] for i in range(L) if vec[L + i] > 0}
         out["__kept__"], out["__total__"] = sum(vec[:L]), sum(vec[L:])
         return out
@@ -379,23 +419,28 @@ class GradualPruning(Callback):
         gradients (one per trainable parameter, as a training step holds them) + optimizer state
         as they are now; ``dense`` = the same for dense layers with the same optimizer; ``index`` = their
         buffers (CSR indices, dense masks). ``ratio = stored / dense``; ``ratio_with_index``
-        counts the buffers too."""
+        counts the buffers too. Under ``dp_sharding="fsdp"`` each rank counts its shards and the
+        sums run over the replicas too: the model's state once, as stored over all ranks."""
         vec = torch.zeros(3, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
         for _, _, m in self._local_prunable(pl_module):
             for name, p in m.named_parameters(recurse=False):
-                dense_numel = m.in_features * m.out_features if name == "weight" else p.numel()
+                numel = _local(p).numel()
+                dense_numel = m.in_features * m.out_features if name == "weight" and m.compressed else numel
                 copies = 2 if p.requires_grad else 1  # the parameter, and its gradient while it trains
-                vec[0] += copies * p.numel() * p.element_size()
+                vec[0] += copies * numel * p.element_size()
                 vec[1] += copies * dense_numel * p.element_size()
+                # (fsdp: a state tensor that is not a shard, Adam's step, is on every replica: counted once)
+                copies_of_whole = p.device_mesh.size() if m.sharded else 1
                 for opt in opts:
                     for v in opt.state.get(p, {}).values():
                         if torch.is_tensor(v):
                             like = v.dim() > 0 and v.shape == p.shape
-                            vec[0] += v.numel() * v.element_size()
-                            vec[1] += (dense_numel if like else v.numel()) * v.element_size()
-            vec[2] += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False))
-        stored, dense, index = all_reduce_over_pipeline(trainer, vec).cpu().tolist()
+                            share = 1 if isinstance(v, DTensor) else copies_of_whole
+                            vec[0] += _local(v).numel() * v.element_size() / share
+                            vec[1] += (dense_numel if like else _local(v).numel()) * v.element_size() / share
+            vec[2] += sum(_local(b).numel() * b.element_size() for b in m.buffers(recurse=False))
+        stored, dense, index = all_reduce_over_model(trainer, vec).cpu().tolist()
         return {"stored": stored, "dense": dense, "index": index,
                 "ratio": stored / dense if dense else 1.0,
                 "ratio_with_index": (stored + index) / dense if dense else 1.0}

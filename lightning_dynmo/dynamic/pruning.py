@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from .pruning_threshold import _dist_ready, cubic_sparsity, global_magnitude_threshold  # noqa: F401
 
@@ -38,6 +39,11 @@ __all__ = [
     "prunable_modules",
     "sparse_kernels_available",
 ]
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's piece of ``t`` (a DTensor shard under ``dp_sharding="fsdp"``; it shares storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def sparse_kernels_available() -> bool:
@@ -90,6 +96,16 @@ class PrunableLinear(nn.Linear):
     storage wrote it. Storage changes return a :class:`ParamSwap` for the optimizer re-map.
     Everything the layer owns is a parameter or a buffer, so migration moves it generically. With
     an all-ones mask the output equals ``nn.Linear`` bitwise (``w * 1.0 == w``).
+
+    Sharded (``dp_sharding="fsdp"``, :attr:`sharded`): the weight is a ``Shard(0)`` DTensor and the
+    mask is cut the same way (:meth:`buffers_sharded_like`), so each rank holds the mask rows of
+    its weight rows. The forward runs dense on the all-gathered weight *without* the mask, which
+    is the masked product: pruned weights are zero at rest (:meth:`apply_mask` after every
+    optimizer step; Adam and weight decay keep a zero weight with a zero gradient and zeroed
+    moments at zero). The weight's gradient is masked on the shard instead, after the
+    reduce-scatter (:meth:`mask_grad`; masking commutes with the replicas' sum), which is the
+    single-process gradient exactly. Counts (:meth:`local_counts`) and kept values are this
+    rank's piece; the callers sum them over the replicas. Only dense storage is sharded.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
@@ -133,8 +149,27 @@ class PrunableLinear(nn.Linear):
         return self.storage == "csr"
 
     @property
+    def sharded(self) -> bool:
+        """The mask is a shard (the layer is an FSDP unit's, ``dp_sharding="fsdp"``)."""
+        return not self.compressed and isinstance(self.weight_mask, DTensor)
+
+    def buffers_sharded_like(self) -> dict[str, str]:
+        """Buffers laid out like a parameter, which FSDP sharding cuts like it (runtime/fsdp.py)."""
+        return {} if self.compressed else {"weight_mask": "weight"}
+
+    @property
     def nnz(self) -> int:
+        if self.sharded:
+            raise RuntimeError("this layer's mask is sharded over the data-parallel replicas: count its piece with "
+                               "local_counts() and sum over the replicas")
         return self.weight.numel() if self.compressed else int(self.weight_mask.sum())
+
+    def local_counts(self) -> tuple[int, int]:
+        """``(kept, total)`` weights of the piece this rank holds (the whole layer unless sharded)."""
+        if not self.sharded:
+            return self.nnz, self.in_features * self.out_features
+        mask = _local(self.weight_mask)
+        return int(mask.sum()), mask.numel()
 
     @property
     def density(self) -> float:
@@ -165,8 +200,9 @@ class PrunableLinear(nn.Linear):
 
     @torch.no_grad()
     def kept_values(self) -> Tensor:
-        """The kept weights, row-major (what a global magnitude threshold ranks)."""
-        return self.weight.detach() if self.compressed else self.weight.detach()[self.weight_mask]
+        """The kept weights, row-major (what a global magnitude threshold ranks); of this rank's
+        piece when sharded."""
+        return self.weight.detach() if self.compressed else _local(self.weight.detach())[_local(self.weight_mask)]
 
     # ------------------------------------------------------------------ masks (dense storage)
     @torch.no_grad()
@@ -174,14 +210,23 @@ class PrunableLinear(nn.Linear):
         """Zero pruned weights (an optimizer's momentum or weight decay must not revive them).
         A CSR-stored layer holds no pruned weights: nothing to do."""
         if not self.compressed:
-            self.weight.mul_(self.weight_mask)
+            _local(self.weight).mul_(_local(self.weight_mask))
+
+    @torch.no_grad()
+    def mask_grad(self) -> None:
+        """Sharded: zero the pruned entries of the weight's (reduce-scattered) gradient shard; the
+        forward did not mask (see the class docstring). Otherwise the forward already did."""
+        if self.sharded and self.weight.grad is not None:
+            _local(self.weight.grad).mul_(_local(self.weight_mask))
 
     @torch.no_grad()
     def set_mask(self, mask: Tensor) -> None:
-        """Dense storage: replace the mask (and zero the newly pruned weights)."""
+        """Dense storage: replace the mask (and zero the newly pruned weights). Sharded: ``mask``
+        is this rank's piece (or a DTensor laid out as the mask)."""
         if self.compressed:
             raise RuntimeError("set_mask changes a dense mask; a CSR-stored layer prunes with prune_to()")
-        self.weight_mask.copy_(mask.to(self.weight_mask))
+        local = _local(self.weight_mask)
+        local.copy_(_local(mask).to(device=local.device, dtype=local.dtype))
         self.apply_mask()
         if self.sparse_kernel:
             self._build_csr()
@@ -192,7 +237,7 @@ class PrunableLinear(nn.Linear):
         changes the mask in place and returns None; CSR storage drops the values and returns the
         :class:`ParamSwap` (None when nothing was pruned)."""
         if not self.compressed:
-            self.set_mask(self.weight_mask & (self.weight.abs() > threshold))
+            self.set_mask(_local(self.weight_mask) & (_local(self.weight.detach()).abs() > threshold))
             return None
         return self._keep(self.weight.detach().abs() > threshold)
 
@@ -226,6 +271,8 @@ class PrunableLinear(nn.Linear):
         state follow through the returned swap's gather)."""
         if self.compressed:
             raise RuntimeError("layer is already CSR-stored")
+        if self.sharded:
+            raise RuntimeError("a layer sharded over data-parallel replicas (dp_sharding='fsdp') stays dense-stored")
         mask = self.weight_mask.bool()
         flat = mask.reshape(-1).nonzero(as_tuple=True)[0]  # row-major kept positions
         old = self.weight
@@ -349,6 +396,8 @@ class PrunableLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.compressed:
             return self._forward_csr(x)
+        if self.sharded:  # the all-gathered weight, zero where pruned; its gradient is masked on the shard
+            return F.linear(x, self.weight, self.bias)
         if self.semi_structured:
             y = self._forward_semi_structured(x)
             if y is not None:

@@ -10,7 +10,9 @@ using a local sort + ``searchsorted`` so each count is ``O(log n)``. The search 
 smallest value ``t`` with ``count(|w| <= t) >= k``, which is exactly the k-th smallest ``|w|`` over
 all ranks -- bitwise equal to ``torch.kthvalue`` on the concatenation -- and no rank ever holds
 another rank's weights. Data-parallel replicas hold identical weights, so each replica's pipeline
-group computes the same threshold.
+group computes the same threshold. Replicas that each hold a different shard (``dp_sharding="fsdp"``)
+count over their data-parallel group too (``group`` is then a sequence of groups, summed in turn),
+so every weight counts once, as in one process, and the threshold is the same.
 """
 from __future__ import annotations
 
@@ -39,15 +41,23 @@ def global_magnitude_threshold(
     empty list. ``zeros``: this rank's weights that are not in ``tensors`` because they are already
     pruned (entries a CSR-stored layer no longer holds); they count as ``|w| = 0``, so passing only
     the kept values of a layer gives the same threshold as passing its masked dense weight.
+    ``group`` may be a sequence of groups: each reduction runs over each in turn (a shard's
+    replicas, then the pipeline), so the counts are over the ranks they span together.
     """
     if not 0.0 <= float(sparsity) <= 1.0:
         raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
     reduce = _dist_ready() if distributed is None else bool(distributed)
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
+
+    def all_reduce(t: Tensor, op=dist.ReduceOp.SUM) -> None:
+        for g in groups:
+            dist.all_reduce(t, op=op, group=g)
+
     local = [t.detach().reshape(-1) for t in tensors if t.numel()]
     wide = any(t.dtype == torch.float64 for t in local)
     fdt, idt = (torch.float64, torch.int64) if wide else (torch.float32, torch.int32)
     device = local[0].device if local else torch.device("cpu")
-    if reduce and dist.get_backend(group) == "nccl":
+    if reduce and dist.get_backend(groups[0]) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     if local:
         vals = torch.cat([t.to(device=device, dtype=fdt).abs() for t in local])
@@ -63,9 +73,9 @@ def global_magnitude_threshold(
                          device=device)
     if reduce:
         n_total = stats[:1].clone()
-        dist.all_reduce(n_total, group=group)
+        all_reduce(n_total)
         hi = stats[1:].clone()
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        all_reduce(hi, op=dist.ReduceOp.MAX)
         n, hi_bits = int(n_total), int(hi)
     else:
         n, hi_bits = int(stats[0]), int(stats[1])
@@ -82,7 +92,7 @@ def global_magnitude_threshold(
         probe[0] = mid
         count = torch.searchsorted(bits, probe, right=True) + zeros  # mid >= 0: every pruned zero counts
         if reduce:
-            dist.all_reduce(count, group=group)
+            all_reduce(count)
         if int(count) >= k:
             hi = mid
         else:

@@ -76,6 +76,16 @@ Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded
 no graph and get no gradient, and :func:`~lightning_dynmo.dynamic.freeze_layer` pops their
 optimizer state (the frozen shards carry none).
 
+Gradual pruning works on the units in place too (no parameter is swapped). A module may declare
+buffers laid out like one of its parameters (``buffers_sharded_like``: a pruning mask and its
+weight); :meth:`ShardedLayers.shard` cuts them to the parameter's ``Shard(0)`` piece and
+:meth:`ShardedLayers.gather` makes them whole with the layer. A pruned layer then runs masked dense
+on its all-gathered weight: its shards hold zeros where pruned, and its gradient shard is masked
+after the reduce-scatter (:class:`~lightning_dynmo.dynamic.PrunableLinear`). The global magnitude
+threshold counts each replica's shards and sums over the dp group and the pipeline, which is one
+process's count. Layers stay dense-stored (CSR storage would swap the weight for its kept values):
+at rest pruning saves nothing beyond the 1/dp of sharding (docs/parallelism.md).
+
 Precision: ``bf16-mixed`` and ``16-mixed`` are autocast over fp32 parameters, so shards,
 reduce-scattered gradients and optimizer state stay fp32 and the math is ``replicate``'s (FSDP2's
 ``MixedPrecisionPolicy`` is not used: bf16 all-gathers would change it). A grad scaler's inf check
@@ -107,8 +117,13 @@ def is_sharded(t) -> bool:
 
 
 def whole(t):
-    """``t`` as a plain whole tensor (a DTensor is all-gathered over its mesh: collective)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """``t`` as a plain whole tensor (a DTensor is all-gathered over its mesh: collective). A bool
+    shard (a pruning mask) travels as bytes: not every backend all-gathers bool."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8).full_tensor().bool()
+    return t.full_tensor()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +141,20 @@ def shard_like(t: torch.Tensor, like: DTensor) -> DTensor:
 def dp_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     """The 1-D mesh of this stage's data-parallel group (the dp dimension of the (pp, dp) grid)."""
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+
+
+def shard_buffers(layer: nn.Module) -> None:
+    """Cut each buffer that a sub-module of ``layer`` declares laid out like one of its parameters
+    (``buffers_sharded_like() -> {buffer: parameter}``, e.g. a pruning mask and its weight) to this
+    rank's piece of that parameter's shard (no communication). FSDP2 shards parameters only."""
+    for module in layer.modules():
+        like = getattr(module, "buffers_sharded_like", None)
+        if not callable(like):
+            continue
+        for buf, param in like().items():
+            b, p = module.get_buffer(buf), module.get_parameter(param)
+            if isinstance(p, DTensor) and not isinstance(b, DTensor):
+                module.register_buffer(buf, shard_like(b, p), persistent=buf not in module._non_persistent_buffers_set)
 
 
 class ShardedLayers:
@@ -161,6 +190,7 @@ class ShardedLayers:
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=False, ignored_params=experts or None)
             layer.set_reduce_scatter_unused_params(True)  # see the module docstring: unused parameters
             self.watch(layer)
+            shard_buffers(layer)
             for name, p in layer.named_parameters():
                 old = before[name]
                 if p is old:  # an expert shard: not FSDP's
@@ -230,7 +260,7 @@ class ShardedLayers:
             params = dict(plain.named_parameters())
             buffers = dict(plain.named_buffers())
             for name, b in layer.named_buffers():
-                buffers[name].copy_(b)
+                buffers[name].copy_(whole(b))
             for name, p in layer.named_parameters():
                 q = params[name]
                 with torch.no_grad():
@@ -317,9 +347,6 @@ def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, 
                         "units own their parameters; sharing one across units is not supported)")
     if precision not in FSDP_PRECISIONS:
         problems.append(f"precision={precision!r} (supported under fsdp: {', '.join(FSDP_PRECISIONS)})")
-    if pruning:
-        problems.append("gradual pruning (a pruned layer swaps its parameters for new ones, which FSDP units "
-                        "cannot adopt after sharding)")
     if problems:
         raise ValueError("dp_sharding='fsdp' cannot be combined with " + "; ".join(problems)
                          + ". Use dp_sharding='replicate' for this model" + (" or torch >= 2.13" if missing else "") + ".")

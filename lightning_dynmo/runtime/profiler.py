@@ -270,8 +270,9 @@ class PipelineProfiler:
 
 def layer_memory_bytes(layer: nn.Module, optimizers) -> int:
     """Bytes a layer owns on this rank: parameters, gradients, buffers (masks, sparse structure),
-    optimizer state. Under ``dp_sharding="fsdp"`` a parameter, its gradient and its optimizer
-    state are DTensor shards and count only this rank's piece (what the memory cap must see)."""
+    optimizer state. Under ``dp_sharding="fsdp"`` a parameter, its gradient, its optimizer state
+    and a buffer cut like it (a pruning mask) are DTensor shards and count only this rank's piece
+    (what the memory cap must see)."""
     total = 0
     params = list(layer.parameters())
     for p in params:
@@ -279,7 +280,7 @@ def layer_memory_bytes(layer: nn.Module, optimizers) -> int:
         if p.grad is not None:
             total += local_nbytes(p.grad)
     for b in layer.buffers():
-        total += b.numel() * b.element_size()
+        total += local_nbytes(b)
     ids = {id(p) for p in params}
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)

@@ -153,7 +153,7 @@ def layer_state_bytes(layer: nn.Module, optimizers: Iterable = ()) -> float:
             total += sum(local_nbytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
         elif p.requires_grad and id(p) in in_opt:
             total += 2 * nbytes
-    total += sum(b.numel() * b.element_size() for b in layer.buffers())
+    total += sum(local_nbytes(b) for b in layer.buffers())  # (a sharded mask: its piece)
     return float(total)
 
 

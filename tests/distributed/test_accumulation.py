@@ -9,6 +9,9 @@ weights, two data-parallel replicas (averaged once per optimizer step) and SGD w
 """
 from __future__ import annotations
 
+import types
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -17,6 +20,7 @@ from tests.distributed.test_equivalence import BACKWARD_ORDER, CLIP, RTOL, _Loss
 from tests.support.multiproc import run_worker
 from tests.support.workers.common import make_loader, make_model
 
+from lightning_dynmo import GradualPruning
 from lightning_dynmo.protocol.activations import run_layers
 
 pytestmark = pytest.mark.slow
@@ -31,9 +35,10 @@ def lightning_losses(cfg: dict, dp: int) -> list[float]:
     torch.set_num_threads(1)
     try:
         rec = _Losses()
+        pruning = [GradualPruning(**cfg["pruning"])] if cfg.get("pruning") else []
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            limit_val_batches=0, gradient_clip_val=cfg.get("clip"), callbacks=[rec],
+                            limit_val_batches=0, gradient_clip_val=cfg.get("clip"), callbacks=[rec, *pruning],
                             accumulate_grad_batches=cfg["accumulate"])
         trainer.fit(make_model(cfg), train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=True, dp=dp))
     finally:
@@ -41,10 +46,33 @@ def lightning_losses(cfg: dict, dp: int) -> list[float]:
     return rec.losses
 
 
-def accumulated_reference(cfg: dict, dp: int):
+class _ReferencePruning:
+    """``cfg["pruning"]``'s ``GradualPruning`` driven at the points of a Lightning step (prune at a
+    window's start, masks re-applied after the update) in the reference loop below; its trainer
+    is a stand-in carrying what the callback reads in one process (the optimizer, the step)."""
+
+    def __init__(self, cfg: dict, model, opt) -> None:
+        self.model, self.cb = model, GradualPruning(**dict(cfg["pruning"], storage_density=None))  # masked dense
+        self.trainer = types.SimpleNamespace(optimizers=[opt], strategy=types.SimpleNamespace(), global_step=0,
+                                             precision="32-true")
+        self.cb.setup(self.trainer, model, "fit")
+        self.cb.on_train_start(self.trainer, model)
+
+    def before_step(self, step: int) -> None:
+        self.trainer.global_step = step
+        with warnings.catch_warnings():  # (self.log without a trainer: nothing to log to)
+            warnings.simplefilter("ignore")
+            self.cb.on_train_batch_start(self.trainer, self.model, None, 0)
+
+    def after_step(self) -> None:
+        self.cb.on_train_batch_end(self.trainer, self.model, None, None, 0)
+
+
+def accumulated_reference(cfg: dict, dp: int, pruning_history: list | None = None):
     """One process, the pipeline's arithmetic: per batch and replica, each micro-batch's loss
     divided by k back-propagated, summed in the schedule's order and divided by the micro-batch
     count; batches added over the window; replicas averaged; clipped; one step per window.
+    ``cfg["pruning"]``: with that gradual pruning (its history appended to ``pruning_history``).
     Returns (state dict, optimizer state dict, pre-clip norms)."""
     torch.set_num_threads(1)
     k, m = cfg["accumulate"], cfg["microbatches"]
@@ -52,10 +80,13 @@ def accumulated_reference(cfg: dict, dp: int):
     layers = model.pipeline_layers()
     conf = model.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    pruning = _ReferencePruning(cfg, model, opt) if cfg.get("pruning") else None
     loader = iter(make_loader(cfg, cfg["batch"] * dp, reference=True, dp=dp))
     params = list(model.parameters())
     norms = []
-    for _ in range(cfg["steps"]):
+    for step in range(cfg["steps"]):
+        if pruning is not None:
+            pruning.before_step(step)
         window = [[None] * len(params) for _ in range(dp)]
         for _ in range(k):
             x, y = next(loader)
@@ -81,6 +112,10 @@ def accumulated_reference(cfg: dict, dp: int):
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if pruning is not None:
+            pruning.after_step()
+    if pruning is not None and pruning_history is not None:
+        pruning_history.extend(pruning.cb.history)
     return {k_: v.clone() for k_, v in model.state_dict().items()}, opt.state_dict(), norms
 
 

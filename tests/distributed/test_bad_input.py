@@ -37,7 +37,6 @@ EXPECTED = {
                                   r"shape \[2, 15, 32\] .* where the pipeline discovered \[2, 16, 32\]",
     "fsdp_tied": r"ValueError: dp_sharding='fsdp' cannot be combined with tied parameters",
     "fsdp_half_precision": r"ValueError: dp_sharding='fsdp' cannot be combined with precision='16-true'",
-    "fsdp_pruning": r"ValueError: dp_sharding='fsdp' cannot be combined with gradual pruning",
     "ema_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with EMAWeightAveraging: .*not supported yet",
     "swa_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with StochasticWeightAveraging: .*not supported",
     "model_pruning_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with ModelPruning: .*Use "

@@ -10,7 +10,12 @@ training directly.
 * meta-device init (``trainer.init_module(empty_init=True)``);
 * a parameter that gets a gradient on one replica and not the other (the MoE / early-exit / MoD
   hazard): FSDP units reduce-scatter zeros for it, so the replicas' collectives match (no hang)
-  and the update is replicate's (an absent gradient averages as zero).
+  and the update is replicate's (an absent gradient averages as zero);
+* gradual pruning with a pruning event at every step and a migration before every step: masks
+  sharded like their weights, the threshold counted over the shards; equal to ``replicate`` and
+  to single-process training (losses, weights, masks, thresholds, Adam state). The pruned fsdp run
+  saves a DCP checkpoint (masks and moments as shards) and resumes from it, training on as
+  ``replicate`` does from its single-file checkpoint.
 """
 from __future__ import annotations
 
@@ -19,7 +24,9 @@ import math
 import pytest
 import torch
 
-from tests.distributed.test_accumulation import base, check_accumulation
+from tests.distributed.test_accumulation import accumulated_reference, assert_close_tied, base, check_accumulation
+from tests.distributed.test_dynamic_pipeline import optimizer_order
+from tests.distributed.test_equivalence import migrations
 from tests.distributed.test_equivalence import assert_close
 from tests.support.multiproc import run_worker
 
@@ -38,14 +45,30 @@ PAIRS = {
     "unused_on_one_replica": both(starve=[2, "mlp"]),
 }
 META = base(dp_sharding="fsdp", accumulate=1, steps=STEPS, meta=True)
+# prunes at every step: 30 % of the initial weights at step 0, then 58 %, 69 % and 70 %
+PRUNE = {"final_sparsity": 0.7, "initial_sparsity": 0.3, "start_step": 0, "n_steps": 3, "frequency": 1,
+         "sparse_kernels": False}
+PRUNED = {mode: base(dp_sharding=mode, accumulate=1, steps=4, partition=[0, 6, 9], rebalance="every_n",
+                     balancer="test_cycle",  # a migration before every step after the first
+                     # fsdp: the default storage_density (layers stay dense-stored, with a warning)
+                     pruning=PRUNE if mode == "fsdp" else dict(PRUNE, storage_density=None),
+                     save_ckpt=True, checkpoint_format="dcp" if mode == "fsdp" else "single")
+          for mode in ("fsdp", "replicate")}
+RESUMED_STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    specs = [cfg for pair in PAIRS.values() for cfg in pair.values()] + [META]
-    results = iter(run_worker(tmp_path_factory.mktemp("fsdp_comp"), 4, specs, timeout=300))
-    out = {name: {mode: next(results) for mode in pair} for name, pair in PAIRS.items()}
+    tmp = tmp_path_factory.mktemp("fsdp_comp")
+    pairs = dict(PAIRS, pruning=PRUNED)
+    specs = [cfg for pair in pairs.values() for cfg in pair.values()] + [META]
+    # each pruned run resumed from its checkpoint (the worker's ckpt<index>/last.ckpt)
+    resumed = {mode: dict(cfg, steps=RESUMED_STEPS, save_ckpt=False,
+                          resume=str(tmp / f"ckpt{specs.index(cfg)}" / "last.ckpt")) for mode, cfg in PRUNED.items()}
+    results = iter(run_worker(tmp, 4, specs + list(resumed.values()), timeout=420))
+    out = {name: {mode: next(results) for mode in pair} for name, pair in pairs.items()}
     out["meta"] = next(results)
+    out["pruning_resumed"] = {mode: next(results) for mode in resumed}
     return out
 
 
@@ -85,3 +108,72 @@ def test_repacked_fsdp_pipeline_releases_ranks_and_keeps_every_layer_sharded(run
 def test_meta_device_init_under_fsdp_matches_single_process(runs):
     res = runs["meta"]
     check_accumulation(res, META, replica_averages=0, close=assert_close)
+
+
+def test_gradual_pruning_under_fsdp_equals_replicate_and_one_process(runs):
+    """Sharded masks (each rank holds its weight rows' mask rows), the same thresholds as
+    ``replicate`` and one process (the first bit for bit: it ranks the initial weights), the same
+    masks and Adam state, through a migration before every step."""
+    fsdp, rep = runs["pruning"]["fsdp"], runs["pruning"]["replicate"]
+    cfg = PRUNED["fsdp"]
+    assert migrations(fsdp) == migrations(rep) == cfg["steps"] - 1
+    _same_training(fsdp, rep)
+    masks = fsdp["masks_per_rank"]  # per global rank: (masks, of them DTensor shards, local mask elements)
+    assert all(n > 0 and sharded == n for n, sharded, _ in masks), masks
+    assert all(sharded == 0 for _, sharded, _ in rep["masks_per_rank"]), rep["masks_per_rank"]
+    for stage in (0, 1):  # the two replicas of a stage hold about half of its mask each
+        a, b = masks[stage][2], masks[2 + stage][2]
+        assert a + b == rep["masks_per_rank"][stage][2] and abs(a - b) <= 0.1 * (a + b), (masks, rep["masks_per_rank"])
+    history = []
+    check_accumulation(fsdp, cfg, replica_averages=0, close=assert_close)  # weights and Adam state
+    accumulated_reference(cfg, fsdp["dp"], history)
+    hf, hr = fsdp["pruning"]["history"], rep["pruning"]["history"]
+    assert [h["step"] for h in hf] == [h["step"] for h in hr] == [h["step"] for h in history] == [0, 1, 2, 3]
+    assert hf[0]["threshold"] == hr[0]["threshold"] == history[0]["threshold"]
+    for a, b, c in zip(hf, hr, history):
+        assert a["threshold"] == b["threshold"], (hf, hr)
+        assert a["threshold"] == pytest.approx(c["threshold"], rel=1e-6) and a["sparsity"] == b["sparsity"]
+        assert a["densities"] == b["densities"]
+    assert hf[-1]["sparsity"] == pytest.approx(0.7, abs=1e-3)
+    _same_masks_and_moments(fsdp, rep, cfg)
+    # the pruned layers' state over all ranks (fsdp: the replicas' shards added) is the dense one,
+    # as masked dense under replicate: pruning stores nothing less at rest under fsdp
+    mem, mem_ref = fsdp["pruning_memory"], rep["pruning_memory"]
+    assert mem == mem_ref and mem["ratio"] == 1.0 and mem["index"] > 0, (mem, mem_ref)
+
+
+def test_pruned_fsdp_run_resumes_from_its_dcp_checkpoint_as_replicate_does(runs):
+    """DCP wrote each mask and moment as the replicas' row chunks; loading read them back into
+    shards, and two more steps (masks kept, pruned weights staying zero) equal ``replicate``
+    resumed from its single-file checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    fsdp, rep = runs["pruning_resumed"]["fsdp"], runs["pruning_resumed"]["replicate"]
+    saved = dcp.FileSystemReader(runs["pruning"]["fsdp"]["ckpt"]).read_metadata().state_dict_metadata
+    masks = [k for k in saved if k.endswith("weight_mask")]
+    assert len(masks) == 4 * 6 and all(len(saved[k].chunks) == 2 for k in masks)  # one chunk per replica
+    moments = [k for k in saved if k.endswith(".exp_avg") and "mlp" in k]
+    assert moments and all(len(saved[k].chunks) == 2 for k in moments), moments
+    assert len(fsdp["losses"]) == len(rep["losses"]) == RESUMED_STEPS - PRUNED["fsdp"]["steps"]
+    _same_training(fsdp, rep)
+    assert all(n > 0 and sharded == n for n, sharded, _ in fsdp["masks_per_rank"]), fsdp["masks_per_rank"]
+    assert fsdp["pruning"]["sparsity"] == rep["pruning"]["sparsity"] == pytest.approx(0.7, abs=1e-3)
+    # six steps: the clipping norm's fp32 rounding (summed per shard under fsdp) grows in Adam's
+    # near-zero moments past the element-wise slack (one of 2048 entries, 1.4e-10 against 1e-10)
+    _same_masks_and_moments(fsdp, rep, PRUNED["fsdp"], close=assert_close_tied)
+
+
+def _same_masks_and_moments(fsdp: dict, rep: dict, cfg: dict, close=assert_close) -> None:
+    state, ref = torch.load(fsdp["state"]), torch.load(rep["state"])
+    keys = [k for k in ref if k.endswith("weight_mask")]
+    assert len(keys) == 4 * 6
+    for k in keys:
+        assert torch.equal(state[k], ref[k]), k
+        assert torch.all(state[k[: -len("_mask")]][~state[k]] == 0), k  # pruned weights are zero
+    optim, optim_ref = (torch.load(r["optim"], weights_only=False)["state"] for r in (fsdp, rep))
+    assert optim.keys() == optim_ref.keys()
+    names = optimizer_order(cfg)
+    for i, st in optim_ref.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            close(optim[i][name], st[name], f"{names[i]}.{name}", name)
+        assert float(optim[i]["step"]) == float(st["step"])

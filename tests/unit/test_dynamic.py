@@ -72,7 +72,11 @@ def _threshold_worker(rank, world, store_file, shards, sparsities, out):
         # an explicit sub-group (as a pipeline group would be) gives the same answer
         group = dist.new_group(list(range(world)))
         res_g = [global_magnitude_threshold(shards[rank], s, group=group) for s in sparsities]
-        out[rank] = (res, res_g)
+        # a sequence of groups, summed in turn (fsdp: a shard's replicas, then the pipeline): here
+        # the pair, then each rank alone
+        solo = [dist.new_group([r]) for r in range(world)][rank]
+        res_seq = [global_magnitude_threshold(shards[rank], s, group=[group, solo]) for s in sparsities]
+        out[rank] = (res, res_g, res_seq)
     finally:
         dist.destroy_process_group()
 
@@ -106,8 +110,8 @@ def test_threshold_two_gloo_ranks_equals_single_process(tmp_path):
     out = manager.dict()
     _spawn_and_join(_threshold_worker, (2, str(tmp_path / "store"), shards, sparsities, out), nprocs=2, timeout=120)
     for rank in range(2):
-        res, res_g = out[rank]
-        assert res == expected and res_g == expected
+        res, res_g, res_seq = out[rank]
+        assert res == expected and res_g == expected and res_seq == expected
 
 
 # ---------------------------------------------------------------------------------- schedule

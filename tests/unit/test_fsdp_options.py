@@ -34,10 +34,13 @@ def test_fsdp_accepts_expert_parallel():
     check_fsdp_composition(tied=False, expert_parallel=2, precision="32-true", pruning=False)
 
 
+def test_fsdp_accepts_gradual_pruning():  # (tests/distributed/test_fsdp_composition.py trains it)
+    check_fsdp_composition(tied=False, expert_parallel=1, precision="32-true", pruning=True)
+
+
 @pytest.mark.parametrize("kw, reason", [
     ({"tied": True}, "tied parameters"),
     ({"precision": "16-true"}, "precision='16-true' .supported under fsdp: 32-true"),
-    ({"pruning": True}, "gradual pruning"),
 ])
 def test_fsdp_refuses_what_it_cannot_shard_naming_the_reason(kw, reason):
     args = dict(tied=False, expert_parallel=1, precision="32-true", pruning=False)

@@ -31,7 +31,6 @@ import lightning as L
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 
 from lightning_dynmo import DynMoStrategy
-from lightning_dynmo.callbacks.pruning import GradualPruning
 from tests.support.workers.common import make_loader, make_model
 
 CFG = {"steps": 4, "n_layer": 2}  # 5 pipeline layers: embedding, 2 blocks, final norm, head
@@ -228,7 +227,6 @@ CASES = {
     "fsdp_tied": lambda out: fit(model=make_model(dict(CFG, tied=True)), pipeline_parallel=1, dp_sharding="fsdp"),
     "fsdp_half_precision": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp",
                                            trainer_kw={"precision": "16-true"}),
-    "fsdp_pruning": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp", callbacks=[GradualPruning()]),
     # Lightning callbacks that need the whole module in one process (each used to fail mid-step on
     # one rank while the other lost its peer, or would prune by another rule)
     "ema_callback": lambda out: fit(callbacks=[EMAWeightAveraging()]),

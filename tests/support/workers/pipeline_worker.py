@@ -168,6 +168,15 @@ class StepProbe(L.Callback):
         self.microbatches.append(trainer.strategy.last_microbatches)
 
 
+def _masks(module) -> tuple[int, int, int]:
+    """This rank's pruning masks: how many, how many are DTensor shards, and their local elements."""
+    from lightning_dynmo.dynamic import PrunableLinear
+
+    masks = [m.weight_mask for m in module.modules() if isinstance(m, PrunableLinear) and not m.compressed]
+    return (len(masks), sum(1 for b in masks if isinstance(b, DTensor)),
+            sum((b.to_local() if isinstance(b, DTensor) else b).numel() for b in masks))
+
+
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     nnodes = int(cfg.get("nnodes", 1))
@@ -211,6 +220,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         from lightning_dynmo import LayerFreezing
 
         callbacks.append(LayerFreezing(schedule={int(k): int(v) for k, v in cfg["freeze"].items()}))
+    pruning = None
+    if cfg.get("pruning") is not None:  # GradualPruning kwargs
+        from lightning_dynmo import GradualPruning
+
+        pruning = GradualPruning(**cfg["pruning"])
+        callbacks.append(pruning)
     if cfg.get("starve"):  # [layer, submodule]
         callbacks.append(StarveOnOneReplica(int(cfg["starve"][0]), cfg["starve"][1]))
     if cfg.get("request_repack"):
@@ -269,11 +284,18 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
              list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel,
              (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))),
-             metrics.get("val_acc"))
+             metrics.get("val_acc"), _masks(trainer.lightning_module))
+    memory = pruning.state_bytes(trainer, trainer.lightning_module) if pruning else None  # (collective)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
-    state = trainer.strategy.lightning_module_state_dict()
-    optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    if cfg.get("checkpoint_format") == "dcp":  # what the tests compare is the single-process state, gathered
+        from lightning_dynmo.strategy import checkpoint as single
+
+        state = single.full_model_state_dict(trainer.strategy._pipe())
+        optim = single.full_optimizer_state(trainer.strategy._pipe(), trainer.optimizers[0])
+    else:
+        state = trainer.strategy.lightning_module_state_dict()
+        optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
     result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
               "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
               "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
@@ -284,6 +306,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "local_param_numel_per_rank": [x[9] for x in per_rank],
               "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
               "val_acc_per_rank": [x[11] for x in per_rank],  # pipeline_eval_step's metric as each rank logged it
+              "masks_per_rank": [x[12] for x in per_rank],  # (pruning masks, of them DTensor shards, their local elements)
+              "pruning": pruning.state_dict() if pruning else None,
+              "pruning_memory": memory,  # GradualPruning.state_bytes: the pruned layers' state over all ranks
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
