@@ -62,6 +62,12 @@ reduce-scattered gradients and optimizer state stay fp32 and the math is ``repli
 is agreed over the replicas too (``runtime/precision.py``): each replica checks a different shard.
 ``bf16-true`` shards bf16 parameters.
 
+Tied parameters (a tied embedding and LM head) are sharded like the others: each stage's unit
+shards its end over the stage's replicas, the tied group sums the shards once per shard index,
+and where both ends are on one rank the later one mirrors the first one's shard
+(:mod:`.fsdp_tied`; :meth:`ShardedLayers.gather` makes a moving layer's local tied partners
+whole with it, and :meth:`ShardedLayers.shard` shards them again).
+
 The optimizer keeps its groups and positions: each parameter is swapped in place
 (:func:`~lightning_dynmo.runtime.optimizer_layout.replace_param`), so Adam's ``exp_avg`` becomes
 a DTensor shard of the same values, and ``step`` is kept.
@@ -77,8 +83,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..protocol import RemoteLayer
+from .fsdp_tied import share_mirror_shards, tied_partners, untie_before_sharding
 from .migration import _meta_skeleton
 from .optimizer_layout import OptimizerLayout
+from .tied import TiedParameters
 
 
 def is_sharded(t) -> bool:
@@ -111,8 +120,10 @@ class ShardedLayers:
     """This rank's pipeline layers as FSDP units over the stage's data-parallel mesh."""
 
     def __init__(self, mesh: DeviceMesh, layers: nn.ModuleList, layers_attr: str, module: nn.Module,
-                 optimizers, optimizer_layout: OptimizerLayout | None) -> None:
+                 optimizers, optimizer_layout: OptimizerLayout | None, tied: TiedParameters | None = None) -> None:
         self.mesh = mesh
+        self.tied = tied if tied else None  # parameters shared by layers (runtime/fsdp_tied.py)
+        self._partners: set[int] = set()  # tied partners made whole for a migration, sharded again after it
         self.layers = layers
         self.layers_attr = layers_attr
         self.module = module
@@ -127,10 +138,14 @@ class ShardedLayers:
     def shard(self, indices: Iterable[int]) -> None:
         """Make each layer in ``indices`` an FSDP unit; its gradients and optimizer state become
         this rank's shards (no communication)."""
-        for i in indices:
+        indices = set(indices) | {i for i in self._partners if not isinstance(self.layers[i], RemoteLayer)}
+        self._partners = set()
+        for i in sorted(indices):
             layer = self.layers[i]
             if isinstance(layer, FSDPModule):
                 continue
+            if self.tied:
+                untie_before_sharding(self.tied, self.layers, i)
             before = dict(layer.named_parameters())
             self._plain[i] = _meta_skeleton(layer)
             fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
@@ -144,6 +159,8 @@ class ShardedLayers:
                 if self.optimizer_layout is not None:
                     self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, old, p,
                                                         lambda t, p=p: shard_like(t, p))
+        if self.tied:
+            share_mirror_shards(self.tied, self.layers)
 
     def watch(self, unit: FSDPModule) -> None:
         """Note, at each of ``unit``'s post-backwards and before FSDP2 reduces, which of its
@@ -180,10 +197,17 @@ class ShardedLayers:
             if not anywhere:
                 p.grad = None
 
-    def gather(self, indices: Iterable[int], device: torch.device) -> None:
+    def gather(self, indices: Iterable[int], device: torch.device, arriving: Iterable[int] = ()) -> None:
         """Replace each sharded layer in ``indices`` by a plain copy holding the whole parameters,
         gradients and optimizer state. Collective over the data-parallel group (every replica of
-        the stage gathers the same layers in the same order)."""
+        the stage gathers the same layers in the same order). The local layers sharing a tied
+        parameter with these or the ``arriving`` ones are made whole too (one plain parameter, as
+        the migration expects) and sharded again at the next :meth:`shard`."""
+        indices = set(indices)
+        if self.tied:
+            partners = tied_partners(self.tied, self.layers, indices | set(arriving))
+            self._partners |= partners - indices
+            indices |= partners
         for i in sorted(indices):
             layer = self.layers[i]
             if not isinstance(layer, FSDPModule):
@@ -204,6 +228,9 @@ class ShardedLayers:
                 if self.optimizer_layout is not None:
                     self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, p, q, whole)
             self.layers[i] = plain
+        if self.tied:  # the mirrors' copies become the first user's parameter again
+            self.tied.merge_local_gradients(self.layers)
+            self.tied.tie_local(self.layers, self.optimizers, only=indices)
 
     def forget(self, indices: Iterable[int]) -> None:
         for i in indices:
@@ -256,9 +283,6 @@ def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, 
     missing = missing_fsdp_capability()
     if missing:
         problems.append(missing)
-    if tied:
-        problems.append("tied parameters (a tied embedding and LM head live in two stages, and each stage's FSDP "
-                        "units own their parameters; sharing one across units is not supported)")
     if expert_parallel > 1:
         problems.append(f"expert_parallel={expert_parallel} (experts are already split over the replicas; sharding "
                         "them again over the same replicas is not supported)")

@@ -267,7 +267,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         optimizers = self.optimizers if fitting else ()
         if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
             self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
-                                                self._layers_attr, module, optimizers, self.optimizer_layout)
+                                                self._layers_attr, module, optimizers, self.optimizer_layout,
+                                                self.tied)
         # built on the meta device: each layer is sharded as soon as it is allocated (never the whole stage)
         shard_each = (lambda i: self.sharded_layers.shard([i])) if sharding else None
         place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
@@ -396,7 +397,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             self.sharded_layers.drop_never_graded(self.data_parallel_group)  # (this batch's, before the window's sum)
         exchange = self._window.last and self._window.apply
         if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
-            self.tied.sync_gradients(self._layers, replicated=exchange and self.topology.dp > 1)
+            self.tied.sync_gradients(self._layers,  # (fsdp: each shard, already averaged, once per batch)
+                                     replicated=exchange and self.topology.dp > 1 and self.sharded_layers is None)
         self._window.add_batch()
         if exchange and self.sharded_layers is None:  # (fsdp: each layer's reduce-scatter already averaged)
             average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,

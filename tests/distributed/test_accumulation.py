@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed.test_equivalence import BACKWARD_ORDER, CLIP, RTOL, _Losses, assert_close, migrations
 from tests.support.multiproc import run_worker
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import make_loader, make_model, reference_batches
 
 from lightning_dynmo.protocol.activations import run_layers
 
@@ -52,7 +52,7 @@ def accumulated_reference(cfg: dict, dp: int):
     layers = model.pipeline_layers()
     conf = model.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
-    loader = iter(make_loader(cfg, cfg["batch"] * dp, reference=True, dp=dp))
+    loader = reference_batches(cfg, dp)
     params = list(model.parameters())
     norms = []
     for _ in range(cfg["steps"]):

@@ -27,9 +27,13 @@ def test_fsdp_accepts_plain_models_in_the_tested_precisions(precision):
     check_fsdp_composition(tied=False, expert_parallel=1, precision=precision, pruning=False)
 
 
+def test_fsdp_accepts_tied_parameters():
+    """Sharded like the other parameters (runtime/fsdp_tied.py; trained in tests/distributed/test_fsdp.py)."""
+    check_fsdp_composition(tied=True, expert_parallel=1, precision="32-true", pruning=False)
+
+
 @pytest.mark.parametrize("kw, reason", [
     ({"expert_parallel": 2}, "expert_parallel=2 .experts are already split over the replicas"),
-    ({"tied": True}, "tied parameters"),
     ({"precision": "16-true"}, "precision='16-true' .supported under fsdp: 32-true"),
     ({"pruning": True}, "gradual pruning"),
 ])
