@@ -92,6 +92,12 @@ reduce-scattered gradients and optimizer state stay fp32 and the math is ``repli
 is agreed over the replicas too (``runtime/precision.py``): each replica checks a different shard.
 ``bf16-true`` shards bf16 parameters.
 
+Tied parameters (a tied embedding and LM head) are sharded like the others: each stage's unit
+shards its end over the stage's replicas, the tied group sums the shards once per shard index,
+and where both ends are on one rank the later one mirrors the first one's shard
+(:mod:`.fsdp_tied`; :meth:`ShardedLayers.gather` makes a moving layer's local tied partners
+whole with it, and :meth:`ShardedLayers.shard` shards them again).
+
 The optimizer keeps its groups and positions: each parameter is swapped in place
 (:func:`~lightning_dynmo.runtime.optimizer_layout.replace_param`), so Adam's ``exp_avg`` becomes
 a DTensor shard of the same values, and ``step`` is kept.
@@ -107,9 +113,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..protocol import RemoteLayer
 from .expert_parallel import ExpertParallel
+from .fsdp_tied import share_mirror_shards, tied_partners, untie_before_sharding
 from .migration import _meta_skeleton
 from .optimizer_layout import OptimizerLayout
+from .tied import TiedParameters
 
 
 def is_sharded(t) -> bool:
@@ -162,9 +171,11 @@ class ShardedLayers:
 
     def __init__(self, mesh: DeviceMesh, layers: nn.ModuleList, layers_attr: str, module: nn.Module,
                  optimizers, optimizer_layout: OptimizerLayout | None,
-                 expert_parallel: ExpertParallel | None = None) -> None:
+                 expert_parallel: ExpertParallel | None = None, tied: TiedParameters | None = None) -> None:
         self.mesh = mesh
         self.expert_parallel = expert_parallel
+        self.tied = tied if tied else None  # parameters shared by layers (runtime/fsdp_tied.py)
+        self._partners: set[int] = set()  # tied partners made whole for a migration, sharded again after it
         self.layers = layers
         self.layers_attr = layers_attr
         self.module = module
@@ -180,10 +191,14 @@ class ShardedLayers:
         """Make each layer in ``indices`` an FSDP unit; its gradients and optimizer state become
         this rank's shards (no communication). Under expert parallelism the layer first keeps only
         this rank's expert shard, which the unit leaves out (see the module docstring)."""
-        for i in indices:
+        indices = set(indices) | {i for i in self._partners if not isinstance(self.layers[i], RemoteLayer)}
+        self._partners = set()
+        for i in sorted(indices):
             layer = self.layers[i]
             if isinstance(layer, FSDPModule):
                 continue
+            if self.tied:
+                untie_before_sharding(self.tied, self.layers, i)
             experts = self._expert_shards(i)
             before = dict(layer.named_parameters())
             self._plain[i] = _meta_skeleton(layer)
@@ -201,6 +216,8 @@ class ShardedLayers:
                 if self.optimizer_layout is not None:
                     self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, old, p,
                                                         lambda t, p=p: shard_like(t, p))
+        if self.tied:
+            share_mirror_shards(self.tied, self.layers)
 
     def _expert_shards(self, i: int) -> set[nn.Parameter]:
         """Layer ``i``'s expert shards, cut first if the layer still holds whole experts (built at
@@ -247,10 +264,17 @@ class ShardedLayers:
             if not anywhere:
                 p.grad = None
 
-    def gather(self, indices: Iterable[int], device: torch.device) -> None:
+    def gather(self, indices: Iterable[int], device: torch.device, arriving: Iterable[int] = ()) -> None:
         """Replace each sharded layer in ``indices`` by a plain copy holding the whole parameters,
         gradients and optimizer state. Collective over the data-parallel group (every replica of
-        the stage gathers the same layers in the same order)."""
+        the stage gathers the same layers in the same order). The local layers sharing a tied
+        parameter with these or the ``arriving`` ones are made whole too (one plain parameter, as
+        the migration expects) and sharded again at the next :meth:`shard`."""
+        indices = set(indices)
+        if self.tied:
+            partners = tied_partners(self.tied, self.layers, indices | set(arriving))
+            self._partners |= partners - indices
+            indices |= partners
         for i in sorted(indices):
             layer = self.layers[i]
             if not isinstance(layer, FSDPModule):
@@ -271,6 +295,9 @@ class ShardedLayers:
                 if self.optimizer_layout is not None:
                     self.optimizer_layout.replace_param(self.optimizers, self._prefix(i) + name, p, q, whole)
             self.layers[i] = plain
+        if self.tied:  # the mirrors' copies become the first user's parameter again
+            self.tied.merge_local_gradients(self.layers)
+            self.tied.tie_local(self.layers, self.optimizers, only=indices)
 
     def forget(self, indices: Iterable[int]) -> None:
         for i in indices:
@@ -336,15 +363,14 @@ def check_expert_shard_optimizers(optimizers, device: torch.device) -> None:
                     "use dp_sharding='replicate'")
 
 
-def check_fsdp_composition(*, tied: bool, expert_parallel: int, precision: str, pruning: bool) -> None:
-    """What ``dp_sharding="fsdp"`` does not compose with yet, refused at setup with the reason."""
+def check_fsdp_composition(*, precision: str) -> None:
+    """What ``dp_sharding="fsdp"`` cannot run, refused at setup with the reason: a torch without the
+    capability, or a precision that is not tested under it. Tied parameters, gradual pruning and
+    expert parallelism compose (see the module docstring)."""
     problems = []
     missing = missing_fsdp_capability()
     if missing:
         problems.append(missing)
-    if tied:
-        problems.append("tied parameters (a tied embedding and LM head live in two stages, and each stage's FSDP "
-                        "units own their parameters; sharing one across units is not supported)")
     if precision not in FSDP_PRECISIONS:
         problems.append(f"precision={precision!r} (supported under fsdp: {', '.join(FSDP_PRECISIONS)})")
     if problems:

@@ -22,6 +22,8 @@ that owner puts it into the replicas' all-reduce (:meth:`TiedParameters.averaged
 from the others' exchange), and it sends the averaged gradient back to the other owners
 (:meth:`TiedParameters.share_gradients`). The pipeline group carries what its all-reduce carried
 (a reduce and a broadcast); the data-parallel all-reduce carries each tied gradient once.
+Under ``dp_sharding="fsdp"`` each stage's reduce-scatter averages first, and the owners sum their
+shards (the same rows on each: :mod:`.fsdp_tied`).
 """
 from __future__ import annotations
 
@@ -31,9 +33,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..plan.layout import PipelineLayout
 from ..protocol import PipelineProtocolError, RemoteLayer
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``t`` (a DTensor shard under ``dp_sharding="fsdp"``; it shares storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,7 @@ class TiedParameters:
         ``replicated``: data-parallel replicas follow; the sum lands on the first owner only
         (see the module docstring) and :meth:`share_gradients` completes it after their exchange."""
         self._pending = []
+        self.merge_local_gradients(layers)
         me = dist.get_rank() if self._sync else -1
         for t, group, first in self._sync:
             p = self.local_param(layers, t)
@@ -159,13 +168,29 @@ class TiedParameters:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if not replicated:
-                dist.all_reduce(p.grad, group=group)
+            if not replicated:  # (a DTensor shard under fsdp: the same shard index on every owner)
+                dist.all_reduce(_local(p.grad), group=group)
                 continue
             dist.reduce(p.grad, dst=first, group=group)
             self._pending.append((p, group, first))
             if me != first:
                 p.grad.zero_()  # not this owner's to exchange; share_gradients overwrites it
+
+    def merge_local_gradients(self, layers: nn.ModuleList) -> None:
+        """Users of a tied parameter on this rank that hold parameters of their own (fsdp's
+        mirrors, runtime/fsdp_tied.py): their gradients added to the first user's and dropped,
+        so the parameter has one gradient here, as the one object of ``replicate`` has."""
+        for t in self.tied:
+            users = [layers[i].get_parameter(name) for i, name in t.members if not isinstance(layers[i], RemoteLayer)]
+            first = users[0] if users else None
+            for other in users[1:]:
+                if other is first or other.grad is None:
+                    continue
+                if first.grad is None:
+                    first.grad = other.grad
+                else:
+                    first.grad += other.grad
+                other.grad = None
 
     def averaged_once(self, params) -> list[nn.Parameter]:
         """``params`` without the tied parameters whose data-parallel exchange another owner
@@ -187,9 +212,20 @@ class TiedParameters:
         user of a tied parameter is tied to the first local user's object (the optimizers keep
         that one), and across ranks the copies take the values of the rank holding the first user
         (the layer whose initialisation a single process keeps). Collective over each group."""
+        self.tie_local(layers, optimizers)
+        with torch.no_grad():
+            for t, group, first in self._sync:
+                p = self.local_param(layers, t)
+                if p is not None:
+                    dist.broadcast(p.data, src=first, group=group)
+
+    def tie_local(self, layers: nn.ModuleList, optimizers=(), only: set[int] | None = None) -> None:
+        """On this rank, every user of a tied parameter tied to the first local user's object
+        (its values kept; the others leave the optimizers). No communication. ``only``: just the
+        tied parameters whose local users are all among these layers."""
         for t in self.tied:
             local = [(i, name) for i, name in t.members if not isinstance(layers[i], RemoteLayer)]
-            if len(local) < 2:
+            if len(local) < 2 or (only is not None and any(i not in only for i, _ in local)):
                 continue
             keep = layers[local[0][0]].get_parameter(local[0][1])
             for i, name in local[1:]:
@@ -204,8 +240,3 @@ class TiedParameters:
                             params = [keep if p is other else p for p in group["params"]]
                             group["params"] = [p for k, p in enumerate(params) if all(p is not q for q in params[:k])]
                     opt.state.pop(other, None)
-        with torch.no_grad():
-            for t, group, first in self._sync:
-                p = self.local_param(layers, t)
-                if p is not None:
-                    dist.broadcast(p.data, src=first, group=group)

@@ -138,7 +138,7 @@ class PipelineOptions:
     gradients all-reduced once per step) or ``fsdp`` (parameters, gradients and optimizer state
     sharded over the replicas with FSDP2's ``fully_shard``, one unit per pipeline layer; see
     docs/parallelism.md). Needs torch >= 2.13 (refused on 2.10/2.11); precision 32-true, bf16-mixed,
-    16-mixed or bf16-true; not with tied parameters or expert parallelism."""
+    16-mixed or bf16-true. Tied parameters, expert parallelism and pruning work under both."""
     compile: bool = False
     """``torch.compile`` each pipeline layer this rank owns, in place (state-dict keys unchanged); a
     layer that arrives by migration is compiled on its new rank."""

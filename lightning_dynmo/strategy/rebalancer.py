@@ -329,7 +329,8 @@ class Rebalancer:
         pipe.engines.clear_engines()  # release stage references to layers that may leave
         rank = pipe.layout.pp_rank
         if pipe.sharded is not None:  # dp_sharding="fsdp": leaving layers made whole first (runtime/fsdp.py)
-            pipe.sharded.gather([m.layer for m in plan.moves if m.src == rank], pipe.device)
+            pipe.sharded.gather([m.layer for m in plan.moves if m.src == rank], pipe.device,
+                                arriving=[m.layer for m in plan.moves if m.dst == rank])  # (their tied partners)
         stats = execute_migration(plan, pipe.module, pipe.layers, pipe.layers_attr, pipe.optimizers,
                                   pipe.optimizer_layout, pipe.layout.pp_rank, pipe.groups.pipeline, pipe.device,
                                   pipe.tied)

@@ -70,7 +70,6 @@ from .token_weights import TokenWeights
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
-from ..callbacks.pruning import GradualPruning
 from .options import DpSharding, PipelineOptions, StartMethod, check_fit, check_module, warn_skipped_eval_steps
 from .partial_batch import BatchSizes
 from .predict import predict_batch
@@ -245,10 +244,7 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))
         sharding = self.options.dp_sharding is DpSharding.FSDP and self.topology.dp > 1
         if sharding:  # what FSDP units cannot hold yet, refused on every rank before anything moves
-            check_fsdp_composition(tied=bool(self.tied),
-                                   expert_parallel=self.options.expert_parallel,
-                                   precision=str(self.precision_plugin.precision),
-                                   pruning=any(isinstance(c, GradualPruning) for c in trainer.callbacks))
+            check_fsdp_composition(precision=str(self.precision_plugin.precision))
         self.model = self.precision_plugin.convert_module(self.model)
         self.full_state_shapes = checkpoint.whole_model_state_shapes(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -271,7 +267,7 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
             self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
                                                 self._layers_attr, module, optimizers, self.optimizer_layout,
-                                                self.expert_parallel)
+                                                expert_parallel=self.expert_parallel, tied=self.tied)
         # built on the meta device: each layer is sharded as soon as it is allocated (never the whole stage)
         shard_each = (lambda i: self.sharded_layers.shard([i])) if sharding else None
         place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
@@ -400,7 +396,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             self.sharded_layers.drop_never_graded(self.data_parallel_group)  # (this batch's, before the window's sum)
         exchange = self._window.last and self._window.apply
         if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
-            self.tied.sync_gradients(self._layers, replicated=exchange and self.topology.dp > 1)
+            self.tied.sync_gradients(self._layers,  # (fsdp: each shard, already averaged, once per batch)
+                                     replicated=exchange and self.topology.dp > 1 and self.sharded_layers is None)
         self._window.add_batch()
         if exchange and self.sharded_layers is None:  # (fsdp: each layer's reduce-scatter already averaged)
             average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,

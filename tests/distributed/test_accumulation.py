@@ -18,7 +18,7 @@ import torch
 
 from tests.distributed.test_equivalence import BACKWARD_ORDER, CLIP, RTOL, _Losses, assert_close, migrations
 from tests.support.multiproc import run_worker
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import make_loader, make_model, reference_batches
 
 from lightning_dynmo import GradualPruning
 from lightning_dynmo.protocol.activations import run_layers
@@ -81,7 +81,7 @@ def accumulated_reference(cfg: dict, dp: int, pruning_history: list | None = Non
     conf = model.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     pruning = _ReferencePruning(cfg, model, opt) if cfg.get("pruning") else None
-    loader = iter(make_loader(cfg, cfg["batch"] * dp, reference=True, dp=dp))
+    loader = reference_batches(cfg, dp)
     params = list(model.parameters())
     norms = []
     for step in range(cfg["steps"]):

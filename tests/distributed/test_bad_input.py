@@ -35,7 +35,6 @@ EXPECTED = {
                            r"the pipeline discovered 1",
     "layer_data_dependent_shape": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned tensor 0 of "
                                   r"shape \[2, 15, 32\] .* where the pipeline discovered \[2, 16, 32\]",
-    "fsdp_tied": r"ValueError: dp_sharding='fsdp' cannot be combined with tied parameters",
     "fsdp_half_precision": r"ValueError: dp_sharding='fsdp' cannot be combined with precision='16-true'",
     "ema_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with EMAWeightAveraging: .*not supported yet",
     "swa_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with StochasticWeightAveraging: .*not supported",

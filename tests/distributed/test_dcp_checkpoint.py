@@ -2,9 +2,9 @@
 directory and reads back only its own, onto any layout. A run saved by 2 stages x 2 replicas
 resumes on 4 stages, that one on 2 stages (through ``ckpt_path="last"``), and that one, after
 ``consolidate_checkpoint``, in plain single-process Lightning: the losses stay on the curve of an
-uninterrupted run. The same chain starts from ``dp_sharding="fsdp"`` (an untied model: fsdp
-refuses tied parameters): each replica writes its DTensor shards, and a sharded run reads back only
-its shards. Bad checkpoints fail on every rank with the same message; rank 0's memory while saving
+uninterrupted run. The same chain starts from ``dp_sharding="fsdp"`` (the same tied model, each
+end sharded over its stage's replicas): each replica writes its DTensor shards, and a sharded run
+reads back only its shards. Bad checkpoints fail on every rank with the same message; rank 0's memory while saving
 does not grow with the model."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ WORKER = ROOT / "tests" / "support" / "workers" / "dcp_worker.py"
 # The LM head is tied to the embedding (the first and the last stage hold a copy of one parameter).
 BASE = {"n_samples": 48, "batch": 8, "tied": True}
 STEPS = (3, 6, 9, 12)  # saved by pp2 x dp2, pp4 x dp1, pp2 x dp1; plain Lightning trains to 12
-FSDP = dict(BASE, tied=False, fsdp=True)  # checkpoint_format left to its default: dcp under fsdp
+FSDP = dict(BASE, fsdp=True)  # checkpoint_format left to its default: dcp under fsdp
 REL = 1e-5
 
 

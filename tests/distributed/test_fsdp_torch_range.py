@@ -17,7 +17,7 @@ pytestmark = pytest.mark.compat
 def test_fsdp_is_refused_with_the_fix_exactly_where_torch_lacks_the_guard():
     has_guard = hasattr(FSDPModule, "set_reduce_scatter_unused_params")
     assert (missing_fsdp_capability() is None) == has_guard
-    plain = dict(tied=False, expert_parallel=1, precision="32-true", pruning=False)
+    plain = dict(precision="32-true")
     if has_guard:
         check_fsdp_composition(**plain)
         return

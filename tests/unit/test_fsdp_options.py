@@ -27,24 +27,14 @@ def test_hydra_types_dp_sharding_as_a_string():
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed", "bf16-true"])
 def test_fsdp_accepts_plain_models_in_the_tested_precisions(precision):
-    check_fsdp_composition(tied=False, expert_parallel=1, precision=precision, pruning=False)
-
-
-def test_fsdp_accepts_expert_parallel():
-    check_fsdp_composition(tied=False, expert_parallel=2, precision="32-true", pruning=False)
-
-
-def test_fsdp_accepts_gradual_pruning():  # (tests/distributed/test_fsdp_composition.py trains it)
-    check_fsdp_composition(tied=False, expert_parallel=1, precision="32-true", pruning=True)
+    check_fsdp_composition(precision=precision)
 
 
 @pytest.mark.parametrize("kw, reason", [
-    ({"tied": True}, "tied parameters"),
     ({"precision": "16-true"}, "precision='16-true' .supported under fsdp: 32-true"),
 ])
 def test_fsdp_refuses_what_it_cannot_shard_naming_the_reason(kw, reason):
-    args = dict(tied=False, expert_parallel=1, precision="32-true", pruning=False)
-    args.update(kw)
+    args = {"precision": "32-true", **kw}
     with pytest.raises(ValueError, match=f"dp_sharding='fsdp' cannot be combined with {reason}"):
         check_fsdp_composition(**args)
 

@@ -224,7 +224,6 @@ CASES = {
     "checkpoint_missing_keys": lambda out: fit(ckpt_path=damaged_checkpoint(out, "missing_keys")),
     "checkpoint_two_optimizers": lambda out: fit(ckpt_path=damaged_checkpoint(out, "two_optimizers")),
     # dp_sharding="fsdp" refuses what its FSDP units cannot hold yet (one stage x two replicas)
-    "fsdp_tied": lambda out: fit(model=make_model(dict(CFG, tied=True)), pipeline_parallel=1, dp_sharding="fsdp"),
     "fsdp_half_precision": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp",
                                            trainer_kw={"precision": "16-true"}),
     # Lightning callbacks that need the whole module in one process (each used to fail mid-step on

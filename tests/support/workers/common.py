@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import itertools
 import json
 import os
 import sys
@@ -109,6 +110,16 @@ def make_loader(cfg: dict, batch: int, reference: bool = False, dp: int | None =
     if reference and dp > 1:
         return DataLoader(ds, batch_size=batch, sampler=EpochPermutation(n), drop_last=True)
     return DataLoader(ds, batch_size=batch, shuffle=False, drop_last=cfg.get("drop_last", True))
+
+
+def reference_batches(cfg: dict, dp: int):
+    """The global batches a single process sees, epoch after epoch, as :func:`make_loader`'s
+    reference loader gives them to Lightning (which calls ``set_epoch`` at each epoch)."""
+    loader = make_loader(cfg, cfg["batch"] * dp, reference=True, dp=dp)
+    for epoch in itertools.count():
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        yield from loader
 
 
 def shift_one_boundary(problem):

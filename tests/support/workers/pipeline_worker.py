@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.strategy import checkpoint
 
 from tests.support.evaluation import GPTWithTest, eval_loader
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
@@ -208,7 +209,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         timeout=cfg.get("timeout", 120),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
         dp_sharding=cfg.get("dp_sharding", "replicate"),
-        checkpoint_format=cfg.get("checkpoint_format", "single"),  # the full state below is gathered onto rank 0
+        checkpoint_format=cfg.get("checkpoint_format", "single"),
     )
     averages = count_replica_averages()
     rec = LossRecorder()
@@ -288,14 +289,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     memory = pruning.state_bytes(trainer, trainer.lightning_module) if pruning else None  # (collective)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
-    if cfg.get("checkpoint_format") == "dcp":  # what the tests compare is the single-process state, gathered
-        from lightning_dynmo.strategy import checkpoint as single
-
-        state = single.full_model_state_dict(trainer.strategy._pipe())
-        optim = single.full_optimizer_state(trainer.strategy._pipe(), trainer.optimizers[0])
-    else:
-        state = trainer.strategy.lightning_module_state_dict()
-        optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    # the whole model on rank 0 whatever checkpoint_format saves (under "dcp" the strategy's own hooks return local shards)
+    state = checkpoint.full_model_state_dict(trainer.strategy._pipe())
+    optim = checkpoint.full_optimizer_state(trainer.strategy._pipe(), trainer.optimizers[0])
     result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
               "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
               "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
