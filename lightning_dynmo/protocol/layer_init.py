@@ -72,7 +72,8 @@ def materialize_layer(module: nn.Module, index: int, layer: nn.Module,
     return mapping
 
 
-def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter], list[torch.Tensor]]:
+def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter],
+                                                                            list[torch.Tensor]]:
     """Replace every meta parameter and buffer of ``layer`` by uninitialised storage on ``device``
     (what ``Module.to_empty`` does, but tensors already real keep their values). A tensor used
     under several names is allocated once. Returns ``{old parameter: new}`` and the new tensors."""

@@ -14,10 +14,10 @@ enters the first layer (default: ``inputs``), e.g. ``(inputs, targets)`` for a h
 the loss inside the pipeline. An optional ``pipeline_loss_tokens(target)`` counts the terms
 ``pipeline_loss`` averages over (ours: the targets that are not -100); with it each micro-batch's
 loss counts by its share of the batch's count, so batches with ignored targets (padding) train on
-their token mean as in one process (``strategy/token_weights.py``). An optional ``checkpoint_merges()`` names parameters the layers keep
-in pieces (``protocol/merges.py``) so checkpoints do not depend on the split. The strategy replaces the layers a rank does not own with
-:class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
-A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
+their token mean as in one process (``strategy/token_weights.py``). An optional ``checkpoint_merges()`` names parameters
+the layers keep in pieces (``protocol/merges.py``) so checkpoints do not depend on the split. The strategy replaces the
+layers a rank does not own with :class:`RemoteLayer` placeholders, so the module must not keep other references to
+its layers. A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
 user keeps a copy and the owners sum its gradient each step (see ``runtime/tied.py``); a buffer
 may not be shared.
 

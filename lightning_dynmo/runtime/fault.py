@@ -323,7 +323,8 @@ def diagnose(rank: int, world_size: int, answers: dict[int, dict]) -> str:
         elif a.get("collective"):
             waiting.append(r)
         else:
-            inside = f"in {a['region']}" if a.get("region") else "outside the pipeline step (a hook, callback or data loading)"
+            inside = (f"in {a['region']}" if a.get("region")
+                      else "outside the pipeline step (a hook, callback or data loading)")
             stalled.append(f"rank {r} is running {inside} for {a.get('seconds', 0.0):.1f} s, not waiting in a "
                            f"collective, at {a.get('at', '?')}")
     parts = []

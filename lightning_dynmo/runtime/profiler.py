@@ -199,7 +199,8 @@ class PipelineProfiler:
                 return
             t = self.now()
             start = self._fwd_start.pop(i, t)
-            if self._cursor is not None:  # in a forward chunk: from where the previous layer (or the chunk's start) ended
+            # in a forward chunk: from where the previous layer (or the chunk's start) ended
+            if self._cursor is not None:
                 start, self._cursor, self._last_fwd = self._cursor, t, i
             self.fwd[i] += t - start
             self.fwd_calls[i] += 1
@@ -229,7 +230,8 @@ class PipelineProfiler:
         ready = dict(self._grad_ready)
         if starts_at_chunk:
             ready.setdefault(rng.stop - 1, t0)
-        if ready:  # the call's start to the output's gradient (the loss's backward on the last stage) is the top layer's
+        # the call's start to the output's gradient (the loss's backward on the last stage) is the top layer's
+        if ready:
             ready[max(ready)] = t0
         for k in rng:
             if k not in ready:

@@ -183,7 +183,8 @@ class PortablePipelineStage(PipelineStage):
     def _split_backward_fails(self, chunk: int, loss) -> bool:
         """Whether torch <= 2.12's split backward would fail on this chunk (the module docstring)."""
         outputs = loss if self.is_last else self.fwd_cache[chunk][0]
-        tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+        tensors = ([outputs] if isinstance(outputs, torch.Tensor)
+                   else [t for t in outputs if isinstance(t, torch.Tensor)])
         if any(not t.requires_grad for t in tensors):
             return True
         seen: set = set()

@@ -4,7 +4,6 @@ layering, cycles and the module size alarm: ``test_layering.py``."""
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import os
 import subprocess

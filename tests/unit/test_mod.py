@@ -150,7 +150,8 @@ def test_predictor_loss_reaches_the_predictor_only_through_backward():
         x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
         model.pipeline_loss(model(x), x).backward()  # plain cross-entropy: no aux term in the loss
         g = grads(model)
-        return {n: v for n, v in g.items() if ".predictor." in n}, {n: v for n, v in g.items() if ".predictor." not in n}
+        return ({n: v for n, v in g.items() if ".predictor." in n},
+                {n: v for n, v in g.items() if ".predictor." not in n})
 
     p1, rest1 = predictor_grads(0.1)
     p2, rest2 = predictor_grads(0.2)

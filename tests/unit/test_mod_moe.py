@@ -76,7 +76,8 @@ def test_masked_counts_and_aux_losses_are_per_row_means_over_valid_tokens():
     torch.testing.assert_close(router_z_loss(r.logits, valid), torch.stack(per_row_z).mean(), rtol=1e-6, atol=0)
     # all-valid masks give the unmasked losses
     full = torch.ones(4, 6, dtype=torch.bool)
-    torch.testing.assert_close(load_balancing_loss(r.probs, r.experts, 4, full), load_balancing_loss(r.probs, r.experts, 4))
+    torch.testing.assert_close(load_balancing_loss(r.probs, r.experts, 4, full),
+                               load_balancing_loss(r.probs, r.experts, 4))
     torch.testing.assert_close(router_z_loss(r.logits, full), router_z_loss(r.logits))
 
 

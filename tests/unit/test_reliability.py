@@ -4,7 +4,6 @@ recipe's checks before launch."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import random
 import re
@@ -342,7 +341,8 @@ def test_recipe_refuses_unknown_model_keys():
 
 @pytest.mark.parametrize("override, says", [
     ("+foo=1", r"unknown key\(s\) \['foo'\]: nothing reads them; the top level takes checkpoint, ckpt_path"),
-    ("+checkpoint.every_n_steps=2", r"\['checkpoint.every_n_steps'\].*checkpoint takes .*checkpoint.every_n_train_steps"),
+    ("+checkpoint.every_n_steps=2",
+     r"\['checkpoint.every_n_steps'\].*checkpoint takes .*checkpoint.every_n_train_steps"),
 ])
 def test_recipe_refuses_added_keys_nothing_reads(override, says):
     """Hydra accepts any `+key=...`; a typo there used to train on with the default (found by an
@@ -437,7 +437,8 @@ def test_a_weight_pass_is_shared_by_forward_time_where_no_input_gradient_was_tim
 def test_every_balancer_result_is_checked_naming_the_balancer():
     """Issue 26 item 10: a wrong-size partition or a bare Partition fails where the balancer is
     called (it used to fail deep in placement with IndexError / AttributeError)."""
-    from lightning_dynmo import BalancerResultError, BalanceProblem, BalanceResult, CostModel, LayerCosts, register_balancer
+    from lightning_dynmo import (
+        BalancerResultError, BalanceProblem, BalanceResult, CostModel, LayerCosts, register_balancer)
     from lightning_dynmo.plan.balancers import unregister_balancer
 
     problem = BalanceProblem(LayerCosts.from_params([1, 2, 3, 4]), 2, CostModel(4))

@@ -317,7 +317,8 @@ def test_package_works_without_extension():
 def test_hash_plan_is_causal_and_same_bucket(b, h, t, nb, bs, skew, seed):
     gen = torch.Generator().manual_seed(seed)
     if skew:  # one big bucket and a few stragglers
-        buckets = torch.where(torch.rand(b, h, t, generator=gen) < 0.8, 0, torch.randint(0, nb, (b, h, t), generator=gen))
+        buckets = torch.where(torch.rand(b, h, t, generator=gen) < 0.8, 0,
+                              torch.randint(0, nb, (b, h, t), generator=gen))
     else:
         buckets = torch.randint(0, nb, (b, h, t), generator=gen)
     plan = hash_sort_plan(buckets, nb, bs)

@@ -267,7 +267,8 @@ class WritePidsAndCrawl(L.Callback):
 # ---------------------------------------------------------------------------------- runs
 def build(cfg: dict, out_dir: str, idx: int):
     case = cfg["case"]
-    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "detached_loss": DetachedLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
+    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "detached_loss": DetachedLossGPT,
+                 "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
     model = view_model(cfg) if cfg.get("model") == "view" else make_model(cfg, cls=model_cls)
     callbacks: list = []
     if case == "request_under_never":
