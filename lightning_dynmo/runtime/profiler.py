@@ -84,7 +84,6 @@ class PipelineProfiler:
         self.fwd_calls: dict[int, int] = defaultdict(int)
         self.window_busy = 0.0  # chunk seconds since layer profiling started (see attribution())
         self.step_start = 0.0
-        self.step_end = 0.0
 
     def now(self) -> float:
         if self.device.type == "cuda":
@@ -150,9 +149,6 @@ class PipelineProfiler:
     def begin_step(self) -> None:
         self.events = []
         self.step_start = time.perf_counter()
-
-    def end_step(self) -> None:
-        self.step_end = time.perf_counter()
 
     def event_dicts(self, rank: int) -> list[dict]:
         """The last step's chunks as the dicts :mod:`lightning_dynmo.plotting` draws."""
