@@ -1,4 +1,4 @@
-"""Failures and divergence that name themselves instead of hanging (issue 31).
+"""Failures and divergence that name themselves instead of hanging.
 
 A pipeline rank that raises inside a step leaves its peers blocked in a send or receive that will
 never complete; gloo cannot abort such a wait from Python (neither ``abort()`` nor ``shutdown()``

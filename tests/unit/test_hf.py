@@ -394,7 +394,7 @@ def test_mixtral_router_loss_gradients_are_the_mean_of_transformers_per_layer_pe
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_config_with_fewer_layers_than_the_weights_is_refused(tmp_path, arch):
-    """Issue 26 item 4: the layers beyond the config's count used to be dropped without a word."""
+    """The layers beyond the config's count are refused, not dropped without a word."""
     _, path = saved(tmp_path, arch)
     cfg = json.loads((path / "config.json").read_text())
     key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
@@ -406,7 +406,7 @@ def test_a_config_with_fewer_layers_than_the_weights_is_refused(tmp_path, arch):
 
 @pytest.mark.parametrize("keep", [100, 0.5])
 def test_a_truncated_safetensors_file_is_named(tmp_path, keep):
-    """Issue 26 item 11: safetensors' own error does not say which file."""
+    """The error names the file: safetensors' own error does not say which file."""
     from lightning_dynmo.models.hf.checkpoint import CheckpointFileError
 
     _, path = saved(tmp_path, "llama")

@@ -1,8 +1,8 @@
-"""The Hugging Face adapter's vocabulary-chunked LM head (``HFCausalLM(head_chunks=k)``, issue 22
-item 2): the streaming loss and every gradient equal the unchunked head's (GPT-2, Llama, Mistral;
-``k`` dividing the vocabulary or not; targets ignored with -100), bf16 autocast stays close, the
-checkpoint names one ``lm_head.weight`` (state dicts and the ``transformers`` export are those of
-the unchunked model), and an unsupported tied head is refused by name. Tiny random models, no network."""
+"""The Hugging Face adapter's vocabulary-chunked LM head (``HFCausalLM(head_chunks=k)``): the
+streaming loss and every gradient equal the unchunked head's (GPT-2, Llama, Mistral; ``k`` dividing
+the vocabulary or not; targets ignored with -100), bf16 autocast stays close, the checkpoint names
+one ``lm_head.weight`` (state dicts and the ``transformers`` export are those of the unchunked
+model), and an unsupported tied head is refused by name. Tiny random models, no network."""
 from __future__ import annotations
 
 import json

@@ -505,7 +505,7 @@ def test_lightning_calibrates_once_per_batch_and_logs_thresholds():
 
 
 def test_predictor_picks_track_the_capacity_every_step_token_by_token():
-    """Issue 26 item 13: after the anneal, each step's picked fraction of every routed block stays
+    """After the anneal, each step's picked fraction of every routed block stays
     near the capacity and strictly inside (0, 1), and the picks follow the router's top-k better
     than chance. Before the predictor had a normalised input and a rate of its own, its logits
     differed across tokens by ~0.001, so a block took all or none of its tokens per step."""

@@ -231,8 +231,8 @@ CASES = {
     "fsdp_half_precision": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp",
                                            trainer_kw={"precision": "16-true"}),
     "fsdp_pruning": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp", callbacks=[GradualPruning()]),
-    # Lightning callbacks that need the whole module in one process (each used to fail mid-step on
-    # one rank while the other lost its peer, or would prune by another rule)
+    # Lightning callbacks that need the whole module in one process (unchecked, each would fail mid-step
+    # on one rank while the other lost its peer, or would prune by another rule)
     "ema_callback": lambda out: fit(callbacks=[EMAWeightAveraging()]),
     "swa_callback": lambda out: fit(callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
     "model_pruning_callback": lambda out: fit(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]),

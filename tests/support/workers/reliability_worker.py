@@ -1,4 +1,4 @@
-"""Reliability cases of issue 16 under DynMoStrategy, several per torchrun launch.
+"""Reliability cases under DynMoStrategy, several per torchrun launch.
 
 Usage: torchrun --nproc-per-node N tests/support/workers/reliability_worker.py SPEC.json
 SPEC: {"out": path, "runs": [config, ...]}. A config has a ``case`` (see ``run_one``) plus the
