@@ -23,7 +23,7 @@ def _pair(vocab: int, k: int, **kw) -> tuple[GPT, GPT]:
     return GPT(GPTConfig(**cfg), seed=3), GPT(GPTConfig(**cfg, head_chunks=k), seed=3)
 
 
-def _grads(model: GPT) -> dict[str, torch.Tensor]:
+def _merged_grads(model: GPT) -> dict[str, torch.Tensor]:
     """Parameter gradients by unchunked name (the chunks' rows concatenated)."""
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return merge_state(grads, model.checkpoint_merges())
@@ -33,7 +33,7 @@ def _loss_and_grads(model: GPT, x, y) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     loss = model.lm_loss(x, y)
     loss.backward()
-    return loss.detach(), _grads(model)
+    return loss.detach(), _merged_grads(model)
 
 
 @settings(derandomize=True, max_examples=25, deadline=None)
@@ -90,7 +90,7 @@ class _Grads(L.Callback):
     """Gradients as the optimizer sees them (after the grad scaler's unscale), by unchunked name."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads = _grads(pl_module)
+        self.grads = _merged_grads(pl_module)
         self.grads = {k: v.detach().float().clone() for k, v in self.grads.items()}
 
 
