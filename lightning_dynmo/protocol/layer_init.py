@@ -84,9 +84,9 @@ def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict
             if p is None or not p.is_meta:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                mapping[p] = memo[id(p)]
-            m._parameters[name] = memo[id(p)]
+                mapping[p] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                memo[id(p)] = mapping[p]
+            m._parameters[name] = mapping[p]
         for name, b in list(m._buffers.items()):
             if b is None or not b.is_meta:
                 continue
