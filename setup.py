@@ -36,7 +36,9 @@ setup(
         # Lightning's own command line, LightningCLI (its `jsonargparse[signatures]` requirement)
         "cli": CLI_REQUIRES,
         # the test suite runs the Hugging Face and LightningCLI tests too, so a clean clone skips only CUDA tests
-        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja", *HF_REQUIRES, *CLI_REQUIRES],
+        # and the linter and type checker .ci/run runs first (ruff.toml, mypy.ini); neither pulls torch
+        "dev": ["pytest>=8", "hypothesis>=6", "pybind11>=2.12", "ninja", "ruff>=0.17,<0.18", "mypy>=2.4,<2.5",
+                *HF_REQUIRES, *CLI_REQUIRES],
     },
     # DYNMO_SKIP_EXTENSION=1: no kernels (scripts/test_lowest_torch.sh's second environment, whose
     # torch must not rebuild the in-tree module the main environment imports)

@@ -192,7 +192,8 @@ def _plot(rows: list[dict], path: str) -> None:
     for k, marker in zip(KERNELS, "o^Dvs"):
         if f"speedup_vs_cublas_{k}" not in rows[0]:
             continue
-        ax.plot(s, [r[f"speedup_vs_cublas_{k}"] for r in rows], marker + "-", label=f"{labels[k]}, LDSPARSE_SPMM_KERNEL={k}")
+        ax.plot(s, [r[f"speedup_vs_cublas_{k}"] for r in rows], marker + "-",
+                label=f"{labels[k]}, LDSPARSE_SPMM_KERNEL={k}")
     ax.plot(s, [r["cusparse_vs_cublas"] for r in rows], "s--", label="cuSPARSE (torch.sparse.mm)")
     ax.axhline(1.0, color="gray", lw=1, label="cuBLAS (dense)")
     ax.set_yscale("log")
@@ -229,7 +230,8 @@ def main(args) -> dict:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "quick": args.quick, "rounds": rounds, "tf32": False,
         "default_kernel": os.environ.get("LDSPARSE_SPMM_KERNEL") or "v5",
-        "kernels_timed": list(kernels), "kernels_failing_probe": [k for k in (args.kernels or KERNELS) if k not in kernels],
+        "kernels_timed": list(kernels),
+        "kernels_failing_probe": [k for k in (args.kernels or KERNELS) if k not in kernels],
         "spmm_speedup_vs_cublas_at_75": {k: by[0.75][f"speedup_vs_cublas_{k}"] for k in kernels},
         "spmm_speedup_vs_cublas_at_90": {k: by[0.9][f"speedup_vs_cublas_{k}"] for k in kernels},
         "spmm_min_speedup_vs_cusparse": {k: min(r[f"speedup_vs_cusparse_{k}"] for r in figure) for k in kernels},

@@ -200,7 +200,8 @@ def main(argv=None) -> None:
     except Exception as e:  # noqa: BLE001 - the JSON line says what failed
         print(str(e)[:8000], file=sys.stderr)  # the report leads with the workers' first error lines
         cause = next((ln for ln in str(e).splitlines()[2:] if ln.strip()), "")
-        print(json.dumps({"benchmark": "at_scale", "stages": args.stages, "error": f"{type(e).__name__}: {cause}"[:400]}))
+        print(json.dumps({"benchmark": "at_scale", "stages": args.stages,
+                          "error": f"{type(e).__name__}: {cause}"[:400]}))
         sys.exit(1)
     for key, r in runs.items():
         if r.get("error"):

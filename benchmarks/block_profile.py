@@ -89,7 +89,8 @@ def randn(*shape, device, dtype, requires_grad=False):
     key = str(device)
     if key not in _GENERATORS:
         _GENERATORS[key] = torch.Generator(device=device).manual_seed(0)
-    return torch.randn(tuple(shape), device=device, dtype=dtype, generator=_GENERATORS[key], requires_grad=requires_grad)
+    return torch.randn(tuple(shape), device=device, dtype=dtype, generator=_GENERATORS[key],
+                       requires_grad=requires_grad)
 
 
 class _WithLoss:

@@ -26,9 +26,9 @@ is noise; ``resolution_ci95`` and ``speedup_vs_static_ci95`` are 95 % bootstrap 
 rounds (``speedup_vs_static_of_medians``: the older unpaired ratio of medians, for comparison).
 Full runs without ``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``; quick runs up to
 ``QUICK_MAX_ROUNDS``) until ``resolution`` <= 0.02, and ``no_harm`` judges ``speedup_vs_static``
-against 0.98 with that noise floor (``met``, ``missed`` beyond the noise, or ``unresolved``). ``--case none`` is a dense GPT with no dynamism and DynMo's
-default options: what turning DynMo on costs a model it cannot help (``dynmo_overhead_fraction``
-is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
+against 0.98 with that noise floor (``met``, ``missed`` beyond the noise, or ``unresolved``). ``--case none`` is a dense
+GPT with no dynamism and DynMo's default options: what turning DynMo on costs a model it cannot help
+(``dynmo_overhead_fraction`` is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
 ``rebalance_history.jsonl``) go to a temporary directory per run, never the working directory.
 
 The dynamism event happens early (freezing / threshold drop / pruning schedule); throughput
@@ -202,8 +202,8 @@ def _worker(args) -> None:
         meter = Meter()
         logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # cost_trace / rebalance_history: not the cwd
         options = dict(dict(rebalance_cooldown=1), **options)
-        strategy = DynMoStrategy(pipeline_parallel=args.stages, microbatches=plan["microbatches"], plot=False, timeout=300,
-                                 expert_parallel=ep, **options)
+        strategy = DynMoStrategy(pipeline_parallel=args.stages, microbatches=plan["microbatches"], plot=False,
+                                 timeout=300, expert_parallel=ep, **options)
         trainer = L.Trainer(accelerator="cpu", devices=args.stages * ep, strategy=strategy, max_steps=plan["steps"],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, meter],
@@ -311,9 +311,11 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         "speedup_vs_static": _paired_speedup(rounds, "dynmo", static) if dyn and best else None,
         "speedup_vs_static_of_medians": round(dyn["tokens_per_sec"] / ok[best]["tokens_per_sec"], 4)
         if dyn and best else None,
-        "idle_fraction_static": round(ok[best]["idle_fraction"], 4) if best and ok[best]["idle_fraction"] is not None else None,
+        "idle_fraction_static": round(ok[best]["idle_fraction"], 4)
+        if best and ok[best]["idle_fraction"] is not None else None,
         "idle_fraction_dynmo": round(dyn["idle_fraction"], 4) if dyn and dyn["idle_fraction"] is not None else None,
-        "idle_fraction_per_rank_static": [round(x, 4) for x in ok[best]["idle_fraction_per_rank"] or []] if best else None,
+        "idle_fraction_per_rank_static": [round(x, 4) for x in ok[best]["idle_fraction_per_rank"] or []]
+        if best else None,
         "idle_fraction_per_rank_dynmo": [round(x, 4) for x in dyn["idle_fraction_per_rank"] or []] if dyn else None,
         "partition": {k: (v.get("partition_initial"), v.get("partition_final")) for k, v in ok.items()},
         "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
@@ -338,7 +340,8 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         res["dynmo_rebalances"] = [f"{h['step']}: {h['why'][:90]}" if h.get("kind") == "skip" else
                                    f"{h['step']}: {h['before']}->{h.get('after')} applied={h['applied']}"
                                    for h in dyn.get("rebalances", [])]
-        for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():  # a case's variants (e.g. dense attention)
+        # a case's variants (e.g. dense attention)
+        for name in ok.keys() - {"uniform", "param", "dynmo"} - fixed.keys():
             res[f"speedup_vs_{name}"] = _paired_speedup(rounds, "dynmo", [name])
             res[f"speedup_vs_{name}_ci95"] = bootstrap_ratio(_per_round(rounds, "dynmo"), [_per_round(rounds, name)],
                                                              median=median)
@@ -435,7 +438,8 @@ def main(argv=None) -> None:
         out = os.path.join(tmp, "runs.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.stages * args.expert_parallel),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(args.stages * args.expert_parallel),
                "--standalone", os.path.abspath(__file__), "--case", args.case, "--out", out,
                "--expert-parallel", str(args.expert_parallel), "--stages", str(args.stages)]
         if args.quick:

@@ -265,7 +265,8 @@ def calibrate(case_plan: dict, run: dict, m: int) -> dict:
         return dict(alpha=0.0, send=0.0, recv=0.0, latency=0.0, beta=0.0)
     b = steps[0]["partition"]
     costs = _costs(case_plan, 0)
-    layers = sum(m * (sum(costs.forward[b[s]:b[s + 1]]) + sum(costs.backward[b[s]:b[s + 1]])) for s in range(len(b) - 1))
+    layers = sum(m * (sum(costs.forward[b[s]:b[s + 1]]) + sum(costs.backward[b[s]:b[s + 1]]))
+                 for s in range(len(b) - 1))
     alpha = statistics.median(max(0.0, (sum(s["busy"]) - layers) / (2 * m * (len(b) - 1))) for s in steps)
     msg = message_costs([s["events"] for s in steps], len(b) - 1)
     beta = statistics.median(s["end"] - s["start"] - s["wall"] for s in steps)
@@ -383,8 +384,9 @@ def summarise(plan: dict, results: dict, args) -> dict:
             if "dynmo" in cell and static:
                 best = min(static, key=lambda n: cell[n]["step_s"])
                 sim_best = min(cell[n]["sim_step_s"] for n in static)
-                res.setdefault(f"speedup_vs_static_{S}", {})[case] = round(cell[best]["step_s"] / cell["dynmo"]["step_s"], 4)
-                res.setdefault(f"sim_speedup_vs_static_{S}", {})[case] = round(sim_best / cell["dynmo"]["sim_step_s"], 4)
+                dyn = cell["dynmo"]
+                res.setdefault(f"speedup_vs_static_{S}", {})[case] = round(cell[best]["step_s"] / dyn["step_s"], 4)
+                res.setdefault(f"sim_speedup_vs_static_{S}", {})[case] = round(sim_best / dyn["sim_step_s"], 4)
                 res.setdefault(f"projection_speedup_{S}", {})[case] = _projection(cp, int(S), m)
     res["max_sim_error"] = max(errors) if errors else None
     res["overhead_fraction"] = max(overheads) if overheads else None

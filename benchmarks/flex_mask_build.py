@@ -31,7 +31,8 @@ RESULT_KEYS = ("device", "torch", "threads", "shape", "results", "seconds")
 def random_layout(b, h, t, bs, density, gen):
     n = -(-t // bs)
     p = max(0.0, (density * n * (n + 1) / 2 - n) / max(1, n * (n - 1) / 2))
-    return BlockLayout.from_block_mask((torch.rand(b, h, n, n, generator=gen) < p) | torch.eye(n, dtype=torch.bool), bs, t)
+    return BlockLayout.from_block_mask((torch.rand(b, h, n, n, generator=gen) < p) | torch.eye(n, dtype=torch.bool),
+                                       bs, t)
 
 
 def median_ms(fn, repeats):

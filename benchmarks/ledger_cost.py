@@ -1,4 +1,4 @@
-"""What the collective ledger costs (issue 31): one ``CollectiveLedger.agree`` (a 3-element float64
+"""What the collective ledger costs: one ``CollectiveLedger.agree`` (a 3-element float64
 all-reduce over the world plus its check) per call, at 2 and 8 gloo ranks, one thread each.
 
 A training step makes one agreement of its own (before the step; the one before each batch

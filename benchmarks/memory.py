@@ -210,7 +210,8 @@ def sharding_runs(width: int) -> dict:
         "fsdp_setup_peak_ratio": round(worst("fsdp", "setup_kb") / worst("replicate", "setup_kb"), 3),
         "fsdp_step_peak_ratio": round(worst("fsdp", "step_kb") / worst("replicate", "step_kb"), 3),
         # the noise floor: the same replicate configuration twice
-        "fsdp_control_setup_peak_ratio": round(worst("replicate_control", "setup_kb") / worst("replicate", "setup_kb"), 3),
+        "fsdp_control_setup_peak_ratio":
+            round(worst("replicate_control", "setup_kb") / worst("replicate", "setup_kb"), 3),
         "fsdp_control_step_peak_ratio": round(worst("replicate_control", "step_kb") / worst("replicate", "step_kb"), 3),
         "fsdp_peak_reset": all(runs[n]["hwm_reset"] for n in runs),
     }

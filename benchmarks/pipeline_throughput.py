@@ -12,7 +12,8 @@ the same invocation also measures block granularity, interleaved, and reports it
 ``--head-chunks K``: the LM head + loss as K vocabulary chunks (``GPTConfig(head_chunks=K)``); with
 a finer granularity or K > 1 the baseline beside it is whole blocks with one head.
 
-    python benchmarks/pipeline_throughput.py [--quick] [--pipeline-granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
+    python benchmarks/pipeline_throughput.py [--quick] [--pipeline-granularity {block,sublayer,fine}]
+        [--head-chunks K] [--compile]
     python benchmarks/pipeline_throughput.py --smoke     # seconds: 2 tiny layers, 5 steps, one repeat
 
 ``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
@@ -70,7 +71,8 @@ def worker(args) -> None:
     else:
         from lightning_dynmo import DynMoStrategy
 
-        trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, schedule=args.schedule, microbatches=args.microbatches,
+        trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=2, schedule=args.schedule,
+                                                   microbatches=args.microbatches,
                                                    balancer="param", compile=args.compile), devices=2, **common)
     trainer.fit(model, train_dataloaders=loader)
     sec = timer.seconds_per_step(skip=args.warmup)
@@ -98,7 +100,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="default 32")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
+    p.add_argument("--head-chunks", type=int, default=1,
+                   help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     p.add_argument("--pipeline-granularity", choices=["block", "sublayer", "fine"], default="block",
                    help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
                         "(finer than block: whole blocks with one head are measured too)")
@@ -113,10 +116,12 @@ def main() -> None:
         worker(args)
         return
     repeats = args.repeats or (1 if args.quick or args.smoke else 3)
-    fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
+    fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch",
+                                                 "steps")]
     fwd += ["--smoke"] if args.smoke else []
     # the configuration asked for, and (when it is finer) whole blocks with one head beside it
-    grains = [(args.pipeline_granularity, args.head_chunks)] + ([("block", 1)] if (args.pipeline_granularity, args.head_chunks) != ("block", 1) else [])
+    asked = (args.pipeline_granularity, args.head_chunks)
+    grains = [asked] + ([("block", 1)] if asked != ("block", 1) else [])
     single = {g: [] for g in grains}
     pipe = {g: [] for g in grains}
     compiled: list[dict] = []
@@ -128,7 +133,8 @@ def main() -> None:
             print(f"repeat {r} ({g[0]}, head_chunks={g[1]}): single {single[g][-1]['tokens_per_sec']:.0f} tok/s, "
                   f"pipeline {pipe[g][-1]['tokens_per_sec']:.0f} tok/s", flush=True)
         if args.compile:  # the configuration asked for, compiled
-            compiled.append(launch(Path(__file__), 2, fwd + ["--mode=pipeline", "--compile", f"--pipeline-granularity={grains[0][0]}",
+            compiled.append(launch(Path(__file__), 2,
+                                   fwd + ["--mode=pipeline", "--compile", f"--pipeline-granularity={grains[0][0]}",
                                                             f"--head-chunks={grains[0][1]}"], timeout=1800))
             print(f"repeat {r}: compiled pipeline {compiled[-1]['tokens_per_sec']:.0f} tok/s", flush=True)
     m, pp = args.microbatches, 2
@@ -138,13 +144,15 @@ def main() -> None:
         s = median([x["tokens_per_sec"] for x in single[g]])
         q = median([x["tokens_per_sec"] for x in pipe[g]])
         return {"partition": pipe[g][-1]["partition"], "single_tokens_per_sec": round(s, 1),
-                "pipeline_tokens_per_sec": round(q, 1), "speedup": round(q / s, 3), "fraction_of_ideal": round(q / s / ideal, 3)}
+                "pipeline_tokens_per_sec": round(q, 1), "speedup": round(q / s, 3),
+                "fraction_of_ideal": round(q / s / ideal, 3)}
 
     out = figures(grains[0])
     extra = {}
     if len(grains) > 1:  # the finer cut against whole blocks with one head, measured side by side
         block = figures(("block", 1))
-        extra = {"block": block, "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
+        extra = {"block": block,
+                 "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
     print(json.dumps({
         "benchmark": "pipeline_throughput", "smoke": args.smoke, "schedule": args.schedule, "microbatches": m,
         "stages": pp,
@@ -165,7 +173,8 @@ def _compiled(eager: list[dict], compiled: list[dict], eager_tps: float) -> dict
     diffs = [abs(a - b) for e, k in zip(eager, compiled) for a, b in zip(e["losses"], k["losses"])
              if a is not None and b is not None]
     return {"compiled_pipeline_tokens_per_sec": round(c, 1), "compile_speedup": round(c / eager_tps, 3),
-            "compile_max_loss_diff": max(diffs) if diffs else None, "compile_losses_equal": bool(diffs) and max(diffs) <= 1e-4}
+            "compile_max_loss_diff": max(diffs) if diffs else None,
+            "compile_losses_equal": bool(diffs) and max(diffs) <= 1e-4}
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--interval", type=int, default=None, help="dynamic variants profile/rebalance every N steps (4)")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
+    p.add_argument("--head-chunks", type=int, default=1,
+                   help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     p.add_argument("--pipeline-granularity", choices=["block", "sublayer", "fine"], default="block",
                    help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
                         "(static baselines alike)")
@@ -168,8 +169,8 @@ def main() -> None:
     runs = []
     for r in range(repeats):
         runs.append(launch(Path(__file__), 2, fwd))
-        print(f"repeat {r}: " + ", ".join(f"{k} {v['tokens_per_sec']:.0f} tok/s ({v['partition']})" for k, v in runs[-1].items()),
-              flush=True)
+        print(f"repeat {r}: " + ", ".join(f"{k} {v['tokens_per_sec']:.0f} tok/s ({v['partition']})"
+                                          for k, v in runs[-1].items()), flush=True)
     agg = {name: {"tokens_per_sec": round(median(r[name]["tokens_per_sec"] for r in runs), 1),
                   "partition": runs[-1][name]["partition"]} for name in STATIC + DYNAMIC}
     best_dyn = max(DYNAMIC, key=lambda n: agg[n]["tokens_per_sec"])
@@ -186,9 +187,11 @@ def main() -> None:
         + (" --smoke" if args.smoke else "")
         + (f" --pipeline-granularity {args.pipeline_granularity}" if args.pipeline_granularity != "block" else "")
         + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "stages": 2,
-        "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.pipeline_granularity,
+        "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB,
+        "granularity": args.pipeline_granularity,
         "head_chunks": args.head_chunks,
-        "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg}, "partitions": {n: agg[n]["partition"] for n in agg},
+        "tokens_per_sec": {n: agg[n]["tokens_per_sec"] for n in agg},
+        "partitions": {n: agg[n]["partition"] for n in agg},
         "best_dynamic": best_dyn, "best_static": best_static,
         "efficiency": round(eff, 3),
         "efficiency_by_balancer": {n: round(median(r[n]["efficiency"] for r in runs), 3) for n in agg},

@@ -259,14 +259,16 @@ def main() -> int:
                                           if v.get("cuda_graph_fwd_bwd", {}).get("failed")}
     for name in ("2:4_cutlass", "2:4_cutlass_cached", "2:4_cached"):
         if all(name in v["speedup_fwd_bwd"] for v in shapes.values()):
-            result[f"speedup_fwd_bwd_{name.replace(':', 'to')}"] = {k: v["speedup_fwd_bwd"][name] for k, v in shapes.items()}
+            result[f"speedup_fwd_bwd_{name.replace(':', 'to')}"] = {k: v["speedup_fwd_bwd"][name]
+                                                                    for k, v in shapes.items()}
     tol = 2e-2  # bf16 products summed in a different order
     correct = all(c["y"] < tol and c["grad_x"] < tol and c["grad_w"] < tol and c["grad_b"] < tol
                   and c["grad_w_zero_where_pruned"] for v in shapes.values() for c in v["checks"].values())
     transposed_sparse = all(v["checks"]["2:4T"]["sparse_input_grad"] for v in shapes.values())
     result["correct"] = correct and transposed_sparse
     result["meets_target"] = all(s >= TARGET for s in result["speedup_fwd_bwd_2to4"].values())
-    result["meets_target_cutlass"] = all(s >= TARGET for s in result.get("speedup_fwd_bwd_2to4_cutlass", {0: 0}).values())
+    result["meets_target_cutlass"] = all(s >= TARGET for s in result.get("speedup_fwd_bwd_2to4_cutlass",
+                                                                         {0: 0}).values())
     result["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
     return 0 if result["correct"] else 1

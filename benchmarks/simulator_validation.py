@@ -416,13 +416,16 @@ def analyse(runs: list[dict], opt_per_param: float) -> dict:
             predicted_bubble=m("bubble"),
             # where the time goes, measured vs predicted (medians over the profiles used)
             components=dict(
-                busy_ms=[round(ms(x), 2) for x in mr("busy")], predicted_busy_ms=[round(ms(x), 2) for x in mr("pred_busy")],
+                busy_ms=[round(ms(x), 2) for x in mr("busy")],
+                predicted_busy_ms=[round(ms(x), 2) for x in mr("pred_busy")],
                 comm_wait_ms=round(ms(m("comm")), 2), predicted_comm_wait_ms=round(ms(m("pred_comm")), 2),
-                outside_schedule_ms=round(ms(m("outside")), 2), predicted_outside_schedule_ms=round(ms(m("pred_outside")), 2),
+                outside_schedule_ms=round(ms(m("outside")), 2),
+                predicted_outside_schedule_ms=round(ms(m("pred_outside")), 2),
             ),
             calibration=dict(send_overhead_ms=round(m("send_ms"), 3), recv_overhead_ms=round(m("recv_ms"), 3),
                              latency_ms=round(m("latency_ms"), 3), chunk_overhead_ms=round(m("alpha_ms"), 3),
-                             step_overhead_ms=round(m("beta_ms"), 3), rank_slowdown=[round(x, 3) for x in mr("slowdown")]),
+                             step_overhead_ms=round(m("beta_ms"), 3),
+                             rank_slowdown=[round(x, 3) for x in mr("slowdown")]),
             excluded=_side_costs(run),
         ))
     # one configuration = (case, variant); its rounds interleave with the others' on a shared
@@ -433,9 +436,11 @@ def analyse(runs: list[dict], opt_per_param: float) -> dict:
             ds = [d for d in details if d["case"] == case and d["variant"] == v]
             mm = {k: med(d[k] for d in ds) for k in
                   ("measured_step_ms", "predicted_step_ms", "measured_schedule_ms", "predicted_schedule_ms")}
-            spread = (max(d["measured_step_ms"] for d in ds) - min(d["measured_step_ms"] for d in ds)) / mm["measured_step_ms"]
+            measured = [d["measured_step_ms"] for d in ds]
+            spread = (max(measured) - min(measured)) / mm["measured_step_ms"]
             configs.append(dict(case=case, variant=v, partitions=sorted({d["partition"] for d in ds}), **mm,
-                                step_error=abs(mm["predicted_step_ms"] - mm["measured_step_ms"]) / mm["measured_step_ms"],
+                                step_error=abs(mm["predicted_step_ms"] - mm["measured_step_ms"])
+                                / mm["measured_step_ms"],
                                 schedule_error=abs(mm["predicted_schedule_ms"] - mm["measured_schedule_ms"])
                                 / mm["measured_schedule_ms"], measured_round_spread=spread))
     # ranking: the measured speedup (medians over interleaved rounds) against the simulator's
@@ -448,7 +453,8 @@ def analyse(runs: list[dict], opt_per_param: float) -> dict:
         mc = {c["variant"]: c for c in configs if c["case"] == case}
         static = Partition(tuple(_most_common([r["partition"][-1] for r in runs
                                                if r["case"] == case and r["variant"] == "static"])))
-        dyn_runs = [Partition(tuple(r["partition"][-1])) for r in runs if r["case"] == case and r["variant"] == "dynamic"]
+        dyn_runs = [Partition(tuple(r["partition"][-1])) for r in runs
+                    if r["case"] == case and r["variant"] == "dynamic"]
         profiles = [(row, run, steps, _calibrate(row, run, opt_per_param))
                     for run in runs if run["case"] == case for row, steps in _segments(run)]
         per_partition = {}
@@ -475,12 +481,14 @@ def analyse(runs: list[dict], opt_per_param: float) -> dict:
         mean_step_time_error=round(statistics.mean(c["step_error"] for c in configs), 4),
         max_schedule_time_error=round(max(c["schedule_error"] for c in configs), 4),
         max_step_time_error_single_round=round(max(d["step_error"] for d in details), 4),
-        step_time_error_per_run={f"{d['case']}/{d['variant']}/r{d['round']}": round(d["step_error"], 4) for d in details},
+        step_time_error_per_run={f"{d['case']}/{d['variant']}/r{d['round']}": round(d["step_error"], 4)
+                                 for d in details},
         max_measured_round_spread=round(max(c["measured_round_spread"] for c in configs), 4),
         ranking_matches=all(r["matches"] for r in ranking.values() if r["matches"] is not None),
         ranking_cases_compared=sum(r["matches"] is not None for r in ranking.values()),
-        ranking_matches_run_predictions=all((r["measured_speedup"] > 1) == (r["predicted_speedup_from_run_predictions"] > 1)
-                                            for r in ranking.values() if r["matches"] is not None),
+        ranking_matches_run_predictions=all(
+            (r["measured_speedup"] > 1) == (r["predicted_speedup_from_run_predictions"] > 1)
+            for r in ranking.values() if r["matches"] is not None),
         speedup_static_to_dynamic=ranking,
         # median over runs of (predicted - measured) per component: which part of the step is off
         component_bias_ms=dict(
@@ -528,15 +536,19 @@ def main(argv=None) -> None:
                 json.dump({"runs": runs, "optimizer_seconds_per_param": opt}, fh)
     res = analyse(runs, opt)
     for d in res["configs"]:
-        print(f"{d['case']:11s} {d['variant']:7s} {','.join(d['partitions']):20s} median step {d['measured_step_ms']:7.1f} ms "
+        print(f"{d['case']:11s} {d['variant']:7s} {','.join(d['partitions']):20s} "
+              f"median step {d['measured_step_ms']:7.1f} ms "
               f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}); schedule {d['measured_schedule_ms']:7.1f} "
-              f"pred {d['predicted_schedule_ms']:7.1f} ({d['schedule_error']:.1%}); rounds spread {d['measured_round_spread']:.0%}")
+              f"pred {d['predicted_schedule_ms']:7.1f} ({d['schedule_error']:.1%}); "
+              f"rounds spread {d['measured_round_spread']:.0%}")
     for d in res["runs"]:
         c = d["components"]
-        print(f"{d['case']:11s} {d['variant']:7s} r{d['round']} {d['partition']:10s} step {d['measured_step_ms']:7.1f} ms "
-              f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}) | busy {c['busy_ms']} pred {c['predicted_busy_ms']} "
-              f"| comm+wait {c['comm_wait_ms']} pred {c['predicted_comm_wait_ms']} | outside {c['outside_schedule_ms']} "
-              f"pred {c['predicted_outside_schedule_ms']}")
+        print(f"{d['case']:11s} {d['variant']:7s} r{d['round']} {d['partition']:10s} "
+              f"step {d['measured_step_ms']:7.1f} ms "
+              f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}) "
+              f"| busy {c['busy_ms']} pred {c['predicted_busy_ms']} "
+              f"| comm+wait {c['comm_wait_ms']} pred {c['predicted_comm_wait_ms']} "
+              f"| outside {c['outside_schedule_ms']} pred {c['predicted_outside_schedule_ms']}")
     summary = {"benchmark": "simulator_validation", "quick": args.quick, "smoke": args.smoke, "stages": 2,
                "schedule": "1f1b",
                "threads_per_rank": 1, "target_max_step_time_error": 0.10, **res,

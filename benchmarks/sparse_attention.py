@@ -169,7 +169,8 @@ def bench_cuda(args, rounds):
     route = auto_route(dev, torch.bfloat16, t, bs, d)
     if route == "kernel" and not args.quick:  # our kernel beside flex, for the record
         for target, layout in layouts.items():
-            fns[f"flex@{target:g}"] = _step(lambda q, k, v, lay=layout: block_sparse_attention(q, k, v, lay, backend="flex"),
+            fns[f"flex@{target:g}"] = _step(lambda q, k, v,
+                                            lay=layout: block_sparse_attention(q, k, v, lay, backend="flex"),
                                             q, k, v, g)
     elif not args.quick and sparse.attention_kernel_available(dev, torch.bfloat16, bs):
         for target, layout in layouts.items():

@@ -2,7 +2,7 @@
 `lightning_dynmo.sparse._C_cpu` (op schemas + CPU kernels, g++ only) and
 `lightning_dynmo.sparse._C_cuda` (CUDA kernels, registered on the schemas of _C_cpu).
 
-Why two: a failed or skipped CUDA build must never cost the CPU kernels (issue 32); each
+Why two: a failed or skipped CUDA build must never cost the CPU kernels; each
 module builds, and may fail, on its own.  Why the care: the build must never break
 `pip install -e .`.  If torch is missing no module is built (the package falls back to a
 pure-torch path).  CUDA sources are compiled only with a CUDA torch and nvcc present
@@ -24,12 +24,12 @@ CUDA_EXT = "lightning_dynmo.sparse._C_cuda"
 BUILD_RECORD = "_build_record.json"  # beside the modules; read by lightning_dynmo/sparse/_ops.py
 CPU_SOURCES = ["module_cpu.cpp", "ops.cpp", "sparse_cpu.cpp", "cpu_kernels_default.cpp", "cpu_kernels_avx2.cpp",
                "cpu_kernels_avx512.cpp",
-               # block-sparse causal attention (issue 12)
+               # block-sparse causal attention
                "attention_cpu.cpp", "attention_kernels_default.cpp", "attention_kernels_avx2.cpp",
                "attention_kernels_avx512.cpp"]
 # nvcc compiles only the torch-free kernels (*.cu, one per kernel family, direction and dtype, so
 # ninja runs them in parallel); the torch bindings are host-compiled .cpp (nvcc compiling ATen
-# headers was most of the build time, issue 32).
+# headers was most of the build time).
 CUDA_SOURCES = ["cuda/module_cuda.cpp", "cuda/sparse_binding.cpp", "cuda/attention_binding.cpp",
                 "cuda/sparse_kernels.cu", "cuda/attention_fwd_f32.cu", "cuda/attention_fwd_bf16.cu",
                 "cuda/attention_bwd_f32.cu", "cuda/attention_bwd_bf16.cu"]

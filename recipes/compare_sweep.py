@@ -127,7 +127,8 @@ def plot(varying: list[str], rows: list[dict], path: Path) -> Path:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep", help="the sweep directory (hydra.sweep.dir) holding one sub-directory per job")
     ap.add_argument("--out", default=None, help="where comparison.md / comparison.png go (default: the sweep dir)")
     ap.add_argument("--baseline", default=None, help="key=value picking each group's baseline row, e.g. "

@@ -79,7 +79,7 @@ OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 # ---------------------------------------------------------------------------------- building
 def build_model(cfg: DictConfig):
     """``GPT(config=GPTConfig.preset(name, **overrides), lr=..., ...)``; bad presets/fields raise here."""
-    from lightning_dynmo.models import GPT, GPTConfig
+    from lightning_dynmo.models import GPTConfig
     from lightning_dynmo.cli.hf_model import build_hf_model, is_hf
 
     if is_hf(cfg):  # model=hf: a Hugging Face causal LM from model.path
@@ -110,7 +110,8 @@ def build_model(cfg: DictConfig):
 
 def build_data(cfg: DictConfig):
     if OmegaConf.is_missing(cfg.data, "path"):
-        raise ValueError("data=text needs a file or folder: add data.path=/path/to/text (a file, or a folder of *.txt/*.md)")
+        raise ValueError("data=text needs a file or folder: add data.path=/path/to/text "
+                         "(a file, or a folder of *.txt/*.md)")
     data_cfg = OmegaConf.to_container(cfg.data, resolve=True)
     if data_cfg.get("path") is not None:
         path = Path(to_absolute_path(str(data_cfg["path"])))
@@ -146,7 +147,8 @@ def check_config_keys(cfg: DictConfig) -> None:
         typo = sorted(set(have.keys()) - set(known))
         if typo:  # a `+key=...` Hydra accepted and nothing reads
             raise ValueError(f"unknown key(s) {[where + k for k in typo]}: nothing reads them; "
-                             f"{where.rstrip('.') or 'the top level'} takes {', '.join(where + k for k in sorted(known))}")
+                             f"{where.rstrip('.') or 'the top level'} takes "
+                             f"{', '.join(where + k for k in sorted(known))}")
     if is_hf(cfg):
         return check_hf_keys(cfg)
     unknown = sorted(k for k in cfg.model.keys() if k not in MODEL_KEYS)
@@ -362,7 +364,8 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         "csv_metrics": str(csv_path) if cfg.logger in ("csv", "both") else None,
         "tensorboard_dir": next((lg.log_dir for lg in loggers if type(lg).__name__ == "TensorBoardLogger"), None),
         "checkpoint_dir": ckpt_cb.dirpath if ckpt_cb is not None else None,
-        "last_checkpoint": (ckpt_cb.last_model_path or ckpt_cb.best_model_path or None) if ckpt_cb is not None else None,
+        "last_checkpoint": (ckpt_cb.last_model_path or ckpt_cb.best_model_path or None)
+        if ckpt_cb is not None else None,
     }
     return summary
 

@@ -42,7 +42,8 @@ def fit(root: Path, steps: int, ckpt_dir: Path | None = None, resume=None) -> li
     rec = Losses()
     callbacks: list = [rec]
     if ckpt_dir is not None:
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=steps))
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
+                                                             every_n_train_steps=steps))
     trainer = L.Trainer(strategy=DynMoStrategy(pipeline_parallel=1, microbatches=2, checkpoint_format="dcp"),
                         accelerator="cuda" if torch.cuda.is_available() else "cpu", devices=1, max_steps=steps,
                         logger=False, enable_checkpointing=ckpt_dir is not None, enable_progress_bar=False,

@@ -93,7 +93,7 @@ def main(argv=None) -> None:
         "loss_first": round(eager["losses"][0], 4), "loss_last_eager": round(eager["losses"][-1], 4),
         "loss_last_compiled": round(compiled["losses"][-1], 4), "max_loss_diff_eager_vs_compiled": round(diff, 4),
         "losses_agree": diff < 5e-2,  # bf16: the two runs differ in rounding only
-        "trains": eager["losses"][-1] < eager["losses"][0] - 0.5 and compiled["losses"][-1] < compiled["losses"][0] - 0.5,
+        "trains": all(r["losses"][-1] < r["losses"][0] - 0.5 for r in (eager, compiled)),
         "hash_sparse_flex": hash_sparse_step(args.quick),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
     }

@@ -238,7 +238,9 @@ def _dp_worker(out: str) -> None:
             sent.append(0)
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            nbytes = lambda ps: sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None)
+            def nbytes(ps):
+                return sum(p.grad.numel() * p.grad.element_size() for p in ps if p.grad is not None)
+
             self.grads.append(nbytes(pl_module.parameters()))
             self.pruned.append(nbytes(p for m in pl_module.modules() if isinstance(m, PrunableLinear)
                                       for p in m.parameters()))

@@ -6,7 +6,7 @@
 // Vectors are GCC vector extensions of the ISA's native width (LDSPARSE_VBYTES: 16 sse2,
 // 32 avx2, 64 avx512).  Never wider: GCC has no machine mode for a 64-byte vector without
 // AVX-512, so it kept such vectors in memory (every broadcast 16 scalar stores, every
-// accumulator spilled) and the AVX2 build ran 5-15x slower than the AVX-512 one (issue 32).
+// accumulator spilled) and the AVX2 build ran 5-15x slower than the AVX-512 one.
 //
 // Layout: a token tile of TT tokens is packed feature-major, tile[f * TT + i] = feature f
 // of token i.  A CSR row is then broadcast-FMA over contiguous TT lanes (SpMM) or a
@@ -117,7 +117,7 @@ static inline void transpose8(const typename Vec<T, 8>::type (&a)[8], typename V
 
 // y[i * ldy + rb + r] = buf[r * TT + i] for r < nr, i < tt: a block of finished rows (lanes =
 // tokens) written out token-major, each token's rows in one go.  8x8 register transposes where
-// the block is whole; the scalar strided copy they replace was ~15 % of the AVX2 SpMM (issue 32).
+// the block is whole; the scalar strided copy they replace was ~15 % of the AVX2 SpMM.
 template <typename T, int TT>
 static inline void store_rows_transposed(const T* buf, int64_t nr, int64_t tt, T* y, int64_t ldy,
                                          int64_t rb) {

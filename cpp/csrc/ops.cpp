@@ -3,7 +3,7 @@
 // Kernels register per device (sparse_cpu.cpp, cuda/*_binding.cpp); autograd and fake
 // (meta) implementations are registered from Python (lightning_dynmo/sparse/_ops.py) so
 // the ops compose with autograd and torch.compile.  Only torch/library.h here: the full
-// torch/extension.h cost ~45 s of compile time on its own (issue 32's build budget).
+// torch/extension.h cost ~45 s of compile time on its own.
 #include <torch/library.h>
 
 TORCH_LIBRARY(ldsparse, m) {

@@ -96,7 +96,7 @@ int choose_tile(int64_t tokens, int64_t packed_features, int64_t elem_size, int 
   return best;
 }
 
-// Tile budgets, measured on a 2-core Zen 4 (32 KiB L1d, 1 MiB L2; issue 32, AVX2 and AVX-512).
+// Tile budgets, measured on a 2-core Zen 4 (32 KiB L1d, 1 MiB L2; AVX2 and AVX-512).
 // SpMM reads tile rows in CSR column order, one per non-zero, so it is bound by L2 -> L1 traffic
 // and a smaller tile runs faster (768 features: 32 tokens, 98 KiB, beat 64 tokens, 196 KiB, by
 // 15 %).  SDDMM pays a horizontal sum per non-zero and tile, so it wants the widest tile that

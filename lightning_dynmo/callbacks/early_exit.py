@@ -113,7 +113,8 @@ class EarlyExit(Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         for i, b in self._blocks(pl_module):
-            b.tokens_seen, b.tokens_active, b.tokens_computed, b.tokens_exited = self._saved_counters.get(i, (0, 0, 0, 0))
+            b.tokens_seen, b.tokens_active, b.tokens_computed, b.tokens_exited = self._saved_counters.get(i,
+                                                                                                          (0, 0, 0, 0))
         self._saved_counters = {}
 
     def state_dict(self) -> dict[str, Any]:

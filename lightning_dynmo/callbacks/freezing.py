@@ -62,9 +62,9 @@ class LayerFreezing(Callback):
       every ``interval`` optimizer steps, each of the ``lookahead`` front-most trainable layers is
       compared with a **reference copy** of itself taken at the previous evaluation (held on
       ``reference_device``, CPU by default, as Egeria keeps it; under a pipeline each rank copies
-      only its own layers, and a layer that migrates takes its reference along). Its *plasticity* is ``||f(x) - f_ref(x)|| / ||f_ref(x)||`` on a probe
-      input ``x`` (the layer's input in the first micro-batch of the evaluation step, captured by
-      a global forward pre-hook, so no hook ever sits on a layer that might migrate): how much
+      only its own layers, and a layer that migrates takes its reference along). Its *plasticity* is ``||f(x) -
+      f_ref(x)|| / ||f_ref(x)||`` on a probe input ``x`` (the layer's input in the first micro-batch of the evaluation
+      step, captured by a global forward pre-hook, so no hook ever sits on a layer that might migrate): how much
       the layer's function moved over the last interval. A layer is *converged* when its
       plasticity stops changing, ``|p_t - p_{t-1}| / p_{t-1} < threshold`` for ``patience``
       evaluations in a row, or drops below ``min_plasticity``. Up to ``max_per_event`` converged
@@ -86,9 +86,9 @@ class LayerFreezing(Callback):
     and the head of a GPT stay trainable). Counts are pipeline layers; for a model split into
     sublayers (``pipeline_layer_units()``, e.g. ``GPTConfig(pipeline_granularity="sublayer")``) the
     frozen prefix always ends at a whole block: freezing a block freezes all its pieces (a schedule's
-    count is rounded up to whole blocks, a converged prefix and ``max_frozen`` down). Freezing sets ``requires_grad=False``, frees grads and
-    optimizer state (see :func:`lightning_dynmo.dynamic.freeze_layer`): a frozen prefix builds no
-    autograd graph, its stages run no backward, and its parameters (gradient ``None``) skip the
+    count is rounded up to whole blocks, a converged prefix and ``max_frozen`` down). Freezing sets
+    ``requires_grad=False``, frees grads and optimizer state (see :func:`lightning_dynmo.dynamic.freeze_layer`): a
+    frozen prefix builds no autograd graph, its stages run no backward, and its parameters (gradient ``None``) skip the
     data-parallel all-reduce. Each freeze calls ``strategy.invalidate_pipeline()`` and
     ``strategy.request_rebalance("freezing: ...")`` where the strategy has them. Logs
     ``freezing/frozen_layers``; ``history`` records each freeze (step, count, reason).

@@ -1,12 +1,12 @@
-"""``model=hf``: a Hugging Face causal LM from a local directory in the GPT recipe.
+r"""``model=hf``: a Hugging Face causal LM from a local directory in the GPT recipe.
 
     python recipes/train_gpt.py model=hf model.path=/path/to/model   # config.json + model.safetensors
 
 Supported: the ``model_type``\ s of ``lightning_dynmo.models.hf.SUPPORTED_ARCHITECTURES`` (GPT-2,
-GPT-NeoX, the Llama family, Gemma, Granite, Cohere, ...; ``pip install -e ".[hf]"``). Under the pipeline strategy the model is built on the meta device, so each rank reads
-and holds only the layers it owns. The recipe's data are bytes (token ids 0..255): fine for
-trying the pipeline on a real architecture, not for continuing a pretrained model on its own
-tokenizer's text.
+GPT-NeoX, the Llama family, Gemma, Granite, Cohere, ...; ``pip install -e ".[hf]"``). Under the pipeline strategy the
+model is built on the meta device, so each rank reads and holds only the layers it owns. The recipe's data are bytes
+(token ids 0..255): fine for trying the pipeline on a real architecture, not for continuing a pretrained model on its
+own tokenizer's text.
 """
 from __future__ import annotations
 

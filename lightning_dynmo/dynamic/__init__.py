@@ -5,7 +5,8 @@ early exit -- live in :mod:`lightning_dynmo.models`, see "Where dynamism lives" 
 * :mod:`.pruning` (with :mod:`.pruning_threshold`): ``global_magnitude_threshold`` (exact k-th
   |w| over pipeline ranks without gathering weights), the Zhu & Gupta cubic schedule,
   ``PrunableLinear`` (dense storage with a mask buffer, or CSR storage whose master weight is the
-  kept values; optional CSR kernel or 2:4 semi-structured route), ``ParamSwap`` (a storage change for the optimizer re-map).
+  kept values; optional CSR kernel or 2:4 semi-structured route), ``ParamSwap`` (a storage change for the optimizer
+  re-map).
 * :mod:`.nm_sparsity`: the N:M (2:4) mask rule (``nm_keep``), its transposable 2:4 variant.
 * ``EarlyExitGPT`` and its layers are re-exported here from :mod:`lightning_dynmo.models.early_exit`
   for existing imports.

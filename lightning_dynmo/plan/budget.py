@@ -72,7 +72,8 @@ class OverheadBudget:
     paybacks: list[Payback] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.overhead_budget, bool) or not isinstance(self.overhead_budget, (int, float)) or not self.overhead_budget >= 0:
+        budget = self.overhead_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
             raise ValueError(f"overhead_budget must be a fraction >= 0 of the training time (e.g. 0.01), "
                              f"got {self.overhead_budget!r}")
         for name in ("window", "payback_steps", "max_backoff"):
@@ -169,8 +170,9 @@ class OverheadBudget:
         spent, need = self.spent(), self.estimate(action)
         if spent + need > allowed:
             return (f"skipped: overhead budget, {spent * 1e3:.1f} ms spent + {need * 1e3:.1f} ms for this {action} "
-                    f"> {allowed * 1e3:.1f} ms allowed over the last {self.window} steps ({self.overhead_budget:.1%} of "
-                    "their training time, plus the saving of the last applied decision if it paid)")
+                    f"> {allowed * 1e3:.1f} ms allowed over the last {self.window} steps "
+                    f"({self.overhead_budget:.1%} of their training time, "
+                    "plus the saving of the last applied decision if it paid)")
         return None
 
     # ------------------------------------------------------------------ reporting

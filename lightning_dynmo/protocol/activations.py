@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ def consumed(layer: nn.Module, available: int) -> int:
     if cls not in _ARITY:
         n: int | None = 0
         optional: list[str] = []
+        params: Iterable[inspect.Parameter]
         try:
             params = inspect.signature(layer.forward).parameters.values()
         except (TypeError, ValueError):
@@ -54,6 +55,7 @@ def consumed(layer: nn.Module, available: int) -> int:
                 break
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
                 if p.default is p.empty:
+                    assert n is not None  # None only after *args, which ends the loop
                     n += 1
                 else:
                     optional.append(p.name)
@@ -80,7 +82,7 @@ def _warn_optional(cls: type, n: int, passing: int) -> None:
         "(docs/model_protocol.md)", UserWarning, stacklevel=3)
 
 
-def describe(out) -> str:
+def describe(out: object) -> str:
     if isinstance(out, torch.Tensor):
         return f"a tensor of shape {list(out.shape)} ({out.dtype})"
     if isinstance(out, (tuple, list)):
@@ -89,7 +91,7 @@ def describe(out) -> str:
     return f"a {type(out).__name__}"
 
 
-def as_acts(out) -> tuple[torch.Tensor, ...] | None:
+def as_acts(out: object) -> tuple[torch.Tensor, ...] | None:
     """``out`` as a tuple of tensors, or None when it is not a tensor or a tuple/list of tensors."""
     if isinstance(out, torch.Tensor):
         return (out,)
@@ -98,12 +100,12 @@ def as_acts(out) -> tuple[torch.Tensor, ...] | None:
     return None
 
 
-def unpack(acts: tuple[torch.Tensor, ...]):
+def unpack(acts: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """A one-tensor activation as the tensor itself (what single-tensor models see), else the tuple."""
     return acts[0] if len(acts) == 1 else acts
 
 
-def output_problem(index: int, layer: nn.Module, out, expected: Sequence | None = None) -> str | None:
+def output_problem(index: int, layer: nn.Module, out: object, expected: Sequence[Any] | None = None) -> str | None:
     """Why ``out`` (layer ``index``'s output with pass-through applied) breaks the protocol, or None.
     ``expected``: the discovered specs (``shape``, ``dtype`` per tensor) it must match."""
     name = f"pipeline layer {index} ({type(layer).__name__})"
@@ -124,7 +126,7 @@ def output_problem(index: int, layer: nn.Module, out, expected: Sequence | None 
     return None
 
 
-def call_layer(layer: nn.Module, acts: tuple[torch.Tensor, ...], fn: Callable | None = None):
+def call_layer(layer: nn.Module, acts: tuple[torch.Tensor, ...], fn: Callable[..., Any] | None = None) -> Any:
     """Run ``layer`` (through ``fn`` if given, e.g. a checkpointing wrapper) on the tensors it
     consumes; returns its raw output with the tensors it did not consume appended (a tuple), or
     the raw output itself when nothing passes through."""
@@ -138,7 +140,7 @@ def call_layer(layer: nn.Module, acts: tuple[torch.Tensor, ...], fn: Callable | 
     return head + tuple(acts[n:])
 
 
-def run_layers(layers: Sequence[nn.Module], x):
+def run_layers(layers: Sequence[nn.Module], x: Any) -> Any:
     """Single-process forward through ``layers`` with the pipeline's calling convention."""
     acts = as_acts(x)
     if acts is None:
@@ -149,6 +151,7 @@ def run_layers(layers: Sequence[nn.Module], x):
         if problem:
             raise PipelineProtocolError(problem)
         acts = as_acts(out)
+        assert acts is not None  # output_problem names any output that is not tensors
     return unpack(acts)
 
 

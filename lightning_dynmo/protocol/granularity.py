@@ -12,11 +12,13 @@ def check_head_chunks(head_chunks: int, vocab_size: int | None = None) -> None:
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1 or \
             (vocab_size is not None and head_chunks > vocab_size):
         span = f"between 1 and vocab_size={vocab_size}" if vocab_size is not None else ">= 1"
-        raise ValueError(f"head_chunks must be an integer {span} (the LM head's vocabulary chunks), got {head_chunks!r}")
+        raise ValueError(f"head_chunks must be an integer {span} (the LM head's vocabulary chunks), "
+                         f"got {head_chunks!r}")
 
 
 def check_granularity(pipeline_granularity: str, head_chunks: int, vocab_size: int | None = None) -> None:
     """The one check of ``pipeline_granularity`` and ``head_chunks`` (GPTConfig, the simulator)."""
     if pipeline_granularity not in GRANULARITIES:
-        raise ValueError(f"pipeline_granularity must be one of {', '.join(GRANULARITIES)}, got {pipeline_granularity!r}")
+        raise ValueError(f"pipeline_granularity must be one of {', '.join(GRANULARITIES)}, "
+                         f"got {pipeline_granularity!r}")
     check_head_chunks(head_chunks, vocab_size)

@@ -72,7 +72,8 @@ def materialize_layer(module: nn.Module, index: int, layer: nn.Module,
     return mapping
 
 
-def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter], list[torch.Tensor]]:
+def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter],
+                                                                            list[torch.Tensor]]:
     """Replace every meta parameter and buffer of ``layer`` by uninitialised storage on ``device``
     (what ``Module.to_empty`` does, but tensors already real keep their values). A tensor used
     under several names is allocated once. Returns ``{old parameter: new}`` and the new tensors."""
@@ -83,9 +84,9 @@ def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict
             if p is None or not p.is_meta:
                 continue
             if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                mapping[p] = memo[id(p)]
-            m._parameters[name] = memo[id(p)]
+                mapping[p] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                memo[id(p)] = mapping[p]
+            m._parameters[name] = mapping[p]
         for name, b in list(m._buffers.items()):
             if b is None or not b.is_meta:
                 continue

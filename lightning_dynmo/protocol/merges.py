@@ -15,21 +15,22 @@ piece's; parameter indices are renumbered as if the pieces were one parameter).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
 Merges = Mapping[str, list[tuple[str, int]]]
+State = dict[Any, Any]  # a state dict, or an optimizer's
 
 __all__ = ["merges_of", "merge_state", "split_state", "merge_optimizer_state", "split_optimizer_state"]
 
 
-def merges_of(module) -> dict[str, list[tuple[str, int]]]:
+def merges_of(module: object) -> dict[str, list[tuple[str, int]]]:
     fn = getattr(module, "checkpoint_merges", None)
     return dict(fn()) if callable(fn) else {}
 
 
-def merge_state(state: dict, merges: Merges) -> dict:
+def merge_state(state: State, merges: Merges) -> State:
     """``state`` with every complete set of pieces replaced, in place of the first, by its merged
     entry (incomplete sets stay as they are: a rank's partial view)."""
     for merged, pieces in merges.items():
@@ -44,12 +45,12 @@ def merge_state(state: dict, merges: Merges) -> dict:
             elif k not in names:
                 out[k] = v
         if hasattr(state, "_metadata"):
-            out._metadata = state._metadata
+            out._metadata = state._metadata  # type: ignore[attr-defined]  # a state_dict()'s OrderedDict
         state = out
     return state
 
 
-def split_state(state: dict, merges: Merges) -> dict:
+def split_state(state: State, merges: Merges) -> State:
     """``state`` with every merged entry replaced by its pieces (row slices)."""
     for merged, pieces in merges.items():
         whole = state.get(merged)
@@ -65,7 +66,7 @@ def split_state(state: dict, merges: Merges) -> dict:
             else:
                 out[k] = v
         if hasattr(state, "_metadata"):
-            out._metadata = state._metadata
+            out._metadata = state._metadata  # type: ignore[attr-defined]  # a state_dict()'s OrderedDict
         state = out
     return state
 
@@ -88,8 +89,8 @@ def _canonical_order(fqn_of_index: Mapping[int, str], merges: Merges) -> tuple[d
     return index_of, dropped
 
 
-def _join(states: list[dict]) -> dict:
-    out = {}
+def _join(states: list[State]) -> State:
+    out: State = {}
     for key, v in states[0].items():
         if torch.is_tensor(v) and v.dim() > 0:
             out[key] = torch.cat([s[key] for s in states], dim=0)
@@ -98,7 +99,7 @@ def _join(states: list[dict]) -> dict:
     return out
 
 
-def merge_optimizer_state(sd: dict, fqn_of_index: Mapping[int, str], merges: Merges) -> dict:
+def merge_optimizer_state(sd: State, fqn_of_index: Mapping[int, str], merges: Merges) -> State:
     """A single-process optimizer ``state_dict`` over the pieces, in the merged naming."""
     if not merges or not any(n in fqn_of_index.values() for p in merges.values() for n, _ in p):
         return sd
@@ -111,8 +112,8 @@ def merge_optimizer_state(sd: dict, fqn_of_index: Mapping[int, str], merges: Mer
             continue
         merged = next((m for m, pieces in merges.items() if pieces[0][0] == name), None)
         if merged is not None:
-            parts = [by_name.get(n) for n, _ in merges[merged]]
-            if all(p is not None for p in parts):
+            parts = [by_name[n] for n, _ in merges[merged] if n in by_name]
+            if len(parts) == len(merges[merged]):
                 state[index_of[merged]] = _join(parts)
         elif name in by_name:
             state[index_of[name]] = by_name[name]
@@ -128,8 +129,8 @@ def _merged_name(name: str, merges: Merges) -> str:
     return next((m for m, pieces in merges.items() if name in {n for n, _ in pieces}), name)
 
 
-def split_optimizer_state(sd: dict, fqn_of_index: Mapping[int, str], group_indices: list[list[int]],
-                          merges: Merges) -> dict:
+def split_optimizer_state(sd: State, fqn_of_index: Mapping[int, str], group_indices: list[list[int]],
+                          merges: Merges) -> State:
     """A merged-naming optimizer ``state_dict`` in the pieces' naming (``fqn_of_index`` and
     ``group_indices``: the module's own single-process layout). A ``state_dict`` that already has
     the module's parameter count is returned as it is."""

@@ -14,10 +14,10 @@ enters the first layer (default: ``inputs``), e.g. ``(inputs, targets)`` for a h
 the loss inside the pipeline. An optional ``pipeline_loss_tokens(target)`` counts the terms
 ``pipeline_loss`` averages over (ours: the targets that are not -100); with it each micro-batch's
 loss counts by its share of the batch's count, so batches with ignored targets (padding) train on
-their token mean as in one process (``strategy/token_weights.py``). An optional ``checkpoint_merges()`` names parameters the layers keep
-in pieces (``protocol/merges.py``) so checkpoints do not depend on the split. The strategy replaces the layers a rank does not own with
-:class:`RemoteLayer` placeholders, so the module must not keep other references to its layers.
-A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
+their token mean as in one process (``strategy/token_weights.py``). An optional ``checkpoint_merges()`` names parameters
+the layers keep in pieces (``protocol/merges.py``) so checkpoints do not depend on the split. The strategy replaces the
+layers a rank does not own with :class:`RemoteLayer` placeholders, so the module must not keep other references to
+its layers. A parameter may be used by several layers (a tied embedding and LM head): every rank holding a
 user keeps a copy and the owners sum its gradient each step (see ``runtime/tied.py``); a buffer
 may not be shared.
 
@@ -49,7 +49,7 @@ Two optional protocols connect the rest:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, NoReturn, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ class RemoteLayer(nn.Module):
         self.index = index
         self.owner = owner
 
-    def forward(self, *args, **kwargs):  # pragma: no cover - a bug if reached
+    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:  # pragma: no cover - a bug if reached
         raise RuntimeError(
             f"layer {self.index} lives on pipeline rank {self.owner}, not on this rank; "
             "run the model through the DynMoStrategy pipeline instead of calling it directly"
@@ -122,7 +122,7 @@ def pipeline_layers_of(module: nn.Module) -> nn.ModuleList:
             "first, head last) and `def pipeline_loss(self, output, target) -> Tensor` (see "
             "lightning_dynmo.models.GPT for an example)."
         )
-    layers = module.pipeline_layers()
+    layers: object = getattr(module, "pipeline_layers")()
     if not isinstance(layers, nn.ModuleList):
         raise PipelineProtocolError(
             f"{name}.pipeline_layers() must return an nn.ModuleList registered on the module, got "
@@ -133,7 +133,8 @@ def pipeline_layers_of(module: nn.Module) -> nn.ModuleList:
             f"{name}.pipeline_layers() must return a ModuleList that is an attribute of the module "
             "(e.g. `self.layers`), so the strategy can place each layer on its pipeline rank"
         )
-    if module.pipeline_layers() is not layers:
+    again: object = getattr(module, "pipeline_layers")()
+    if again is not layers:
         raise PipelineProtocolError(f"{name}.pipeline_layers() must return the same ModuleList on every call")
     if len(layers) == 0:
         raise PipelineProtocolError(f"{name}.pipeline_layers() returned an empty ModuleList")
@@ -147,7 +148,7 @@ def layers_attribute_name(module: nn.Module, layers: nn.ModuleList) -> str:
     raise PipelineProtocolError("pipeline layers are not a direct child of the module")
 
 
-def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+def split_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         got = type(batch).__name__
         if isinstance(batch, (tuple, list)):

@@ -50,7 +50,7 @@ class Recomputing:
     def __enter__(self) -> None:
         _recompute.depth = getattr(_recompute, "depth", 0) + 1
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _recompute.depth -= 1
 
 
@@ -114,7 +114,7 @@ def expert_dispatch() -> DispatchesExperts:
 
 
 # ---------------------------------------------------------------- loss scaling
-def grad_scaler(plugin) -> torch.amp.GradScaler | None:
+def grad_scaler(plugin: object) -> torch.amp.GradScaler | None:
     """The plugin's enabled grad scaler, if it has one."""
     scaler = getattr(plugin, "scaler", None)
     return scaler if scaler is not None and scaler.is_enabled() else None

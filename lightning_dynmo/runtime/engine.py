@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from ..protocol import PipelineProtocolError
-from ..protocol.activations import as_acts, buffers_kept, call_layer, consumed as _consumed, describe, output_problem, unpack
+from ..protocol.activations import (
+    as_acts, buffers_kept, call_layer, consumed as _consumed, describe, output_problem, unpack)
 from .placement import Placement
 from .recompute import ActivationCheckpointing, CheckpointedLayer
 from .profiler import PipelineProfiler, TimedPipelineStage
@@ -69,7 +70,9 @@ class StageModule(nn.Sequential):
 
 def loss_name(loss_fn: LossFn) -> str:
     owner = getattr(inspect.unwrap(loss_fn), "__self__", None)
-    return f"{type(owner).__name__}.pipeline_loss" if owner is not None else getattr(loss_fn, "__qualname__", "pipeline_loss")
+    if owner is not None:
+        return f"{type(owner).__name__}.pipeline_loss"
+    return getattr(loss_fn, "__qualname__", "pipeline_loss")
 
 
 def check_loss_value(loss, loss_fn: LossFn) -> str | None:

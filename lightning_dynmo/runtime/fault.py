@@ -1,4 +1,4 @@
-"""Failures and divergence that name themselves instead of hanging (issue 31).
+"""Failures and divergence that name themselves instead of hanging.
 
 A pipeline rank that raises inside a step leaves its peers blocked in a send or receive that will
 never complete; gloo cannot abort such a wait from Python (neither ``abort()`` nor ``shutdown()``
@@ -323,7 +323,8 @@ def diagnose(rank: int, world_size: int, answers: dict[int, dict]) -> str:
         elif a.get("collective"):
             waiting.append(r)
         else:
-            inside = f"in {a['region']}" if a.get("region") else "outside the pipeline step (a hook, callback or data loading)"
+            inside = (f"in {a['region']}" if a.get("region")
+                      else "outside the pipeline step (a hook, callback or data loading)")
             stalled.append(f"rank {r} is running {inside} for {a.get('seconds', 0.0):.1f} s, not waiting in a "
                            f"collective, at {a.get('at', '?')}")
     parts = []

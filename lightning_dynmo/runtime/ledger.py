@@ -1,4 +1,4 @@
-"""Agreement on the next collective call before it is made (issue 31).
+"""Agreement on the next collective call before it is made.
 
 Before each DynMo collective whose participation depends on state, the ranks agree on the call's
 name and a counter in one small all-reduce. A rank that makes a call the others do not (a

@@ -57,7 +57,8 @@ class OptimizerLayout:
         return dict(self._fqn_of_index[o])
 
     @classmethod
-    def record(cls, module: nn.Module, optimizers: list[Optimizer], aliases: dict[str, str] | None = None) -> "OptimizerLayout":
+    def record(cls, module: nn.Module, optimizers: list[Optimizer],
+               aliases: dict[str, str] | None = None) -> "OptimizerLayout":
         fqn_of = {id(p): n for n, p in module.named_parameters()}
         slots: dict[str, ParamSlot] = {}
         group_indices: list[list[list[int]]] = []
@@ -197,7 +198,8 @@ class OptimizerLayout:
         for index, state in global_sd["state"].items():
             fqn = known.get(index)
             if fqn is None:
-                out.append(f"{where}['state'] has an entry for parameter {index!r}, which the module's optimizer does not have")
+                out.append(f"{where}['state'] has an entry for parameter {index!r}, "
+                           "which the module's optimizer does not have")
                 continue
             shape = tuple(shapes.get(fqn, ()))
             for key, value in (state.items() if isinstance(state, dict) else ()):
@@ -212,7 +214,8 @@ class OptimizerLayout:
         opt = getattr(optimizer, "_optimizer", optimizer)
         return next(i for i, x in enumerate(optimizers) if getattr(x, "_optimizer", x) is opt)
 
-    def positions(self, module: nn.Module, optimizers: list[Optimizer], optimizer) -> tuple[list[tuple[int, nn.Parameter]], int]:
+    def positions(self, module: nn.Module, optimizers: list[Optimizer],
+                  optimizer) -> tuple[list[tuple[int, nn.Parameter]], int]:
         """This rank's parameters of ``optimizer`` with their single-process positions, and the
         optimizer's total parameter count (what global-norm clipping needs)."""
         o = self.index_of(optimizers, optimizer)

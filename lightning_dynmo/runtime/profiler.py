@@ -84,7 +84,6 @@ class PipelineProfiler:
         self.fwd_calls: dict[int, int] = defaultdict(int)
         self.window_busy = 0.0  # chunk seconds since layer profiling started (see attribution())
         self.step_start = 0.0
-        self.step_end = 0.0
 
     def now(self) -> float:
         if self.device.type == "cuda":
@@ -151,9 +150,6 @@ class PipelineProfiler:
         self.events = []
         self.step_start = time.perf_counter()
 
-    def end_step(self) -> None:
-        self.step_end = time.perf_counter()
-
     def event_dicts(self, rank: int) -> list[dict]:
         """The last step's chunks as the dicts :mod:`lightning_dynmo.plotting` draws."""
         return [{"rank": rank, "stage": e.stage, "kind": e.kind, "mb": e.microbatch, "start": e.start, "end": e.end}
@@ -199,7 +195,8 @@ class PipelineProfiler:
                 return
             t = self.now()
             start = self._fwd_start.pop(i, t)
-            if self._cursor is not None:  # in a forward chunk: from where the previous layer (or the chunk's start) ended
+            # in a forward chunk: from where the previous layer (or the chunk's start) ended
+            if self._cursor is not None:
                 start, self._cursor, self._last_fwd = self._cursor, t, i
             self.fwd[i] += t - start
             self.fwd_calls[i] += 1
@@ -229,7 +226,8 @@ class PipelineProfiler:
         ready = dict(self._grad_ready)
         if starts_at_chunk:
             ready.setdefault(rng.stop - 1, t0)
-        if ready:  # the call's start to the output's gradient (the loss's backward on the last stage) is the top layer's
+        # the call's start to the output's gradient (the loss's backward on the last stage) is the top layer's
+        if ready:
             ready[max(ready)] = t0
         for k in rng:
             if k not in ready:

@@ -3,8 +3,8 @@ support (``setup.py``), made to behave the same, in one place.
 
 Three generations of ``PipelineStage``: torch 2.10/2.11 (no metadata inference: every received
 input has a gradient slot), 2.12 (metadata inference as in 2.13, but a stricter gradient send),
-and 2.13/2.14. The differences made 2.11 fail on one rank while its peers waited (issue 31), and
-2.12 fail at the first step of every run (found in the fifth session of 2026-11-28):
+and 2.13/2.14. The differences made 2.11 fail on one rank while its peers waited, and
+2.12 fail at the first step of every run:
 
 * **Gradient slots of inputs that need none.** torch 2.13 derives per-input gradient metadata:
   a stage input that does not require a gradient (early exit's ``flag``, a padding mask) has no
@@ -183,7 +183,8 @@ class PortablePipelineStage(PipelineStage):
     def _split_backward_fails(self, chunk: int, loss) -> bool:
         """Whether torch <= 2.12's split backward would fail on this chunk (the module docstring)."""
         outputs = loss if self.is_last else self.fwd_cache[chunk][0]
-        tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in outputs if isinstance(t, torch.Tensor)]
+        tensors = ([outputs] if isinstance(outputs, torch.Tensor)
+                   else [t for t in outputs if isinstance(t, torch.Tensor)])
         if any(not t.requires_grad for t in tensors):
             return True
         seen: set = set()

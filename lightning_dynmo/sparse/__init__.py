@@ -11,7 +11,8 @@ from .hash_layout import (HashPlan, draw_rotations, hash_buckets, hash_sort_plan
 from .linear import MaskedLinear, SparseLinear
 from .semi_structured import semi_structured_linear, semi_structured_unavailable
 
-__all__ = ["SparseLinear", "MaskedLinear", "maybe_sparsify", "crossover_density", "choose_linear_kernel", "LINEAR_KERNELS",
+__all__ = ["SparseLinear", "MaskedLinear", "maybe_sparsify", "crossover_density", "choose_linear_kernel",
+           "LINEAR_KERNELS",
            "semi_structured_linear", "semi_structured_unavailable",
            "extension_available", "extension_error", "cuda_kernels_available",
            "BlockLayout", "block_sparse_attention", "reference_block_sparse_attention",

@@ -52,7 +52,7 @@ def import_failure_cause(module: str, exc: BaseException) -> str:
 
     ``from . import _C`` inside the still-initialising package turns a missing module into
     "cannot import name ... (most likely due to a circular import)"; the cause was almost always
-    that the module had not been built (issue 32), so it is told apart here.
+    that the module had not been built, so it is told apart here.
     """
     built = sorted(p.name for p in _PKG_DIR.glob(f"{module}.*") if p.suffix in (".so", ".pyd"))
     text = str(exc)

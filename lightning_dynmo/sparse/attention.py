@@ -192,7 +192,6 @@ def auto_candidates(device: Union[str, torch.device], dtype: torch.dtype, block_
     """What ``backend="auto"`` chooses among: FlexAttention on CUDA (head_dim >= 16), and our
     kernel where it is built for this device, dtype and block size. With neither, ``("kernel",)``:
     the dense reference (which a benchmark must name so)."""
-    from .flex import flex_available
 
     device = torch.device(device)
     found = []

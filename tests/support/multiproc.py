@@ -123,7 +123,8 @@ def _failure(proc: Finished, log: Path) -> AssertionError:
            if any(w in l for w in ("Error", "error:", "terminate", "what()", "Abort"))]
     crash = _native_crash(proc.output)
     return AssertionError(f"worker failed ({proc.returncode}); full log {log}\n" + "\n".join(key[-30:])
-                          + f"\n{proc.stderr[-4000:]}" + (f"\n--- the crashed rank's stack ---\n{crash}" if crash else ""))
+                          + f"\n{proc.stderr[-4000:]}"
+                          + (f"\n--- the crashed rank's stack ---\n{crash}" if crash else ""))
 
 
 class WarmLauncher:

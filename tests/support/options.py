@@ -18,7 +18,8 @@ def make_budget(window: int | None = None, **settings) -> OverheadBudget:
     (``window``, ``payback_steps``, ``max_backoff``) replaced where given."""
     options = {"overhead_budget": settings.pop("overhead_budget")} if "overhead_budget" in settings else {}
     base = PipelineOptions(**options).budget()
-    return OverheadBudget(overhead_budget=base.overhead_budget, window=base.window if window is None else window, **settings)
+    return OverheadBudget(overhead_budget=base.overhead_budget, window=base.window if window is None else window,
+                          **settings)
 
 
 def make_controller(policy: RebalancePolicy, budget: OverheadBudget | None = None, repack="off") -> RebalanceController:

@@ -70,7 +70,8 @@ def test_recompute_is_exact_and_monotone(layers, data):
             assert got == pytest.approx(expect, rel=1e-12)
             if stop < n:
                 assert model.segment_time(costs, start, stop + 1) >= got
-                assert model.segment_memory(costs, start, stop + 1, 0, 2) >= model.segment_memory(costs, start, stop, 0, 2)
+                assert model.segment_memory(costs, start, stop + 1, 0, 2) >= model.segment_memory(costs, start, stop,
+                                                                                                  0, 2)
 
 
 def test_choose_recompute_frees_most_bytes_per_second_first_and_stops_when_it_fits():

@@ -93,7 +93,8 @@ def test_an_optional_positional_parameter_gets_no_tensor_and_one_warning_names_i
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(call_layer(OptionalSkip(), (a,)), a)  # nothing passes it: nothing to say
-    with pytest.warns(UserWarning, match=r"OptionalSkip.forward has optional positional parameter\(s\) 'skip'.*keyword-only"):
+    with pytest.warns(UserWarning,
+                      match=r"OptionalSkip.forward has optional positional parameter\(s\) 'skip'.*keyword-only"):
         out = call_layer(OptionalSkip(), (a, b))
     assert torch.equal(out[0], a) and out[1] is b  # skip kept its default; b passed through
     with warnings.catch_warnings():

@@ -1,10 +1,9 @@
-"""The strategy's structure rules (issue 25): a rebalancer and checkpoint functions that never hold
+"""The strategy's structure rules: a rebalancer and checkpoint functions that never hold
 or write the strategy, and ``@override`` on every Lightning hook the strategy overrides. Import
 layering, cycles and the module size alarm: ``test_layering.py``."""
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import os
 import subprocess

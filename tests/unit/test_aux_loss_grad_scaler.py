@@ -18,6 +18,8 @@ from lightning_dynmo.models._aux_loss import (
     set_aux_loss_scale,
 )
 
+from tests.support.grads import param_grads
+
 INIT_SCALE = 2.0**10
 
 
@@ -48,17 +50,15 @@ class WithAux(nn.Module):
         return attach_aux_loss(self.body(h), aux, 0.3)
 
 
-def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
 def _reference(accumulate: int = 1) -> dict[str, torch.Tensor]:
     """fp32, no scaler: ``d(main + 0.3 * aux) / d(theta)``, each micro-batch's loss divided by ``accumulate``."""
     model = WithAux()
     set_aux_loss_scale(1.0 / accumulate)
     for x in _batches(accumulate):
         (model(x).pow(2).mean() / accumulate).backward()
-    return _grads(model)
+    grads = param_grads(model)
+    assert grads.keys() == dict(model.named_parameters()).keys()  # the router's comes from the aux loss alone
+    return grads
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -87,7 +87,7 @@ def test_scaled_main_loss_and_unscale_give_the_fp32_gradients(accumulate):
         scaler.scale(model(x).pow(2).mean() / accumulate).backward()
     assert model.router.weight.grad.abs().max() > 100 * want["router.weight"].abs().max()  # still scaled
     scaler.unscale_(opt)
-    _assert_same(_grads(model), want)
+    _assert_same(param_grads(model), want)
 
 
 def test_scale_changes_after_update_are_followed():
@@ -102,7 +102,7 @@ def test_scale_changes_after_update_are_followed():
         (x,) = _batches(1)
         scaler.scale(model(x).pow(2).mean()).backward()
         scaler.unscale_(opt)
-        _assert_same(_grads(model), want)
+        _assert_same(param_grads(model), want)
         scaler.step(opt)
         scaler.update()
     assert scaler.get_scale() == 4 * INIT_SCALE
@@ -124,7 +124,7 @@ def test_a_stage_whose_scaler_has_not_scaled_yet_uses_the_init_scale():
     out.backward(upstream * INIT_SCALE)  # what the next stage sends back
     scaler.scale(torch.zeros(()))  # Lightning's pre_backward on this rank
     scaler.unscale_(opt)
-    _assert_same(_grads(model), want)
+    _assert_same(param_grads(model), want)
 
 
 def test_disabled_or_no_scaler_leaves_the_gradient_alone():
@@ -134,7 +134,7 @@ def test_disabled_or_no_scaler_leaves_the_gradient_alone():
         set_aux_loss_grad_scaler(scaler)
         (x,) = _batches(1)
         model(x).pow(2).mean().backward()
-        _assert_same(_grads(model), want)
+        _assert_same(param_grads(model), want)
 
 
 def test_registration_checks_its_argument_and_keeps_the_old_api():

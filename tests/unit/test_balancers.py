@@ -327,7 +327,8 @@ def test_uniform_per_boundary_bandwidth_is_exactly_one_bandwidth(problem):
     bw = problem.model.bandwidth
     if problem.num_stages < 2 or bw is None or isinstance(bw, tuple):
         return
-    per = BalanceProblem(problem.costs, problem.num_stages, replace(problem.model, bandwidth=(bw,) * (problem.num_stages - 1)),
+    per = BalanceProblem(problem.costs, problem.num_stages,
+                         replace(problem.model, bandwidth=(bw,) * (problem.num_stages - 1)),
                          problem.current)
     for name in BUILTIN:
         try:

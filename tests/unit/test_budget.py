@@ -1,4 +1,4 @@
-"""Do no harm (issue 23): the overhead budget, the back-off and the payback of applied decisions,
+"""Do no harm: the overhead budget, the back-off and the payback of applied decisions,
 and the rebalance state machine that applies them (plan/budget.py, plan/controller.py)."""
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ def test_scheduled_freezing_no_grad_no_update(tmp_path):
             else:
                 assert p.requires_grad and seen["grads"][name] is not None and seen["state"][name]
         if i >= 3 and i < len(layers) - 1:
-            assert any(not torch.equal(after[prefix + n], seen["before"][prefix + n]) for n, _ in layer.named_parameters())
+            assert any(not torch.equal(after[prefix + n], seen["before"][prefix + n])
+                       for n, _ in layer.named_parameters())
     assert len(strategy.requests) == 2 and strategy.requests[0].startswith("freezing:")
     assert strategy.invalidations == 2
 

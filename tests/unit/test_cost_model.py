@@ -144,7 +144,8 @@ def test_bandwidth_forms_stay_frozen_and_hashable():
     assert CostModel(4, bandwidth=3).bandwidth == 3.0 and not CostModel(4, bandwidth=3).per_boundary
     m = CostModel(4, bandwidth=[1, 2.5, math.inf])
     assert m.bandwidth == (1.0, 2.5, math.inf) and m.per_boundary
-    assert hash(m) == hash(CostModel(4, bandwidth=(1.0, 2.5, math.inf))) and m == CostModel(4, bandwidth=(1, 2.5, math.inf))
+    assert hash(m) == hash(CostModel(4, bandwidth=(1.0, 2.5, math.inf)))
+    assert m == CostModel(4, bandwidth=(1, 2.5, math.inf))
     c = LayerCosts.uniform(4, activation=1.0)
     with pytest.raises(ValueError, match="3 per-boundary values but a pipeline of 2 stages has 1"):
         m.stage_times(c, Partition((0, 2, 4)))

@@ -99,7 +99,8 @@ def test_pruning_a_csr_layer_gathers_its_state(kernel):
     swap = csr.prune_magnitude(thr)
     replace_param([opt_c], swap.old, swap.new, swap.state_map)
     assert torch.equal(csr.dense_mask(), dense.weight_mask) and csr.nnz == dense.nnz
-    assert torch.equal(opt_c.state[csr.weight]["exp_avg_sq"], opt_d.state[dense.weight]["exp_avg_sq"][dense.weight_mask])
+    assert torch.equal(opt_c.state[csr.weight]["exp_avg_sq"],
+                       opt_d.state[dense.weight]["exp_avg_sq"][dense.weight_mask])
     assert csr.prune_magnitude(-1.0) is None  # nothing to prune: no swap
 
 

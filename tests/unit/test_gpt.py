@@ -172,7 +172,8 @@ def test_trainer_reduces_loss(tmp_path):
         after = m.pipeline_loss(m(x), y).item()
     assert after < before - 0.2
     assert "train_loss" in trainer.callback_metrics
-    assert trainer.callback_metrics["train_ppl"] == pytest.approx(math.exp(trainer.callback_metrics["train_loss"]), rel=1e-5)
+    assert trainer.callback_metrics["train_ppl"] == pytest.approx(math.exp(trainer.callback_metrics["train_loss"]),
+                                                                  rel=1e-5)
     # its per-step logic lives in the pipeline hook, so DynMoStrategy has nothing to warn about
     assert skipped_training_step_warning(m) is None
     assert "val_loss" in trainer.callback_metrics

@@ -212,9 +212,11 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
     supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-    assert supported.startswith("apertus, arcee, cohere, cohere2, ") and "gemma3_text, glm, glm4, gpt2, gpt_neox" in supported
+    assert supported.startswith("apertus, arcee, cohere, cohere2, ")
+    assert "gemma3_text, glm, glm4, gpt2, gpt_neox" in supported
     with pytest.raises(UnsupportedArchitectureError, match=rf"model_type='falcon'.*supported: {supported}\. To train "
-                       r"another architecture on the pipeline, wrap it in a LightningModule that defines pipeline_layers"):
+                       r"another architecture on the pipeline, wrap it in a LightningModule that "
+                       r"defines pipeline_layers"):
         HFCausalLM.from_pretrained(path)
     with pytest.raises(UnsupportedArchitectureError, match="'bert'"):
         HFCausalLM(config={"model_type": "bert"})
@@ -275,7 +277,8 @@ def test_random_init_from_a_config_is_per_layer_and_meta_safe():
     assert torch.equal(rotary, a.layers[1].rotary.inv_freq) and not rotary.is_meta
     norm = a.layers[1].layer.input_layernorm.weight
     assert torch.equal(norm, torch.ones_like(norm))  # the model's own init rules
-    assert not torch.equal(a.layers[1].layer.mlp.up_proj.weight, HFCausalLM(config=cfg, seed=2).layers[1].layer.mlp.up_proj.weight)
+    assert not torch.equal(a.layers[1].layer.mlp.up_proj.weight,
+                           HFCausalLM(config=cfg, seed=2).layers[1].layer.mlp.up_proj.weight)
 
 
 # ------------------------------------------------------------------ Mixtral
@@ -391,18 +394,19 @@ def test_mixtral_router_loss_gradients_are_the_mean_of_transformers_per_layer_pe
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_config_with_fewer_layers_than_the_weights_is_refused(tmp_path, arch):
-    """Issue 26 item 4: the layers beyond the config's count used to be dropped without a word."""
+    """The layers beyond the config's count are refused, not dropped without a word."""
     _, path = saved(tmp_path, arch)
     cfg = json.loads((path / "config.json").read_text())
     key = "n_layer" if arch == "gpt2" else "num_hidden_layers"
     (path / "config.json").write_text(json.dumps({**cfg, key: 1}))
-    with pytest.raises(CheckpointMismatchError, match=r"beyond the config's 1, which would be dropped: \['[a-z.]*\b(h|layers)\.1\."):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"beyond the config's 1, which would be dropped: \['[a-z.]*\b(h|layers)\.1\."):
         HFCausalLM.from_pretrained(path)
 
 
 @pytest.mark.parametrize("keep", [100, 0.5])
 def test_a_truncated_safetensors_file_is_named(tmp_path, keep):
-    """Issue 26 item 11: safetensors' own error does not say which file."""
+    """The error names the file: safetensors' own error does not say which file."""
     from lightning_dynmo.models.hf.checkpoint import CheckpointFileError
 
     _, path = saved(tmp_path, "llama")

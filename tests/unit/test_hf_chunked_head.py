@@ -1,8 +1,8 @@
-"""The Hugging Face adapter's vocabulary-chunked LM head (``HFCausalLM(head_chunks=k)``, issue 22
-item 2): the streaming loss and every gradient equal the unchunked head's (GPT-2, Llama, Mistral;
-``k`` dividing the vocabulary or not; targets ignored with -100), bf16 autocast stays close, the
-checkpoint names one ``lm_head.weight`` (state dicts and the ``transformers`` export are those of
-the unchunked model), and an unsupported tied head is refused by name. Tiny random models, no network."""
+"""The Hugging Face adapter's vocabulary-chunked LM head (``HFCausalLM(head_chunks=k)``): the
+streaming loss and every gradient equal the unchunked head's (GPT-2, Llama, Mistral; ``k`` dividing
+the vocabulary or not; targets ignored with -100), bf16 autocast stays close, the checkpoint names
+one ``lm_head.weight`` (state dicts and the ``transformers`` export are those of the unchunked
+model), and an unsupported tied head is refused by name. Tiny random models, no network."""
 from __future__ import annotations
 
 import json
@@ -98,7 +98,8 @@ def test_ignored_targets_count_neither_in_the_sum_nor_the_mean(tmp_path):
     # the ignored positions get no gradient: the chunked gradients are those of the masked mean
     _, got = loss_and_grads(chunked, x, y)
     plain.zero_grad(set_to_none=True)
-    F.cross_entropy(plain(x).flatten(0, 1), y.clamp(min=0).flatten(), reduction="none")[keep.flatten()].mean().backward()
+    per_token = F.cross_entropy(plain(x).flatten(0, 1), y.clamp(min=0).flatten(), reduction="none")
+    per_token[keep.flatten()].mean().backward()
     for name, p in plain.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     every = torch.full_like(y, -100)  # nothing left to average: NaN, as F.cross_entropy
@@ -136,7 +137,8 @@ def test_a_tied_head_is_chunked_after_untying_and_refused_when_kept_tied(tmp_pat
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for name, g in want_g.items():
         torch.testing.assert_close(got_g[name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    message = r"head_chunks=2 needs an LM head of its own.*untie_embeddings=True.*tie_word_embeddings=False.*head_chunks=1"
+    message = (r"head_chunks=2 needs an LM head of its own.*untie_embeddings=True.*tie_word_embeddings=False"
+               r".*head_chunks=1")
     with pytest.raises(ValueError, match=message):
         load(path, head_chunks=2, untie_embeddings=False)
     cfg = {"model_type": "llama", **configs()["llama"].to_diff_dict(), "tie_word_embeddings": True}
@@ -199,7 +201,8 @@ def test_each_rank_materialises_its_chunks_with_the_real_build_values(tmp_path, 
     and keeps its rows, the values a real build gives them, without touching the global RNG."""
     _, path = saved(tmp_path, "llama")
     cfg = {"model_type": "llama", **configs()["llama"].to_diff_dict()}
-    build = (lambda **kw: load(path, **kw)) if init == "checkpoint" else (lambda **kw: HFCausalLM(config=cfg, seed=7, **kw))
+    build = ((lambda **kw: load(path, **kw)) if init == "checkpoint"
+             else (lambda **kw: HFCausalLM(config=cfg, seed=7, **kw)))
     real, plain = build(head_chunks=3), build()
     with torch.device("meta"):
         model = build(head_chunks=3)

@@ -125,7 +125,8 @@ def layering_violations(internal: dict[str, set[str]], external: dict[str, set[s
         for dep in sorted(deps):
             pkg = _package_of(dep)
             if pkg != _package_of(module) and pkg not in allowed:
-                bad.append(f"{module} imports {dep} ({_package_of(module)}/ may import only {sorted(allowed) or 'nothing'})")
+                bad.append(f"{module} imports {dep} "
+                           f"({_package_of(module)}/ may import only {sorted(allowed) or 'nothing'})")
     for module, deps in sorted(external.items()):
         for dep in sorted(deps):
             for banned in MUST_NOT_IMPORT.get(_package_of(module), ()):
@@ -182,7 +183,8 @@ def _plant(tmp_path: Path, files: dict[str, str]) -> tuple[dict[str, set[str]], 
     ({"models/gpt/model.py": "def f():\n    from ...runtime.engine import Engine\n", "runtime/engine.py": ""},
      "lightning_dynmo.models.gpt.model imports lightning_dynmo.runtime.engine"),
     ({"plan/policy.py": "import torch.distributed as dist\n"}, "lightning_dynmo.plan.policy imports torch.distributed"),
-    ({"plan/policy.py": "from lightning.pytorch import Trainer\n"}, "lightning_dynmo.plan.policy imports lightning.pytorch"),
+    ({"plan/policy.py": "from lightning.pytorch import Trainer\n"},
+     "lightning_dynmo.plan.policy imports lightning.pytorch"),
     ({"protocol/module.py": "from lightning_dynmo.strategy import DynMoStrategy\n", "strategy/__init__.py": ""},
      "lightning_dynmo.protocol.module imports lightning_dynmo.strategy"),
 ])

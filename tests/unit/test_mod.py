@@ -18,6 +18,8 @@ from lightning_dynmo.models._aux_loss import aux_loss_scale, set_aux_loss_scale
 from lightning_dynmo.models.mod import ROUTING_MODES, MoDBlock, MoDConfig, MoDGPT
 from lightning_dynmo.protocol import ReportsLoad
 
+from tests.support.grads import param_grads
+
 CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=4, n_head=2, n_embd=32, bias=False)
 
 
@@ -26,10 +28,6 @@ def routers(model: MoDGPT, std: float) -> None:
     with torch.no_grad():
         for _, b in model.mod_blocks():
             b.router.weight.normal_(0.0, std, generator=torch.Generator().manual_seed(7))
-
-
-def grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 # ---------------------------------------------------------------------------------- routing
@@ -99,8 +97,8 @@ def test_full_capacity_with_unit_gate_is_the_plain_gpt(routing):
     assert torch.equal(out_g, out_m)
     gpt.pipeline_loss(out_g, x).backward()
     mod.pipeline_loss(out_m, x).backward()
-    gm = grads(mod)
-    for n, g in grads(gpt).items():
+    gm = param_grads(mod)
+    for n, g in param_grads(gpt).items():
         assert torch.equal(g, gm[n]), n
 
 
@@ -124,14 +122,14 @@ def test_micro_batches_equal_the_whole_batch(routing):
 
     whole = model.pipeline_loss(model(x), y)
     whole.backward()
-    ref = grads(model)
+    ref = param_grads(model)
     model.zero_grad(set_to_none=True)
     losses = []
     for xm, ym in zip(x.chunk(4), y.chunk(4)):
         loss = model.pipeline_loss(model(xm), ym)
         loss.backward()
         losses.append(loss)
-    micro = {n: g / 4 for n, g in grads(model).items()}
+    micro = {n: g / 4 for n, g in param_grads(model).items()}
     routed = [n for n in ref if n.endswith("router.weight")]
     assert len(routed) == 2 and all(ref[n].abs().sum() > 0 for n in routed)  # the gate trains the router
 
@@ -149,8 +147,9 @@ def test_predictor_loss_reaches_the_predictor_only_through_backward():
         model = MoDGPT(CFG, mod=MoDConfig(routing="predictor", predictor_loss_coeff=coeff), seed=0)
         x = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
         model.pipeline_loss(model(x), x).backward()  # plain cross-entropy: no aux term in the loss
-        g = grads(model)
-        return {n: v for n, v in g.items() if ".predictor." in n}, {n: v for n, v in g.items() if ".predictor." not in n}
+        g = param_grads(model)
+        return ({n: v for n, v in g.items() if ".predictor." in n},
+                {n: v for n, v in g.items() if ".predictor." not in n})
 
     p1, rest1 = predictor_grads(0.1)
     p2, rest2 = predictor_grads(0.2)
@@ -504,7 +503,7 @@ def test_lightning_calibrates_once_per_batch_and_logs_thresholds():
 
 
 def test_predictor_picks_track_the_capacity_every_step_token_by_token():
-    """Issue 26 item 13: after the anneal, each step's picked fraction of every routed block stays
+    """After the anneal, each step's picked fraction of every routed block stays
     near the capacity and strictly inside (0, 1), and the picks follow the router's top-k better
     than chance. Before the predictor had a normalised input and a rate of its own, its logits
     differed across tokens by ~0.001, so a block took all or none of its tokens per step."""

@@ -17,6 +17,8 @@ from lightning_dynmo.models.gpt import Block
 from lightning_dynmo.models.mod import MoDBlock, MoDGPT
 from lightning_dynmo.models.moe import load_balancing_loss, router_z_loss
 
+from tests.support.grads import param_grads
+
 GPT_CFG = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, bias=True)
 MOE_CFG = dict(num_experts=4, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.01, shared_expert=True)
 MOD_CFG = dict(routing="predictor", capacity=0.5, every=2, predictor_loss_coeff=0.1)
@@ -76,7 +78,8 @@ def test_masked_counts_and_aux_losses_are_per_row_means_over_valid_tokens():
     torch.testing.assert_close(router_z_loss(r.logits, valid), torch.stack(per_row_z).mean(), rtol=1e-6, atol=0)
     # all-valid masks give the unmasked losses
     full = torch.ones(4, 6, dtype=torch.bool)
-    torch.testing.assert_close(load_balancing_loss(r.probs, r.experts, 4, full), load_balancing_loss(r.probs, r.experts, 4))
+    torch.testing.assert_close(load_balancing_loss(r.probs, r.experts, 4, full),
+                               load_balancing_loss(r.probs, r.experts, 4))
     torch.testing.assert_close(router_z_loss(r.logits, full), router_z_loss(r.logits))
 
 
@@ -151,10 +154,6 @@ def test_moe_gpt_weights_are_those_of_the_inline_construction():
             assert torch.equal(a[name], b[name]), name
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("routing", ["predictor", "expert_choice", "threshold"])
 def test_micro_batches_equal_the_whole_batch(routing):
     """What the pipeline does: per-micro-batch mean losses (CE + attached MoE and predictor
@@ -163,7 +162,7 @@ def test_micro_batches_equal_the_whole_batch(routing):
     x, y = tokens(8, seed=3), tokens(8, seed=4)
     full_loss = model.pipeline_loss(model(x), y)
     full_loss.backward()
-    full = _grads(model)
+    full = param_grads(model)
     assert any(n.endswith("mlp.router.gate.weight") and n.startswith("layers.2.") for n in full)  # a MoD block's
 
     micro = copy.deepcopy(model)
@@ -174,7 +173,7 @@ def test_micro_batches_equal_the_whole_batch(routing):
         loss.backward()  # the attached losses are seeded with 1 each: scale the sum, as the pipeline does
         losses.append(loss.detach())
     torch.testing.assert_close(torch.stack(losses).mean(), full_loss.detach(), rtol=1e-6, atol=1e-6)
-    got = {n: g / 4 for n, g in _grads(micro).items()}
+    got = {n: g / 4 for n, g in param_grads(micro).items()}
     if routing != "expert_choice":  # rows pick different counts: packed rows have padding slots
         assert all(b.tokens_computed > b.tokens_routed > 0 for _, b in micro.mod_blocks())
     assert got.keys() == full.keys()

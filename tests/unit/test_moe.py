@@ -19,6 +19,8 @@ from lightning_dynmo.models._aux_loss import set_aux_loss_scale
 from lightning_dynmo.models.moe import TopKRouter, load_balancing_loss, router_z_loss
 from lightning_dynmo.protocol import PipelineControl, ReportsLoad
 
+from tests.support.grads import param_grads
+
 GPT_CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 MOE_CFG = dict(num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_coeff=0.1, z_loss_coeff=0.01,
                shared_expert=True)
@@ -186,10 +188,6 @@ def test_router_z_loss_hand_computed():
     assert router_z_loss(logits).item() == pytest.approx(expected, rel=1e-6)
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.fixture
 def aux_loss_scale():
     yield set_aux_loss_scale
@@ -204,7 +202,7 @@ def test_aux_gradients_equal_adding_the_aux_losses_to_the_loss(scale, aux_loss_s
     x, y = tokens(4, seed=1), tokens(4, seed=2)
     aux_loss_scale(scale)
     (model.pipeline_loss(model(x), y) * scale).backward()
-    attached = _grads(model)
+    attached = param_grads(model)
 
     explicit = copy.deepcopy(model)
     explicit.zero_grad(set_to_none=True)
@@ -218,7 +216,7 @@ def test_aux_gradients_equal_adding_the_aux_losses_to_the_loss(scale, aux_loss_s
         loss = loss + MOE_CFG["aux_loss_coeff"] * load_balancing_loss(r.probs, r.experts, layer.num_experts)
         loss = loss + MOE_CFG["z_loss_coeff"] * router_z_loss(r.logits)
     (loss * scale).backward()
-    expected = _grads(explicit)
+    expected = param_grads(explicit)
 
     assert attached.keys() == expected.keys()
     for name in expected:
@@ -227,7 +225,7 @@ def test_aux_gradients_equal_adding_the_aux_losses_to_the_loss(scale, aux_loss_s
     ce_only.zero_grad(set_to_none=True)
     ce_only.pipeline_loss(ce_only(x), y).backward()
     router = "layers.1.mlp.router.gate.weight"
-    assert not torch.allclose(_grads(ce_only)[router], attached[router], atol=1e-6)
+    assert not torch.allclose(param_grads(ce_only)[router], attached[router], atol=1e-6)
 
 
 @pytest.mark.parametrize("score_func, drop_policy", [("softmax", "probs"), ("sigmoid", "position")])
@@ -237,14 +235,14 @@ def test_microbatches_equal_the_full_batch(score_func, drop_policy):
     x, y = tokens(8, seed=3), tokens(8, seed=4)
     full_loss = model.pipeline_loss(model(x), y)
     full_loss.backward()
-    full = _grads(model)
+    full = param_grads(model)
     assert all(b.routing_stats().dropped_fraction > 0 for _, b in model.moe_blocks())  # capacity drops here
 
     model.zero_grad(set_to_none=True)
     losses = [model.pipeline_loss(model(xm), ym) for xm, ym in zip(x.split(2), y.split(2))]
     for loss in losses:
         loss.backward()
-    micro = {n: g / 4 for n, g in _grads(model).items()}
+    micro = {n: g / 4 for n, g in param_grads(model).items()}
 
     assert torch.stack(losses).mean().item() == pytest.approx(full_loss.item(), abs=1e-6)
     assert micro.keys() == full.keys()

@@ -24,7 +24,8 @@ def test_unknown_balancer_lists_valid_ones():
 
 
 def test_1f1b_with_fewer_microbatches_than_stages():
-    with pytest.raises(ValueError, match="at least as many micro-batches as pipeline ranks.*microbatches=2 < pipeline_parallel=4"):
+    with pytest.raises(ValueError,
+                       match="at least as many micro-batches as pipeline ranks.*microbatches=2 < pipeline_parallel=4"):
         DynMoStrategy(pipeline_parallel=4, schedule="1f1b", microbatches=2)
     DynMoStrategy(pipeline_parallel=4, schedule="gpipe", microbatches=2)  # GPipe has no such limit
 
@@ -148,7 +149,8 @@ def test_checkpoint_format_is_single_or_dcp_by_dp_sharding_and_reaches_the_hydra
 
     assert DynMoStrategy().options.checkpoint_format is CheckpointFormat.SINGLE
     assert DynMoStrategy(dp_sharding="fsdp").options.checkpoint_format is CheckpointFormat.DCP  # sharded saves sharded
-    assert DynMoStrategy(dp_sharding="fsdp", checkpoint_format="single").options.checkpoint_format is CheckpointFormat.SINGLE
+    single = DynMoStrategy(dp_sharding="fsdp", checkpoint_format="single")
+    assert single.options.checkpoint_format is CheckpointFormat.SINGLE
     assert DynMoStrategy(checkpoint_format="dcp").options.checkpoint_format is CheckpointFormat.DCP
     with pytest.raises(ValueError, match="checkpoint_format must be one of single, dcp, got 'sharded'"):
         DynMoStrategy(checkpoint_format="sharded")
@@ -162,7 +164,8 @@ def test_dcp_refuses_a_model_that_keeps_a_parameter_in_pieces():
         def checkpoint_merges(self):
             return {"layers.4.lm_head.weight": [("layers.4.lm_head.weight", 32), ("layers.5.lm_head.weight", 32)]}
 
-    with pytest.raises(ValueError, match="checkpoint_format='dcp' does not support Chunked yet.*checkpoint_format='single'"):
+    with pytest.raises(ValueError,
+                       match="checkpoint_format='dcp' does not support Chunked yet.*checkpoint_format='single'"):
         check_model_supported(Chunked())
 
 

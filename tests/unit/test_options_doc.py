@@ -30,7 +30,8 @@ def _recipe_strategy(*overrides: str):
 
 def test_docs_options_md_is_generated_from_the_dataclass():
     page = (ROOT / "docs" / "options.md").read_text()
-    assert page == markdown(), "docs/options.md is stale: python -m lightning_dynmo.strategy.options_doc > docs/options.md"
+    assert page == markdown(), \
+        "docs/options.md is stale: python -m lightning_dynmo.strategy.options_doc > docs/options.md"
 
 
 def test_every_option_has_a_docstring_and_a_default():

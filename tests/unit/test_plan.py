@@ -78,10 +78,12 @@ def test_decide_moves_to_the_balanced_partition_and_says_why():
 def test_decide_already_balanced_and_auto_refusal():
     model = CostModel(microbatches=4)
     common = dict(step=1, reason="r", costs=lopsided(), model=model, balancer="partition_time")
-    d, new = decide(current=Partition((0, 3, 4)), policy=make_policy(rebalance="on_event"), migration_cost=0.0, **common)
+    d, new = decide(current=Partition((0, 3, 4)), policy=make_policy(rebalance="on_event"), migration_cost=0.0,
+                    **common)
     assert new is None and not d.applied and d.why == "already balanced"
     # auto: gain (27 - 21 s per step) x horizon 2 = 12 s <= a migration of 100 s
-    d, new = decide(current=Partition((0, 2, 4)), policy=make_policy(rebalance="auto", rebalance_horizon=2), migration_cost=100.0,
+    d, new = decide(current=Partition((0, 2, 4)), policy=make_policy(rebalance="auto", rebalance_horizon=2),
+                    migration_cost=100.0,
                     **common)
     assert new is None and not d.applied and "<= cost" in d.why
 
@@ -149,7 +151,8 @@ def test_merge_takes_the_slowest_replica_and_estimates_untimed_layers():
     costs = merge_layer_costs([replica0, replica1], 2, activation=[4.0, 8.0])
     assert costs.forward[0] == 1.5 and costs.backward[0] == 2.0 and costs.memory == (100.0, 60.0)
     per_param = (1.5 + 2.0) / 10  # measured seconds per parameter
-    assert costs.forward[1] == pytest.approx(20 * per_param / 3) and costs.backward[1] == pytest.approx(40 * per_param / 3)
+    assert costs.forward[1] == pytest.approx(20 * per_param / 3)
+    assert costs.backward[1] == pytest.approx(40 * per_param / 3)
     assert costs.activation == (4.0, 8.0)
 
 

@@ -1,4 +1,4 @@
-"""Issue 22: the profiler gives every busy second of a stage to one of its layers: a forward
+"""The profiler gives every busy second of a stage to one of its layers: a forward
 chunk's hand-offs (input in, output out) and the loss that torch's schedules compute after the
 last stage's forward chunk (its forward and its backward) included. The 2-rank version under
 every kind of schedule: tests/distributed/test_loss_attribution.py."""

@@ -41,7 +41,8 @@ def test_readme_sample_is_what_the_code_prints_for_the_recorded_run():
 
 def test_readme_is_short_and_links_stay_inside_the_repository():
     assert len(README.read_text().splitlines()) <= 250
-    for page in [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]:
+    for page in [README, *sorted((ROOT / "docs").glob("*.md")),
+                 *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]:
         text = page.read_text()
         assert "shared/" not in text and "/work/" not in text, f"{page.name} points outside the repository"
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):

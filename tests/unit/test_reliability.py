@@ -1,10 +1,9 @@
-"""Issue 16, the single-process parts: defaults, policy hysteresis and cooldown, plot throttling,
+"""Reliability, the single-process parts: defaults, policy hysteresis and cooldown, plot throttling,
 checkpoint file checks, tied-parameter detection, the skipped-training_step warning and the
 recipe's checks before launch."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import random
 import re
@@ -180,7 +179,7 @@ def test_a_truncated_or_empty_checkpoint_says_so(tmp_path):
 
 @pytest.mark.parametrize("entry", ["good/data/3", "good/data.pkl"])  # torch.save names entries after the file
 def test_flipped_bytes_inside_a_checkpoint_are_refused_naming_the_entry(tmp_path, entry):
-    """Issue 26 item 3: torch.load does not check the zip CRCs, so this file loads (wrong values)."""
+    """torch.load does not check the zip CRCs, so this file loads (wrong values)."""
     from tests.distributed.test_reliability import _flip_bytes_inside
 
     good, bad = tmp_path / "good.ckpt", tmp_path / "bad.ckpt"
@@ -342,7 +341,8 @@ def test_recipe_refuses_unknown_model_keys():
 
 @pytest.mark.parametrize("override, says", [
     ("+foo=1", r"unknown key\(s\) \['foo'\]: nothing reads them; the top level takes checkpoint, ckpt_path"),
-    ("+checkpoint.every_n_steps=2", r"\['checkpoint.every_n_steps'\].*checkpoint takes .*checkpoint.every_n_train_steps"),
+    ("+checkpoint.every_n_steps=2",
+     r"\['checkpoint.every_n_steps'\].*checkpoint takes .*checkpoint.every_n_train_steps"),
 ])
 def test_recipe_refuses_added_keys_nothing_reads(override, says):
     """Hydra accepts any `+key=...`; a typo there used to train on with the default (found by an
@@ -421,7 +421,7 @@ def test_one_replica_keeps_the_loader_and_seeds_a_global_rng_shuffle(monkeypatch
 
 
 def test_a_weight_pass_is_shared_by_forward_time_where_no_input_gradient_was_timed():
-    """Issue 26 item 5: a stage whose layers timed no input-gradient backward must not hand its
+    """A stage whose layers timed no input-gradient backward must not hand its
     weight-gradient time to nobody (every layer looked free to the balancers)."""
     from lightning_dynmo.runtime.profiler import PipelineProfiler
 
@@ -435,9 +435,10 @@ def test_a_weight_pass_is_shared_by_forward_time_where_no_input_gradient_was_tim
 
 
 def test_every_balancer_result_is_checked_naming_the_balancer():
-    """Issue 26 item 10: a wrong-size partition or a bare Partition fails where the balancer is
-    called (it used to fail deep in placement with IndexError / AttributeError)."""
-    from lightning_dynmo import BalancerResultError, BalanceProblem, BalanceResult, CostModel, LayerCosts, register_balancer
+    """A wrong-size partition or a bare Partition fails where the balancer is called (not deep in
+    placement with IndexError / AttributeError)."""
+    from lightning_dynmo import (
+        BalancerResultError, BalanceProblem, BalanceResult, CostModel, LayerCosts, register_balancer)
     from lightning_dynmo.plan.balancers import unregister_balancer
 
     problem = BalanceProblem(LayerCosts.from_params([1, 2, 3, 4]), 2, CostModel(4))
@@ -467,7 +468,7 @@ def test_infeasible_partition_error_formats_without_a_capacity():
 
 
 def test_the_batch_digest_sees_a_reordered_batch_and_stale_gradness_is_found():
-    """Issue 26 items 1 and 8: the per-step checks of strategy/step_guard.py."""
+    """The per-step checks of strategy/step_guard.py."""
     from lightning_dynmo.runtime.engine import TensorSpec
     from lightning_dynmo.strategy.step_guard import batch_digest, stale_gradness
 

@@ -7,7 +7,8 @@ import pytest
 
 from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
 from lightning_dynmo.plan.cost_model import CostModel
-from lightning_dynmo.sim.scenarios import CASES, dense, freezing, load_profile, megatron_gpt_layout, moe, sparse_attention
+from lightning_dynmo.sim.scenarios import (
+    CASES, dense, freezing, load_profile, megatron_gpt_layout, moe, sparse_attention)
 from lightning_dynmo.sim.scenarios.snapshot import STATS_BYTES_PER_TOKEN, TARGET_BYTES_PER_TOKEN, gpt_snapshot
 
 SUB = {"granularity": "sublayer", "head_chunks": 1}
@@ -38,7 +39,8 @@ def test_dense_sublayer_conserves_work():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_case_conserves_work_at_every_granularity(case):
     L = 8
-    for block, sub in zip(CASES[case](L, **_kw(case)), CASES[case](L, granularity="sublayer", head_chunks=4, **_kw(case))):
+    for block, sub in zip(CASES[case](L, **_kw(case)),
+                          CASES[case](L, granularity="sublayer", head_chunks=4, **_kw(case))):
         b, s = block.costs, sub.costs
         assert s.num_layers == 2 * L + 1 + 1 + 4
         assert s.time_sum(0, s.num_layers) == pytest.approx(b.time_sum(0, b.num_layers), rel=1e-12)
@@ -67,7 +69,8 @@ def test_head_chunks_split_the_head_and_count_their_bytes():
     p = load_profile()
     one, four = dense(2, **SUB)[0], dense(2, granularity="sublayer", head_chunks=4)[0]
     assert four.costs.num_layers == one.costs.num_layers + 3
-    assert sum(four.costs.time[-4:]) == pytest.approx(one.costs.time[-1]) and sum(four.costs.params[-4:]) == one.costs.params[-1]
+    assert sum(four.costs.time[-4:]) == pytest.approx(one.costs.time[-1])
+    assert sum(four.costs.params[-4:]) == one.costs.params[-1]
     edge = p.boundary_bytes + TARGET_BYTES_PER_TOKEN * p.tokens  # targets ride to the chunked head
     assert four.costs.activation[:-4] == (edge,) * (four.costs.num_layers - 4)
     assert four.costs.activation[-4:-1] == (edge + STATS_BYTES_PER_TOKEN * p.tokens,) * 3

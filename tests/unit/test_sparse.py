@@ -1,7 +1,5 @@
 """SparseLinear / ldsparse kernels agree with the dense masked computation (CPU)."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,6 +8,8 @@ from torch import nn
 
 from lightning_dynmo import sparse
 from lightning_dynmo.sparse import MaskedLinear, SparseLinear, _ops
+
+from tests.support.sparse import cpu_isa, half_tol, rounded_reference, run_without_extension
 
 
 def _mask(out_f, in_f, density, gen, empty_rows=True):
@@ -201,26 +201,15 @@ def test_torch_compile_forward_backward():
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_narrower_isa_builds_agree(isa):
     """The run-time ISA dispatch: the SSE2/AVX2 builds give the same answers."""
-    widest = _ops._C.cpu_isa()
-    if not _ops._C.set_cpu_isa(isa):
-        pytest.skip(f"CPU lacks {isa}")
-    try:
-        assert _ops._C.cpu_isa() == isa
+    with cpu_isa(isa):
         _check_layer((130,), 70, 50, 0.3, True, seed=3)
         _check_layer((3, 5), 33, 20, 0.5, False, seed=4)
         test_gradcheck_float64()
-    finally:
-        _ops._C.set_cpu_isa(widest)
 
 
 def test_package_works_without_extension():
     """A broken build must not break the package: ops fall back to the reference path."""
-    code = (
-        "import sys, importlib.abc, warnings\n"
-        "class Block(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'lightning_dynmo.sparse._C_cpu': raise ImportError('blocked for test')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    run_without_extension(
         "import torch; from torch import nn\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
@@ -233,9 +222,6 @@ def test_package_works_without_extension():
         "torch.testing.assert_close(y, nn.functional.linear(x, d.weight * m, d.bias))\n"
         "torch.testing.assert_close(l.values.grad, x.reshape(-1, 30).sum(0).expand(20, 30)[m])\n"
         "assert isinstance(sparse.maybe_sparsify(d, m), sparse.MaskedLinear)\n")
-    env = {k: v for k, v in os.environ.items() if k != "LDSPARSE_CROSSOVER"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- kernel dispatch
@@ -257,21 +243,6 @@ def test_kernel_dtype_routes_every_device_and_dtype(kernels, device, dtype, expe
     assert _ops.kernel_dtype(device, dtype, kernels) == expected
 
 
-def _rounded_reference(layer, x, g):
-    """y, dx, dvalues in fp64 from the inputs as the kernels see them (already rounded)."""
-    w = layer.dense_weight().double().requires_grad_()
-    xr = x.detach().double().requires_grad_()
-    y = nn.functional.linear(xr, w, None if layer.bias is None else layer.bias.detach().double())
-    y.backward(g.double())
-    return y, xr.grad, w.grad[layer.mask()]
-
-
-def _half_tol(dtype, k):
-    """fp32 accumulation rounded once to ``dtype``: one ulp of ``dtype`` relative plus the fp32
-    accumulation error over ``k`` terms.  (A kernel accumulating in bf16 misses this by ~100x.)"""
-    return dict(rtol=max(torch.finfo(dtype).eps, 1e-5), atol=1e-6 * k)
-
-
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_half_types_run_upcast_on_cpu(dtype):
     gen = torch.Generator().manual_seed(2)
@@ -281,10 +252,10 @@ def test_half_types_run_upcast_on_cpu(dtype):
     y = layer(x)
     y.backward(g)
     assert y.dtype == x.grad.dtype == layer.values.grad.dtype == dtype
-    y_ref, dx_ref, dv_ref = _rounded_reference(layer, x, g)
-    torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, 70))
-    torch.testing.assert_close(x.grad.double(), dx_ref, **_half_tol(dtype, 50))
-    torch.testing.assert_close(layer.values.grad.double(), dv_ref, **_half_tol(dtype, 33))
+    y_ref, dx_ref, dv_ref = rounded_reference(layer, x, g)
+    torch.testing.assert_close(y.double(), y_ref, **half_tol(dtype, 70))
+    torch.testing.assert_close(x.grad.double(), dx_ref, **half_tol(dtype, 50))
+    torch.testing.assert_close(layer.values.grad.double(), dv_ref, **half_tol(dtype, 33))
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
@@ -298,8 +269,8 @@ def test_autocast_cpu_matches_rounded_reference(dtype):
     y.float().sum().backward()
     assert layer.values.grad.dtype == torch.float32
     rounded = SparseLinear.from_dense(layer.to_dense(), layer.mask()).to(dtype)
-    y_ref, _, _ = _rounded_reference(rounded, x.to(dtype), torch.ones(9, 24))
-    torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, 40))
+    y_ref, _, _ = rounded_reference(rounded, x.to(dtype), torch.ones(9, 24))
+    torch.testing.assert_close(y.double(), y_ref, **half_tol(dtype, 40))
 
 
 def test_upcast_refuses_mixed_dtypes():

@@ -2,8 +2,6 @@
 attention under the same mask; ground truth is ``F.scaled_dot_product_attention`` with an
 explicit boolean mask, not our own reference."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,11 +12,12 @@ from lightning_dynmo import sparse
 from lightning_dynmo.models import GPT, Block, GPTConfig
 from lightning_dynmo.models.gpt import HashSparseSelfAttention, SparseAttentionBlock, set_hash_step
 from lightning_dynmo.protocol import ReportsLoad
-from lightning_dynmo.sparse import _ops
 from lightning_dynmo.sparse.attention import block_attention_op, block_sparse_attention
 from lightning_dynmo.sparse.layout import BlockLayout
 from lightning_dynmo.sparse.hash_layout import (HASH_CENTERS, causal_center, draw_rotations, hash_buckets,
                                                 hash_sort_plan, hash_sparse_attention, local_window_layout)
+
+from tests.support.sparse import cpu_isa, run_without_extension
 
 KERNEL = sparse.attention_kernel_available("cpu", torch.float32)
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the compiled attention kernels")
@@ -118,17 +117,12 @@ def test_gradcheck_fp64(t, bs, empty):
 @needs_kernel
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_narrower_isa_builds_agree(isa):
-    widest = _ops._C.cpu_isa()
-    if not _ops._C.set_cpu_isa(isa):
-        pytest.skip(f"CPU lacks {isa}")
-    try:
+    with cpu_isa(isa):
         gen = torch.Generator().manual_seed(3)
         for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
             for bs in (16, 64):
                 layout = random_layout(2, 2, 150, bs, 0.5, gen, empty_rows=1)
                 check_against_sdpa(*qkv(2, 2, 150, 40, dtype, gen), layout, atol=tol, rtol=tol)
-    finally:
-        _ops._C.set_cpu_isa(widest)
 
 
 @needs_kernel
@@ -284,12 +278,7 @@ def test_block_size_without_kernel_uses_reference():
 
 def test_package_works_without_extension():
     """A broken build must not break the feature: everything falls back to the reference."""
-    code = (
-        "import sys, importlib.abc, warnings\n"
-        "class Block(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path, target=None):\n"
-        "        if name == 'lightning_dynmo.sparse._C_cpu': raise ImportError('blocked for test')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    run_without_extension(
         "warnings.simplefilter('ignore')\n"
         "import torch, torch.nn.functional as F\n"
         "from lightning_dynmo import sparse\n"
@@ -305,9 +294,6 @@ def test_package_works_without_extension():
         "m = GPT(GPTConfig.preset('tiny', attention='hash_sparse', attention_block=16, nb_hash=2), seed=0)\n"
         "m(torch.randint(0, 256, (2, 32))).sum().backward()\n"
         "assert m.layers[1].load_factor() > 0\n")
-    env = {k: v for k, v in os.environ.items() if k != "LDSPARSE_CROSSOVER"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- hash layouts
@@ -317,7 +303,8 @@ def test_package_works_without_extension():
 def test_hash_plan_is_causal_and_same_bucket(b, h, t, nb, bs, skew, seed):
     gen = torch.Generator().manual_seed(seed)
     if skew:  # one big bucket and a few stragglers
-        buckets = torch.where(torch.rand(b, h, t, generator=gen) < 0.8, 0, torch.randint(0, nb, (b, h, t), generator=gen))
+        buckets = torch.where(torch.rand(b, h, t, generator=gen) < 0.8, 0,
+                              torch.randint(0, nb, (b, h, t), generator=gen))
     else:
         buckets = torch.randint(0, nb, (b, h, t), generator=gen)
     plan = hash_sort_plan(buckets, nb, bs)

@@ -188,7 +188,8 @@ def test_env_override_pins_the_choice_and_rejects_what_is_not_there(monkeypatch)
 @cuda
 @needs_flex
 def test_auto_on_cuda_is_measured_cached_and_exact():
-    # the benchmark's shape (benchmarks/sparse_attention.py --device cuda): scripts/gpu_check.sh (steps cuda_tests, attention)
+    # the benchmark's shape (benchmarks/sparse_attention.py --device cuda): scripts/gpu_check.sh (steps cuda_tests,
+    # attention)
     # runs this test first, and the benchmark then finds the compiled flex kernels in inductor's cache
     b, h, t, d, bs = 1, 16, 4096, 64, 128
     layout = layout_of(b, h, t, bs, seed=7, density=0.25).to("cuda")

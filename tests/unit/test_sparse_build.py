@@ -1,4 +1,4 @@
-"""The sparse kernels' build layout and what the package says when a module is missing (issue 32).
+"""The sparse kernels' build layout and what the package says when a module is missing.
 
 CPU and CUDA kernels are separate modules (_C_cpu, _C_cuda), so a failed or skipped CUDA build
 keeps the CPU kernels; the import messages name the real cause (not built / stale build / a real

@@ -13,6 +13,8 @@ from torch import nn
 from lightning_dynmo import sparse
 from lightning_dynmo.sparse import SparseLinear
 
+from tests.support.sparse import half_tol, rounded_reference
+
 SPMM_KERNELS = ["v1", "v2", "v3", "v4", "v5"]  # LDSPARSE_SPMM_KERNEL (v2-v5 fp32; bf16 runs v1)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "cpp", "check_cuda_compile.sh")
@@ -34,22 +36,6 @@ def test_cuda_kernels_are_compiled():
     assert sparse.cuda_kernels_available()
 
 
-def _half_tol(dtype, k):
-    """Kernels accumulate in fp32 and round once to ``dtype``: one ulp of ``dtype`` relative plus
-    fp32 accumulation error over ``k`` terms (a bf16-accumulating kernel misses this by ~100x)."""
-    return dict(rtol=max(torch.finfo(dtype).eps, 1e-5), atol=1e-6 * k)
-
-
-def _rounded_reference(layer, x, g):
-    """y, dx, dvalues in fp64 from the inputs as the kernels see them (rounded to their dtype),
-    so the comparison measures the kernels' accumulation, not the inputs' rounding."""
-    w = layer.dense_weight().double().requires_grad_()
-    xr = x.detach().double().requires_grad_()
-    y = nn.functional.linear(xr, w, None if layer.bias is None else layer.bias.detach().double())
-    y.backward(g.double())
-    return y, xr.grad, w.grad[layer.mask()]
-
-
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kernel", SPMM_KERNELS)
@@ -66,10 +52,10 @@ def test_cuda_matches_dense_masked(monkeypatch, kernel, dtype, tokens, in_f, out
     g = torch.randn(tokens, out_f, generator=gen).to("cuda", dtype)
     y = layer(x)
     y.backward(g)
-    y_ref, dx_ref, dv_ref = _rounded_reference(layer, x, g)
-    torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, in_f))
-    torch.testing.assert_close(x.grad.double(), dx_ref, **_half_tol(dtype, out_f))
-    torch.testing.assert_close(layer.values.grad.double(), dv_ref, **_half_tol(dtype, tokens))
+    y_ref, dx_ref, dv_ref = rounded_reference(layer, x, g)
+    torch.testing.assert_close(y.double(), y_ref, **half_tol(dtype, in_f))
+    torch.testing.assert_close(x.grad.double(), dx_ref, **half_tol(dtype, out_f))
+    torch.testing.assert_close(layer.values.grad.double(), dv_ref, **half_tol(dtype, tokens))
 
 
 # --------------------------------------------------------------------------- adversarial GPU plan
@@ -128,9 +114,9 @@ def test_ops_adversarial_inputs(device, dtype, case, how, bias):
     y = _ops.spmm(crow, col, dev(w[mask]), dev(x), dev(b))
     y_ref = x @ w.t() + (b if bias else 0)
     assert y.dtype == dtype and y.is_contiguous()
-    torch.testing.assert_close(y.cpu().double(), y_ref, **_half_tol(dtype, in_f))
+    torch.testing.assert_close(y.cpu().double(), y_ref, **half_tol(dtype, in_f))
     out = _ops.sddmm(crow, col, dev(g), dev(x))
-    torch.testing.assert_close(out.cpu().double(), (g.t() @ x)[mask], **_half_tol(dtype, tokens))
+    torch.testing.assert_close(out.cpu().double(), (g.t() @ x)[mask], **half_tol(dtype, tokens))
 
 
 @pytest.mark.cuda
@@ -147,7 +133,7 @@ def test_cuda_spmm_beyond_grid_y_limit(dtype, tokens):
     with torch.no_grad():
         y = layer(x)
         ref = nn.functional.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
-    torch.testing.assert_close(y.float(), ref, **_half_tol(dtype, 8))
+    torch.testing.assert_close(y.float(), ref, **half_tol(dtype, 8))
 
 
 @pytest.mark.cuda
@@ -164,8 +150,8 @@ def test_cuda_autocast_fp16_falls_back_to_fp32_kernel():
     y.float().sum().backward()
     assert layer.values.grad.dtype == torch.float32 and torch.isfinite(layer.values.grad).all()
     rounded = SparseLinear.from_dense(layer.to_dense(), layer.mask()).to(torch.float16)
-    y_ref, _, _ = _rounded_reference(rounded, x.half(), torch.ones(130, 48, device="cuda"))
-    torch.testing.assert_close(y.double(), y_ref, **_half_tol(torch.float16, 80))
+    y_ref, _, _ = rounded_reference(rounded, x.half(), torch.ones(130, 48, device="cuda"))
+    torch.testing.assert_close(y.double(), y_ref, **half_tol(torch.float16, 80))
 
 
 @pytest.mark.cuda
@@ -211,10 +197,10 @@ def test_cuda_graph_capture_forward_and_backward(dtype):
         y = graphed(xs)
         g = torch.ones_like(y)
         y.backward(g)
-        y_ref, dx_ref, dv_ref = _rounded_reference(layer, xs, g)
-        torch.testing.assert_close(y.double(), y_ref, **_half_tol(dtype, 72))
-        torch.testing.assert_close(xs.grad.double(), dx_ref, **_half_tol(dtype, 40))
-        torch.testing.assert_close(layer.values.grad.double(), dv_ref, **_half_tol(dtype, 50))
+        y_ref, dx_ref, dv_ref = rounded_reference(layer, xs, g)
+        torch.testing.assert_close(y.double(), y_ref, **half_tol(dtype, 72))
+        torch.testing.assert_close(xs.grad.double(), dx_ref, **half_tol(dtype, 40))
+        torch.testing.assert_close(layer.values.grad.double(), dv_ref, **half_tol(dtype, 50))
 
 
 # --------------------------------------------------------------------------- block-sparse attention
@@ -313,7 +299,7 @@ def test_cuda_spmm_kernels_match_the_dense_product(monkeypatch, kernel, tokens, 
     crow, col = (t.cuda() for t in csr_pattern(mask))
     y = torch.ops.ldsparse.spmm(crow, col, w[mask].cuda(), x.cuda(), b.cuda())
     ref = x.double() @ w.double().t() + b.double()
-    torch.testing.assert_close(y.cpu().double(), ref, **_half_tol(torch.float32, in_f))
+    torch.testing.assert_close(y.cpu().double(), ref, **half_tol(torch.float32, in_f))
 
 
 @pytest.mark.cuda

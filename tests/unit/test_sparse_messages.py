@@ -200,7 +200,8 @@ def _code(path):
 
 
 def test_no_check_formats_a_raw_number_or_shape():
-    files = sorted(p for pattern in ("*.h", "*.cpp", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h", "cuda/*.cpp") for p in CSRC.glob(pattern))
+    patterns = ("*.h", "*.cpp", "cuda/*.cu", "cuda/*.cuh", "cuda/*.h", "cuda/*.cpp")
+    files = sorted(p for pattern in patterns for p in CSRC.glob(pattern))
     sites, raw = 0, []
     for f in files:
         for args in _torch_checks(_code(f)):

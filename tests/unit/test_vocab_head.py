@@ -23,7 +23,7 @@ def _pair(vocab: int, k: int, **kw) -> tuple[GPT, GPT]:
     return GPT(GPTConfig(**cfg), seed=3), GPT(GPTConfig(**cfg, head_chunks=k), seed=3)
 
 
-def _grads(model: GPT) -> dict[str, torch.Tensor]:
+def _merged_grads(model: GPT) -> dict[str, torch.Tensor]:
     """Parameter gradients by unchunked name (the chunks' rows concatenated)."""
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return merge_state(grads, model.checkpoint_merges())
@@ -33,7 +33,7 @@ def _loss_and_grads(model: GPT, x, y) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     loss = model.lm_loss(x, y)
     loss.backward()
-    return loss.detach(), _grads(model)
+    return loss.detach(), _merged_grads(model)
 
 
 @settings(derandomize=True, max_examples=25, deadline=None)
@@ -90,7 +90,7 @@ class _Grads(L.Callback):
     """Gradients as the optimizer sees them (after the grad scaler's unscale), by unchunked name."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.grads = _grads(pl_module)
+        self.grads = _merged_grads(pl_module)
         self.grads = {k: v.detach().float().clone() for k, v in self.grads.items()}
 
 
@@ -100,7 +100,8 @@ def _one_lightning_step(model: GPT, precision, tmp_path) -> dict[str, torch.Tens
     record = _Grads()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        default_root_dir=tmp_path, callbacks=[record], **({"plugins": [precision]} if precision else {}))
+                        default_root_dir=tmp_path, callbacks=[record],
+                        **({"plugins": [precision]} if precision else {}))
     trainer.fit(model, loader)
     return record.grads
 
@@ -158,16 +159,16 @@ def test_optimizer_state_translates_between_chunk_counts():
     merges = chunked.checkpoint_merges()
     merged = merge_optimizer_state(sds[1], names[1], merges)
     assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in sds[0]["param_groups"]]
-    for i, st in sds[0]["state"].items():
+    for i, state in sds[0]["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(merged["state"][i][key], st[key], rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(merged["state"][i][key], state[key], rtol=1e-5, atol=1e-9)
     groups = [g["params"] for g in sds[1]["param_groups"]]
     back = split_optimizer_state(merged, names[1], groups, merges)
     assert back["state"].keys() == sds[1]["state"].keys()
-    steps = [st["step"] for st in back["state"].values()]  # Adam updates them in place: one each
+    steps = [state["step"] for state in back["state"].values()]  # Adam updates them in place: one each
     assert len({id(t) for t in steps}) == len(steps)
-    for i, st in sds[1]["state"].items():
-        torch.testing.assert_close(back["state"][i]["exp_avg"], st["exp_avg"])
+    for i, state in sds[1]["state"].items():
+        torch.testing.assert_close(back["state"][i]["exp_avg"], state["exp_avg"])
 
 
 def test_unsupported_combinations_are_refused_clearly():

@@ -1,7 +1,7 @@
 // Host-side entry points of the CUDA kernels, free of CUDA device code and of torch: the torch
 // bindings (*_binding.cpp, compiled by the host compiler) include this header, the kernels'
 // translation units (*.cu, compiled by nvcc, which never sees torch headers) define it.  Why the
-// split: nvcc compiling ATen headers was most of the extension's build time (issue 32).
+// split: nvcc compiling ATen headers was most of the extension's build time.
 // The sparse-linear entry points take `Dtype` and untyped pointers; the attention ones take the
 // parameter structs of attention_params.h (host-compilable, as is cuda_bf16.h).
 #pragma once

@@ -1,5 +1,5 @@
 // Python entry point of `lightning_dynmo.sparse._C_cuda`, the CUDA kernels' own module (built
-// apart from _C_cpu so a failed or skipped CUDA build keeps the CPU kernels, issue 32).
+// apart from _C_cpu so a failed or skipped CUDA build keeps the CPU kernels).
 // Importing it registers the CUDA implementations (sparse_binding.cpp, attention_binding.cpp)
 // on the schemas that _C_cpu defines, so lightning_dynmo.sparse._ops imports _C_cpu first.
 // A bare CPython module: it exports nothing, and torch/extension.h alone took ~40 s to compile.

@@ -7,7 +7,7 @@
 // SpMM, y[t, r] = bias[r] + sum_p values[p] * x[t, col[p]] over the CSR row r, on token-major
 // activations x [n, K] and y [n, rows] (the layer's own layout: no transposes).
 //
-// Why this shape (issue 32): unstructured SpMM does one FMA per dense element it reads, so it
+// Why this shape: unstructured SpMM does one FMA per dense element it reads, so it
 // is bound by how fast the dense operand reaches the FMA units. Reading it from L2 per non-zero
 // (one warp per CSR row, the previous design) moves nnz * n * 4 bytes through L2: slower than
 // cuBLAS at every sparsity on Hopper. Here a block owns a 128-row x 128-token output tile and
@@ -158,8 +158,8 @@ spmm_tiled_kernel(const int32_t* __restrict__ chunk_ptr, const int32_t* __restri
 }
 
 // ---------------------------------------------------------------------------- SpMM v2 (fp32)
-// Same tiling as spmm_tiled_kernel, built against what the H200 run of v1 showed (issue 32,
-// benchmarks/results/2026-11-28-gpu.md: 0.42x cuBLAS at 75 %, 0.75x at 90 %, and 1.9 ms at 99 %
+// Same tiling as spmm_tiled_kernel, built against what the H200 run of v1 showed
+// (benchmarks/results/2026-11-28-gpu.md: 0.42x cuBLAS at 75 %, 0.75x at 90 %, and 1.9 ms at 99 %
 // where the FMAs are nearly gone): v1 reads each non-zero's (value, column) from global memory
 // inside the dependent inner loop, one L2 round trip per non-zero per row.  v2 stages them too:
 //   * per chunk, every warp copies its 16 rows' (value, column) pairs of the chunk (<= 32 a row)

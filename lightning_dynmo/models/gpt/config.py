@@ -116,10 +116,6 @@ class GPTConfig(ModelConfig):
             raise ValueError(f"unknown GPT preset {name!r}; valid presets: {sorted(_PRESETS)}")
         return cls(**{**_PRESETS[name], **overrides})
 
-    @staticmethod
-    def preset_names() -> list[str]:
-        return sorted(_PRESETS)
-
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # unit tests: milliseconds per step

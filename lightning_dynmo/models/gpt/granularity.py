@@ -29,8 +29,8 @@ draw order (:func:`skip_draws`), and freezing treats a unit as one (``LayerFreez
 a block half frozen).
 
 A block type opts in by defining ``split_sublayers() -> (first, second)`` (and ``split_fine()``);
-:class:`Block` itself splits into the plain halves and the fine pieces. Models whose blocks route tokens around the whole block (early exit,
-mixture of depths) refuse the sublayer granularity at construction.
+:class:`Block` itself splits into the plain halves and the fine pieces. Models whose blocks route tokens around the
+whole block (early exit, mixture of depths) refuse the sublayer granularity at construction.
 """
 from __future__ import annotations
 
@@ -230,7 +230,8 @@ def apply_granularity(model: nn.Module) -> None:
     first: dict = {}
     for (unit, name), j in model.piece_of_key.items():
         first.setdefault((unit, name.split(".", 1)[0]), set()).add(j)
-    model.piece_of_key.update({key: js.pop() for key, js in first.items() if len(js) == 1 and key not in model.piece_of_key})
+    model.piece_of_key.update({key: js.pop() for key, js in first.items()
+                               if len(js) == 1 and key not in model.piece_of_key})
     model.register_state_dict_post_hook(_save_block_keys)
     model.register_load_state_dict_pre_hook(_load_block_keys)
 

@@ -16,7 +16,8 @@ from .layers import Block, CausalSelfAttention
 if TYPE_CHECKING:
     from .config import GPTConfig
 
-__all__ = ["HashSparseSelfAttention", "SparseAttentionBlock", "SparseAttentionHalf", "SparseAttentionLoad", "set_hash_step"]
+__all__ = ["HashSparseSelfAttention", "SparseAttentionBlock", "SparseAttentionHalf", "SparseAttentionLoad",
+           "set_hash_step"]
 
 
 class RunningMean:
@@ -79,7 +80,8 @@ class HashSparseSelfAttention(CausalSelfAttention):
     def reset_buffers(self) -> None:
         """Rotations from the layer's seed and ``hash_step`` 0, in place (meta-device init)."""
         with torch.device("cpu"):
-            rotations = draw_rotations(*self.rotations.shape[:2], self.nb_hash, torch.Generator().manual_seed(self._seed))
+            rotations = draw_rotations(*self.rotations.shape[:2], self.nb_hash,
+                                       torch.Generator().manual_seed(self._seed))
         self.rotations.copy_(rotations)
         self.hash_step.zero_()
 

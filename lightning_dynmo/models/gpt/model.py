@@ -82,7 +82,8 @@ class GPT(CausalLMModule):
                 layers.append(Head(cfg))
             else:
                 if not self._head_chunks_supported:
-                    raise ValueError(f"{type(self).__name__} does not support head_chunks > 1 yet; use GPT, or head_chunks=1")
+                    raise ValueError(f"{type(self).__name__} does not support head_chunks > 1 yet; "
+                                     "use GPT, or head_chunks=1")
                 layers += head_chunk_layers(cfg.n_embd, cfg.vocab_size, cfg.head_chunks)
             self.layers = nn.ModuleList(layers)
         self._init_weights()

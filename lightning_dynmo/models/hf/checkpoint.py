@@ -48,8 +48,9 @@ def _reading(file: Path):
     except (FileNotFoundError, KeyError):
         raise
     except Exception as err:  # noqa: BLE001 - SafetensorError, RuntimeError, EOFError, UnpicklingError...
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise CheckpointFileError(
-            f"{file} cannot be read ({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}); "
+            f"{file} cannot be read ({type(err).__name__}: {first_line}); "
             "it is truncated or damaged: download or save it again"
         ) from err
 

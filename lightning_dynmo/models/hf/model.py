@@ -92,7 +92,8 @@ from ...protocol import layer_seed, materialize_layer, run_layers
 from .._aux_loss import configure_aux_loss, reset_aux_loss
 from .._lm import CausalLMModule
 from ..vocab_head import (
-    HeadChunk, check_head_chunks, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
+    HeadChunk, check_head_chunks, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook,
+    streaming_nll_mean)
 from . import export
 from .arch import SUPPORTED_ARCHITECTURES, layer_kinds, load_config
 from .checkpoint import DISK_LAYOUTS, CheckpointReader
@@ -433,7 +434,8 @@ class HFCausalLM(CausalLMModule):
         ``state_dict``) or from this module, which must then hold every layer."""
         return export.hf_state_dict(self, state_dict)
 
-    def save_pretrained(self, directory: str | os.PathLike, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike,
+                        state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
         """Write ``config.json`` and ``model.safetensors`` in the format ``from_pretrained`` (ours and
         ``transformers.AutoModelForCausalLM``'s) reads; Mixtral's experts per expert, as the published
         files and ``transformers``' own ``save_pretrained`` store them. An untied model is saved

@@ -107,5 +107,6 @@ def check_predictor_threshold(value: str | float) -> str | float:
 
 def check_capacity(capacity: float) -> float:
     if not (isinstance(capacity, (int, float)) and 0.0 < capacity <= 1.0):
-        raise ValueError(f"MoD capacity is the fraction of tokens a block takes and must be in (0, 1], got {capacity!r}")
+        raise ValueError(f"MoD capacity is the fraction of tokens a block takes and must be in (0, 1], "
+                         f"got {capacity!r}")
     return float(capacity)

@@ -74,7 +74,8 @@ class RoutingStats:
 class MoELoad:
     """What a pipeline layer holding an :class:`~lightning_dynmo.models.moe.MoELayer` as ``mlp`` reports: its load
     (``ReportsLoad``, the strategy's window) and its routing statistics (the monitoring window).
-    Mixed in before the layer's class (:class:`~lightning_dynmo.models.moe.MoEBlock`, and its MoE half at sublayer granularity)."""
+    Mixed in before the layer's class (:class:`~lightning_dynmo.models.moe.MoEBlock`, and its MoE half at sublayer
+    granularity)."""
 
     def load_factor(self) -> float | None:
         window = self.mlp.load_window

@@ -123,7 +123,8 @@ def fits_memory(problem: BalanceProblem, partition: Partition) -> bool:
     return model.capacity is None or max(model.stage_memory(problem.costs, partition)) <= model.capacity
 
 
-def make_result(problem: BalanceProblem, obj: Objective, partition: Partition, name: str, rounds: int = 1) -> BalanceResult:
+def make_result(problem: BalanceProblem, obj: Objective, partition: Partition, name: str,
+                rounds: int = 1) -> BalanceResult:
     loads = obj.loads(partition)
     return BalanceResult(
         partition=partition,

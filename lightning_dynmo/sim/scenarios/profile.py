@@ -142,7 +142,8 @@ class Profile:
         return cls(
             name="flops", source=f"FLOP model at {flops_per_second:.3g} FLOP/s (not measured)", hidden=hidden,
             heads=heads, seq=seq, micro_batch=micro_batch, vocab=vocab, fractions=fr,
-            block_fwd=tuple(d + a for d, a in zip(dense, attn)), block_bwd=tuple(2 * (d + a) for d, a in zip(dense, attn)),
+            block_fwd=tuple(d + a for d, a in zip(dense, attn)),
+            block_bwd=tuple(2 * (d + a) for d, a in zip(dense, attn)),
             block_bwd_weights=tuple(d for d in dense), attn_fwd=tuple(attn), attn_bwd=tuple(2 * a for a in attn),
             mlp_tokens=toks, mlp_fwd=tuple(mlp), mlp_bwd=tuple(2 * x for x in mlp),
             embedding=(sec(t * hidden), sec(2 * t * hidden)), final_norm=(sec(5 * t * hidden), sec(10 * t * hidden)),

@@ -263,10 +263,12 @@ def project(cfg: dict | None = None, out_dir: str | Path | None = None) -> dict:
         "speedup_vs_uniform": {c: round(x["speedup_vs"].get("uniform", math.nan), 4) for c, x in head.items()},
         "speedup_vs_static_time": {c: round(x["speedup_vs"].get("static_time", math.nan), 4) for c, x in head.items()},
         "speedup_vs_dense_static": {c: round(x["speedup_vs_dense_static"], 4) for c, x in head.items()},
-        "dense_model_speedup_vs_static": round(next(iter(head.values()))["dense_speedup_vs_static"], 4) if head else None,
+        "dense_model_speedup_vs_static": round(next(iter(head.values()))["dense_speedup_vs_static"], 4)
+        if head else None,
         "granularities": {name: _figures(headline(name, cfg["schedule"])) for name in lays},
         "schedules": by_schedule,
-        "packing": {c: {L: {k: v[k] for k in ("stages", "mean_gpus", "gpu_hours_saved_fraction", "min_throughput_ratio")}
+        "packing": {c: {L: {k: v[k] for k in ("stages", "mean_gpus", "gpu_hours_saved_fraction",
+                                              "min_throughput_ratio")}
                         for L, v in d.items()} for c, d in packing.items()},
         "sensitivity_head_scale": sens,
         "paper": PAPER,
@@ -299,11 +301,13 @@ def _packing(cfg: dict, profile: Profile, layout: dict) -> dict:
             continue
         for L in cfg["layers"]:
             traj = _trajectory(case, L, profile, cfg, layout)
-            r = repack_projection(traj, int(rp["stages"]), cfg["schedule"], link=links(int(rp["stages"]), cfg["network"]),
+            r = repack_projection(traj, int(rp["stages"]), cfg["schedule"],
+                                  link=links(int(rp["stages"]), cfg["network"]),
                                   dp=_dp(case, cfg), capacity=float(rp["capacity_gb"]) * 1e9,
                                   tolerance=float(rp["tolerance"]), reference=str(rp["reference"]))
             packing.setdefault(case, {})[str(L)] = {
-                "stages": int(rp["stages"]), "reference": r.reference, "ranks_over_time": r.ranks, "iterations": r.iterations,
+                "stages": int(rp["stages"]), "reference": r.reference, "ranks_over_time": r.ranks,
+                "iterations": r.iterations,
                 "mean_gpus": round(r.mean_ranks, 3), "gpu_hours_saved_fraction": round(r.gpu_hours_saved_fraction, 4),
                 "min_throughput_ratio": round(min(r.throughput_ratio), 4),
                 "peak_stage_memory_gb": round(max(r.peak_stage_memory_gb), 2), "decisions": r.reasons,

@@ -75,7 +75,8 @@ def repack_projection(
                     notes.append(f"{r}: {err}"[:120])
                     continue
             scaled = rescale(snap.costs, m0 / m)
-            step = simulate(scaled, part, schedule, m, link=links[:r], dp=dp, reduced_params=snap.reduced_params).step_time
+            step = simulate(scaled, part, schedule, m, link=links[:r], dp=dp,
+                            reduced_params=snap.reduced_params).step_time
             if step <= (1 + tolerance) * ref or r == ranks_now:
                 model = matching_cost_model(schedule, m, Link(), capacity=capacity)
                 chosen = (r, step, max(model.stage_memory(rescale(mview, m0 / m), part)) / 1e9)

@@ -123,7 +123,8 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
             f"{summary['bubble_static'][case]:.1%} -> {summary['bubble_dynamic'][case]:.1%} | {paper} |")
     lines += [
         "",
-        f"The schedule's own bubble with equal stages is {_f(summary['inherent_bubble'], '.1%')} (1F1B: (p-1)/(m+p-1)). "
+        f"The schedule's own bubble with equal stages is {_f(summary['inherent_bubble'], '.1%')} "
+        "(1F1B: (p-1)/(m+p-1)). "
         "*Fluid ceiling*: the speedup over the best static partition if every rank held exactly its share of "
         "the work (the schedule's own bubble kept, links and all-reduce free): how far whole pieces still are "
         "from the limit. *Dense efficiency* (the model without dynamism: that ideal step over the best "
@@ -144,7 +145,8 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
         for g, s, f in rows:
             lines.append(f"| {g} | {s} | {f['pipeline_layers']} | {_f(f['dense_efficiency'], '.3f')} | "
                          f"{_f(f['inherent_bubble'], '.1%')} | " + " | ".join(
-                             f"{_f(f['projected_speedup_vs_static'].get(c), '.3f')} / {_f(f['fluid_ceiling'].get(c), '.3f')}"
+                             f"{_f(f['projected_speedup_vs_static'].get(c), '.3f')} / "
+                             f"{_f(f['fluid_ceiling'].get(c), '.3f')}"
                              for c in cfg["cases"]) + " |")
         lines += ["", "Whole-piece quantization (1F1B grid, free links): heaviest stage over the mean stage, exact "
                   "partition / equal piece counts (`uniform`), iteration-weighted over each trajectory:", "",
@@ -152,7 +154,8 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
         for g, f in grans.items():
             q = f["stage_max_over_mean"]
             lines.append(f"| {g} | " + " | ".join(
-                f"{q[c]['partition_time']:.3f} / {q[c]['uniform']:.3f}" if c in q else "-" for c in cfg["cases"]) + " |")
+                f"{q[c]['partition_time']:.3f} / {q[c]['uniform']:.3f}" if c in q else "-"
+                for c in cfg["cases"]) + " |")
         lines += [""]
         step_rows = []
         for g in grans:
@@ -193,7 +196,8 @@ def report(summary: dict, cells: list[dict], packing: dict, cfg: dict, profile: 
               "|---|---|---|---|---|---|---|"]
     for case, d in packing.items():
         for L, v in d.items():
-            lines.append(f"| {case} | {L} | {v['stages']} | {v['mean_gpus']:.2f} | {v['gpu_hours_saved_fraction']:.1%} | "
+            lines.append(f"| {case} | {L} | {v['stages']} | {v['mean_gpus']:.2f} | "
+                         f"{v['gpu_hours_saved_fraction']:.1%} | "
                          f"{v['min_throughput_ratio']:.3f} | {v['peak_stage_memory_gb']:.1f} GB |")
     lines += ["", f"Paper: gradual pruning packs 8 -> {PAPER['packing']['pruning'][1]} GPUs on average.", ""]
     if summary["sensitivity_head_scale"]:

@@ -134,7 +134,8 @@ def gpt_snapshot(profile: Profile, blocks: Sequence[Block], *, iterations: float
             pieces = [(t, pp, FINE_STORED[i], edge + (FINE_WIDTH[i] - 1) * profile.boundary_bytes)
                       for t, pp, i in _fine_pieces(blk, p, m, profile.hidden)]
         elif sub:
-            pieces = [(blk.attention, p - m, ATTENTION_STORED_SHARE, edge), (blk.mlp, m, 1 - ATTENTION_STORED_SHARE, edge)]
+            pieces = [(blk.attention, p - m, ATTENTION_STORED_SHARE, edge),
+                      (blk.mlp, m, 1 - ATTENTION_STORED_SHARE, edge)]
         else:
             pieces = [(blk.total, p, 1.0, edge)]
         for (f, b), pp, share, out in pieces:

@@ -1,6 +1,6 @@
 """A GPT whose loss sleeps ``loss_delay`` seconds in its forward and again in its backward, on a
 pipeline that profiles layers; records, per rank and per profiled step, the profiler's per-layer
-times and its busy / attributed seconds (issue 22: the loss's time must belong to a layer).
+times and its busy / attributed seconds (the loss's time must belong to a layer).
 
 Usage: torchrun --nproc-per-node 2 attribution_worker.py SPEC.json (see common.run_spec).
 """

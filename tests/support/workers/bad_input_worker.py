@@ -4,7 +4,8 @@ Usage: torchrun --nproc-per-node 2 bad_input_worker.py CASES OUT
        CASES: comma-separated names from ``CASES`` below, run one after another in this one
        process group (each fails the same way on every rank, before the ranks could disagree);
        every rank writes ``{case: "ExceptionType: message"}`` to ``OUT.rank<r>.json``.
-       torchrun --nproc-per-node 2 bad_input_worker.py die|stall|stall_in_layer|val_raises|save_on_rank0|callback_raises OUT
+       torchrun --nproc-per-node 2 bad_input_worker.py CASE OUT, with CASE one of
+       die|stall|stall_in_layer|val_raises|save_on_rank0|callback_raises:
        a rank that dies or hangs mid-training (in a callback, or in a layer on rank 1), a layer that
        raises in validation on rank 1 only, a collective call made on rank 0 only, or a callback
        that raises on rank 1 only (outside the pipeline step); the job
@@ -216,7 +217,8 @@ CASES = {
     "eval_metric_sync_on_step": lambda out: validate_eval_step("sync_on_step"),
     "manual_optimisation": lambda out: fit(model=manual_optimisation_model()),
     "parameter_outside_layers": lambda out: fit(model=parameter_outside_layers_model()),
-    "different_batches": lambda out: fit(loader=per_rank_shuffled_loader(8), trainer_kw={"use_distributed_sampler": False}),
+    "different_batches": lambda out: fit(loader=per_rank_shuffled_loader(8),
+                                         trainer_kw={"use_distributed_sampler": False}),
     "layer_returns_dict": lambda out: fit(model=misbehaving_model("dict")),
     "layer_returns_non_tensor": lambda out: fit(model=misbehaving_model("non_tensor")),
     "layer_changes_arity": lambda out: fit(model=misbehaving_model("arity")),
@@ -226,8 +228,8 @@ CASES = {
     # dp_sharding="fsdp" refuses what its FSDP units cannot hold yet (one stage x two replicas)
     "fsdp_half_precision": lambda out: fit(pipeline_parallel=1, dp_sharding="fsdp",
                                            trainer_kw={"precision": "16-true"}),
-    # Lightning callbacks that need the whole module in one process (each used to fail mid-step on
-    # one rank while the other lost its peer, or would prune by another rule)
+    # Lightning callbacks that need the whole module in one process (unchecked, each would fail mid-step
+    # on one rank while the other lost its peer, or would prune by another rule)
     "ema_callback": lambda out: fit(callbacks=[EMAWeightAveraging()]),
     "swa_callback": lambda out: fit(callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]),
     "model_pruning_callback": lambda out: fit(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]),

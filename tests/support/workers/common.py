@@ -125,7 +125,8 @@ def reference_batches(cfg: dict, dp: int):
 def shift_one_boundary(problem):
     """Moves boundaries at every call (a legitimate user balancer): shift the first boundary that
     can move one layer, alternating direction, so every rebalance migrates layers."""
-    cur = problem.current or Partition.from_sizes([1] * (problem.num_stages - 1) + [problem.num_layers - problem.num_stages + 1])
+    cur = problem.current or Partition.from_sizes([1] * (problem.num_stages - 1)
+                                                  + [problem.num_layers - problem.num_stages + 1])
     b = list(cur.boundaries)
     S = len(b) - 1
     # rotate: move one layer from the largest stage to its right (or left) neighbour
@@ -137,7 +138,8 @@ def shift_one_boundary(problem):
         b[big] += 1
     new = Partition(tuple(b))
     t = problem.model.predicted_step_time(problem.costs, new)
-    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="shift_one_boundary", loads=())
+    return BalanceResult(partition=new, rounds=1, predicted_step_time=t, max_load=t, name="shift_one_boundary",
+                         loads=())
 
 
 # the same user balancer under the names the workers use

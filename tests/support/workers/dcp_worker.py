@@ -8,8 +8,8 @@ last.ckpt at the last step), "tied", "damage" (how to spoil "resume" first, on r
 "poison_save" (a path: after the fit, a NaN into one weight of the last rank, then save there), "fsdp"
 (dp_sharding="fsdp"; checkpoint_format then defaults by it unless "format" is given), "probe_load" (after the fit,
 every rank loads "resume" again and reports what it read: its own entries, sharded or whole)}. Every data-parallel
-layout sees the same global batches (no shuffling), so losses compare across layouts. Rank 0 writes per run its losses, the
-error every rank raised (if any) and the bytes of the DCP files it saved.
+layout sees the same global batches (no shuffling), so losses compare across layouts. Rank 0 writes per run its losses,
+the error every rank raised (if any) and the bytes of the DCP files it saved.
 """
 from __future__ import annotations
 

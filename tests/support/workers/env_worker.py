@@ -1,12 +1,12 @@
 """Reports what a torchrun worker sees (for tests/distributed/test_warm_launcher.py).
 
 Usage: torchrun --nproc-per-node N env_worker.py SPEC.json
-SPEC: {"out": path, "runs": [{"case": "env" | "fail" | "hang" | "exit" | "crash" | "crash_once"}]}. ``env``: rank 0 writes
-every rank's launch environment, signal handlers and ``sys.argv`` after an all-gather over gloo,
+SPEC: {"out": path, "runs": [{"case": "env" | "fail" | "hang" | "exit" | "crash" | "crash_once"}]}. ``env``: rank 0
+writes every rank's launch environment, signal handlers and ``sys.argv`` after an all-gather over gloo,
 and each rank creates ``OUT.atexit<rank>`` from an ``atexit`` handler; ``fail`` raises on rank 1;
-``hang`` writes ``OUT.pid<rank>`` and sleeps forever; ``exit`` calls ``sys.exit(3)`` on rank 1; ``crash`` segfaults rank 1 (faulthandler's own
-null read, its handler on, as in torch's workers); ``crash_once`` does so only while ``OUT.crashed`` does not exist yet,
-then runs ``env``.
+``hang`` writes ``OUT.pid<rank>`` and sleeps forever; ``exit`` calls ``sys.exit(3)`` on rank 1; ``crash`` segfaults rank
+1 (faulthandler's own null read, its handler on, as in torch's workers); ``crash_once`` does so only while
+``OUT.crashed`` does not exist yet, then runs ``env``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Failures that must name themselves within seconds (issue 31), one case per torchrun launch.
+"""Failures that must name themselves within seconds, one case per torchrun launch.
 
 Usage: torchrun --nproc-per-node 2 tests/support/workers/fault_worker.py CASE OUT_DIR
 Each rank writes OUT_DIR/rank{r}.json itself (no collective: after a failure there is none to

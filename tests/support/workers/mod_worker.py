@@ -29,7 +29,8 @@ from tests.support.workers.common import LossRecorder, make_loader, make_model, 
 
 def build_model(cfg: dict) -> MoDGPT:
     """The shared test GPT (heterogeneous MLP widths) with MoD blocks."""
-    return MoDGPT(make_model(cfg).config, mod=cfg["mod"], moe=cfg.get("moe"), lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20,
+    return MoDGPT(make_model(cfg).config, mod=cfg["mod"], moe=cfg.get("moe"), lr=cfg.get("lr", 3e-3), warmup_steps=2,
+                  max_steps=20,
                   seed=cfg.get("seed", 0))
 
 

@@ -204,7 +204,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         optim = trainer.optimizers[0].state_dict()
         history, per_rank, local_load, kinds = [], [expert_rows], [], []
-    result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history, "load": monitor.last_stats, "expert_rows_per_rank": per_rank,
+    result = {"losses": rec.losses, "grad_norms": norms.before, "clipped_grad_norms": norms.after, "history": history,
+              "load": monitor.last_stats, "expert_rows_per_rank": per_rank,
               "layer_load": signal.combined, "local_load_per_rank": local_load, "routing_rows": signal.rows,
               "dtensor_params_per_rank": kinds}
     if freezing is not None and pipeline:

@@ -247,7 +247,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         monitor = SparseAttentionMonitor(**cfg["sparse_monitor"])
         callbacks.append(monitor)
     if cfg.get("save_ckpt"):
-        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=cfg["steps"]))
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
+                                                             every_n_train_steps=cfg["steps"]))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -271,17 +272,20 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             model = make_model(cfg)
         assert all(p.is_meta for p in model.parameters())
     val = eval_loader(cfg, cfg["batch"]) if evaluate else None
-    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), val_dataloaders=val, ckpt_path=cfg.get("resume"))
+    trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), val_dataloaders=val,
+                ckpt_path=cfg.get("resume"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     events = trainer.strategy.last_step_events()  # the last step's chunk timeline on this rank
     chunk_seconds = {k: sum(e["end"] - e["start"] for e in events if e["kind"] == k) for k in "FBW"}
     grads = sum(1 for p in trainer.lightning_module.parameters() if p.grad is not None)
     optim_tensors = sum(1 for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
                         if torch.is_tensor(v) and v.numel() > 1)
-    local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.lightning_module.parameters())
+    local_numel = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                      for p in trainer.lightning_module.parameters())
     frozen = [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
     frozen_with_state = sum(1 for p in frozen for opt in trainer.optimizers if opt.state.get(p))
-    local = (sum(p.numel() for p in trainer.lightning_module.parameters()), bool(getattr(trainer.strategy, "released", False)),
+    local = (sum(p.numel() for p in trainer.lightning_module.parameters()),
+             bool(getattr(trainer.strategy, "released", False)),
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
              list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel,
              (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))),
@@ -289,10 +293,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     memory = pruning.state_bytes(trainer, trainer.lightning_module) if pruning else None  # (collective)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
-    # the whole model on rank 0 whatever checkpoint_format saves (under "dcp" the strategy's own hooks return local shards)
+    # the whole model on rank 0 whatever checkpoint_format saves (under "dcp" the strategy's own hooks
+    # return local shards)
     state = checkpoint.full_model_state_dict(trainer.strategy._pipe())
     optim = checkpoint.full_optimizer_state(trainer.strategy._pipe(), trainer.optimizers[0])
-    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance, "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
+    result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance,
+              "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
               "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
               "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
               "released_hook": released_hook.ranks, "optim_tensors_per_rank": [x[4] for x in per_rank],
@@ -302,10 +308,11 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "local_param_numel_per_rank": [x[9] for x in per_rank],
               "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
               "val_acc_per_rank": [x[11] for x in per_rank],  # pipeline_eval_step's metric as each rank logged it
-              "masks_per_rank": [x[12] for x in per_rank],  # (pruning masks, of them DTensor shards, their local elements)
+              "masks_per_rank": [x[12] for x in per_rank],  # pruning masks, of them DTensor shards, their local elements
               "pruning": pruning.state_dict() if pruning else None,
               "pruning_memory": memory,  # GradualPruning.state_bytes: the pruned layers' state over all ranks
-              "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms, "microbatches_per_step": probe.microbatches, "metrics": metrics,
+              "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms,
+              "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
               "replica_averages": averages[0], "mid_window_moves": mid_window.moves if mid_window else 0}

@@ -87,7 +87,8 @@ class InitialState(L.Callback):
 def trainer_for(cfg: dict, callbacks: list, out_dir: str) -> L.Trainer:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = DynMoStrategy(
-        pipeline_parallel=cfg.get("pp", 2), schedule=cfg.get("schedule", "1f1b"), microbatches=cfg.get("microbatches", 4),
+        pipeline_parallel=cfg.get("pp", 2), schedule=cfg.get("schedule", "1f1b"),
+        microbatches=cfg.get("microbatches", 4),
         balancer=cfg.get("balancer", "uniform"), rebalance=cfg.get("rebalance", "never"), rebalance_interval=1,
         partition=cfg.get("partition"), memory_capacity=cfg.get("memory_capacity"),
         activation_checkpointing=cfg.get("checkpointing", False), plot=False, timeout=120,

@@ -1,4 +1,4 @@
-"""Reliability cases of issue 16 under DynMoStrategy, several per torchrun launch.
+"""Reliability cases under DynMoStrategy, several per torchrun launch.
 
 Usage: torchrun --nproc-per-node N tests/support/workers/reliability_worker.py SPEC.json
 SPEC: {"out": path, "runs": [config, ...]}. A config has a ``case`` (see ``run_one``) plus the
@@ -267,7 +267,8 @@ class WritePidsAndCrawl(L.Callback):
 # ---------------------------------------------------------------------------------- runs
 def build(cfg: dict, out_dir: str, idx: int):
     case = cfg["case"]
-    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "detached_loss": DetachedLossGPT, "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
+    model_cls = {"nan_loss": NaNLossGPT, "vector_loss": VectorLossGPT, "detached_loss": DetachedLossGPT,
+                 "hook": HookGPT, "step_logging": StepLoggingGPT}.get(cfg.get("model"), GPT)
     model = view_model(cfg) if cfg.get("model") == "view" else make_model(cfg, cls=model_cls)
     callbacks: list = []
     if case == "request_under_never":
