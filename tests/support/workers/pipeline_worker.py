@@ -308,7 +308,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "local_param_numel_per_rank": [x[9] for x in per_rank],
               "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
               "val_acc_per_rank": [x[11] for x in per_rank],  # pipeline_eval_step's metric as each rank logged it
-              "masks_per_rank": [x[12] for x in per_rank],  # pruning masks, of them DTensor shards, their local elements
+              "masks_per_rank": [x[12] for x in per_rank],  # pruning masks, of them DTensor shards, local elements
               "pruning": pruning.state_dict() if pruning else None,
               "pruning_memory": memory,  # GradualPruning.state_bytes: the pruned layers' state over all ranks
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms,
