@@ -80,6 +80,7 @@ class Decision:
     microbatches: int | None = None
     released: tuple[int, ...] | None = None
     speeds: tuple[float, ...] | None = None  # per stage: the cost model's speed the decision balanced for
+    straggler: str | None = None  # the slowest rank it balanced for, e.g. "pipeline rank 1 at 0.52x"
 
     def with_(self, **changes: Any) -> "Decision":
         return dataclasses.replace(self, **changes)

@@ -97,7 +97,16 @@ class SpeedWatch:
         balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
         if self.smoothed is None or self.balanced_for is None:
             return None
-        now, then = normalise_speeds(self.smoothed), normalise_speeds(self.balanced_for)
+        return self.drift_of(self.smoothed)
+
+    def drift_of(self, speeds: Sequence[float]) -> tuple[int, float] | None:
+        """:meth:`drift` of ``speeds`` (e.g. a profile's own estimate) from what the partition was
+        balanced for (every rank alike before any balancing, or after the rank count changed)."""
+        now = normalise_speeds(speeds)
+        base = self.balanced_for if self.balanced_for is not None and len(self.balanced_for) == len(now) else None
+        then = normalise_speeds(base) if base is not None else tuple(1.0 for _ in now)
+        if not now:
+            return None
         rank = max(range(len(now)), key=lambda r: abs(math.log(now[r] / then[r])))
         factor = now[rank] / then[rank]
         return (rank, factor) if abs(math.log(factor)) > math.log1p(self.tolerance) else None
@@ -109,6 +118,13 @@ class SpeedWatch:
         rank, factor = self._drift
         return (f"auto: pipeline rank {rank} runs at {factor:.2f}x the relative speed the partition was balanced for "
                 f"(beyond 1/{1 + self.tolerance:.2f}..{1 + self.tolerance:.2f})")
+
+    def restart(self, speeds: Sequence[float] | None) -> None:
+        """The work that speeds are measured against changed (a fresh profile): forget the recent
+        estimates (their unit was the old work's) and measure drift from ``speeds`` (None: keep
+        what the partition was balanced for)."""
+        self.recent.clear()
+        self.rebase(speeds)
 
     def rebase(self, speeds: Sequence[float] | None = None) -> None:
         """A decision was taken for ``speeds`` (default: :attr:`for_balancing`): drift is measured
