@@ -207,8 +207,8 @@ class Rebalancer:
                          speed=layout.stage_speed(self._active_speeds(layout)))
 
     def _active_speeds(self, layout: PipelineLayout) -> tuple[float, ...] | None:
-        speeds = self.controller.rank_speed
-        return None if speeds is None or len(speeds) < layout.pp_size else speeds
+        speeds = self.controller.rank_speed  # (more than pp_size right after a re-pack by hand: the first ones stay)
+        return None if speeds is None or len(speeds) < layout.pp_size else tuple(speeds[:layout.pp_size])
 
     def gather_layer_costs(self, pipe: RankPipeline, timelines: bool = True,
                            event: bool | None = None) -> tuple[LayerCosts, list[dict]]:
@@ -247,7 +247,7 @@ class Rebalancer:
             else self._active_speeds(layout)
         merged = []
         for g, (rep, fr) in enumerate(reports):
-            k = 1.0 if speeds is None else speeds[layout.topology.pp_rank(g)]
+            k = 1.0 if speeds is None or not fr else speeds[layout.topology.pp_rank(g)]
             rep = dict(rep)
             for i, (f, b) in fr.items():
                 rep[i] = (f * k, b * k, *rep[i][2:])
