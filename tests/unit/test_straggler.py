@@ -171,3 +171,19 @@ def test_profiled_steps_do_not_feed_the_watch():
     assert ctl.rank_speed is None
     ctl.after_step(2, False, [1.0, 2.0], [1.0, 2.0], [None, None], rank_work=[1.0, 1.0])
     assert ctl.policy.speed_watch.estimate == (1.0, 0.5)
+
+
+def test_returning_to_a_partition_left_for_a_straggler_is_no_undo_once_it_recovered():
+    """The undo refusal (back within the horizon: the loads did not last) keeps noise from moving
+    layers back and forth; a return after the ranks' settled speeds changed is a recovery."""
+    p = policy(rebalance_horizon=100)
+    p.observe_speeds([1.0, 1.0])
+    even, lopsided = Partition((0, 4, 8)), Partition((0, 6, 8))
+    p.speed_watch.restart((1.0, 0.5))  # a profile found rank 1 at half speed
+    p.decided(10, applied=True, left=even)
+    assert p.undo_refusal(20, even) is not None  # same speeds: coming back within the horizon is refused
+    p.speed_watch.restart((1.0, 1.0))  # it recovered
+    assert p.undo_refusal(20, even) is None
+    p.decided(20, applied=True, left=lopsided)
+    p.speed_watch.restart((1.0, 1.0))
+    assert p.undo_refusal(25, lopsided) is not None  # ranks alike throughout: the old rule
