@@ -222,17 +222,18 @@ class RebalanceController:
         its measured times are turned into work with. ``estimate``: the profile's own
         (:func:`~lightning_dynmo.plan.speed.estimate_speeds` against the last work; None without
         one, e.g. after a dynamism event: the speeds from before it stand). It is taken only when
-        it drifted beyond the watch's tolerance from the speeds the partition was balanced for, so
-        one profile's noise moves nothing, and ranks alike stay exactly alike (``None``). It
-        catches a straggler at the first decision, whatever its trigger, before the busy-time
-        estimates have turned. The watch restarts on the result: its next estimates are against
-        the new work."""
+        it drifted beyond the watch's tolerance from the speeds the partition was balanced for,
+        and the last unprofiled step's busy times drifted the same way (the same rank, slower or
+        faster): one profile's noise (a rank holding one small layer has one noisy ratio) moves
+        nothing, and ranks alike stay exactly alike (``None``). It catches a straggler at the first
+        decision, whatever its trigger, before the median of the busy-time estimates has turned.
+        Taken, the watch restarts on it (its recent estimates were at the old speeds)."""
         watch = self.policy.speed_watch
-        speeds = self.rank_speed
-        if estimate is not None and watch.drift_of(estimate) is not None:
-            speeds = normalise_speeds(estimate)
-        watch.restart(speeds)
-        return speeds
+        drift = watch.drift_of(estimate) if estimate is not None else None
+        seen = watch.drift_of(watch.latest) if drift is not None and watch.latest is not None else None
+        if drift is not None and seen is not None and seen[0] == drift[0] and (seen[1] < 1) == (drift[1] < 1):
+            watch.restart(normalise_speeds(estimate))
+        return self.rank_speed
 
     def profiled(self, step: int, costs: LayerCosts) -> None:
         """The merged costs of the profile window that closed at ``step``."""

@@ -39,6 +39,7 @@ class SpeedWatch:
     balanced_for: tuple[float, ...] | None = None  # relative speeds the partition was balanced for
     recent: deque = field(default_factory=deque, repr=False)  # the last ``window`` estimates
     streak: int = 0
+    settling: int = 0  # estimates still to come after a restart before drift is reported
     _drift: tuple[int, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +69,12 @@ class SpeedWatch:
         return None if self.smoothed is None else normalise_speeds(self.smoothed)
 
     @property
+    def latest(self) -> tuple[float, ...] | None:
+        """The last step's estimate alone, normalised (None before any): what has turned already
+        when the median has not."""
+        return normalise_speeds(self.recent[-1]) if self.recent else None
+
+    @property
     def for_balancing(self) -> tuple[float, ...] | None:
         """What a decision should balance for: the current estimate once it drifted beyond the
         tolerance, else the speeds the partition was balanced for. A decision for another reason
@@ -89,13 +96,14 @@ class SpeedWatch:
         if self.balanced_for is None or len(self.balanced_for) != len(now):
             self.balanced_for = tuple(1.0 for _ in now)  # what a partition balanced without speeds assumed
         self.recent.append(now)
+        self.settling = max(0, self.settling - 1)
         self._drift = self.drift()
         self.streak = self.streak + 1 if self._drift is not None else 0
 
     def drift(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of the rank whose relative speed moved most since the partition was
         balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
-        if self.smoothed is None or self.balanced_for is None:
+        if self.smoothed is None or self.balanced_for is None or self.settling:
             return None
         return self.drift_of(self.smoothed)
 
@@ -120,10 +128,12 @@ class SpeedWatch:
                 f"(beyond 1/{1 + self.tolerance:.2f}..{1 + self.tolerance:.2f})")
 
     def restart(self, speeds: Sequence[float] | None) -> None:
-        """The work that speeds are measured against changed (a fresh profile): forget the recent
-        estimates (their unit was the old work's) and measure drift from ``speeds`` (None: keep
-        what the partition was balanced for)."""
+        """A profile settled new speeds (``speeds``): forget the estimates taken before the change
+        (their median would report it as a drift back until it turns), measure drift from
+        ``speeds``, and report none until half a window of new estimates is in (a median of one
+        or two is a step's noise)."""
         self.recent.clear()
+        self.settling = (self.window + 1) // 2
         self.rebase(speeds)
 
     def rebase(self, speeds: Sequence[float] | None = None) -> None:

@@ -187,3 +187,20 @@ def test_returning_to_a_partition_left_for_a_straggler_is_no_undo_once_it_recove
     p.decided(20, applied=True, left=lopsided)
     p.speed_watch.restart((1.0, 1.0))
     assert p.undo_refusal(25, lopsided) is not None  # ranks alike throughout: the old rule
+
+
+def test_a_restart_forgets_the_old_estimates_and_waits_for_half_a_window():
+    """After a profile settles new speeds, the estimates before the change do not report it as a
+    drift back, and one or two new ones (a step's noise) report none either."""
+    watch = SpeedWatch()
+    for _ in range(5):
+        watch.observe([1.0, 1.0])
+    watch.observe([1.0, 0.5])
+    watch.restart((1.0, 0.5))
+    assert watch.balanced_for == (1.0, 0.5) and not watch.recent
+    watch.observe([1.0, 0.5])
+    assert watch.drift() is None and watch.for_balancing == (1.0, 0.5)
+    watch.observe([1.0, 1.0])
+    assert watch.drift() is None  # (a median of two: one step's noise) ...
+    watch.observe([1.0, 1.0])
+    assert watch.drift() == (1, 2.0)  # ... a drift back once half a window of new ones is in
