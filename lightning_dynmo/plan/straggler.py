@@ -8,6 +8,9 @@ balanced for by more than a factor ``1 + tolerance``, either way (a slowdown, or
 one), on ``confirm_steps`` consecutive steps. A decision (applied or not) rebases it on the speeds
 it was taken for (:attr:`SpeedWatch.for_balancing`), so it fires again only after a further drift
 of the same size: the hysteresis. Below the tolerance decisions keep balancing for the old speeds.
+A profile's own estimate, taken when it drifted as far and the last step's estimate
+(:attr:`SpeedWatch.latest`) drifted the same way, restarts the watch on it
+(:meth:`SpeedWatch.restart`; see :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`).
 
 Why jitter does not fire it: on ranks of equal speed whose estimates stay within ``[1 - j, 1 + j]``
 of it, every relative speed (over the fastest; a median of estimates or a single one) lies in
