@@ -48,6 +48,11 @@ class StepActions:
     skipped: tuple[tuple[str, str], ...] = ()  # (trigger, why it was skipped) to record
 
 
+def _same_way(a: tuple[int, float] | None, b: tuple[int, float] | None) -> bool:
+    """Two drifts (rank, factor) of the same rank in the same direction."""
+    return a is not None and b is not None and a[0] == b[0] and (a[1] < 1) == (b[1] < 1)
+
+
 class RebalanceController:
     def __init__(self, policy: RebalancePolicy, budget: OverheadBudget, repack: int | str) -> None:
         self.policy = policy
@@ -222,16 +227,18 @@ class RebalanceController:
         its measured times are turned into work with. ``estimate``: the profile's own
         (:func:`~lightning_dynmo.plan.speed.estimate_speeds` against the last work; None without
         one, e.g. after a dynamism event: the speeds from before it stand). It is taken only when
-        it drifted beyond the watch's tolerance from the speeds the partition was balanced for,
-        and the last unprofiled step's busy times drifted the same way (the same rank, slower or
-        faster): one profile's noise (a rank holding one small layer has one noisy ratio) moves
-        nothing, and ranks alike stay exactly alike (``None``). It catches a straggler at the first
-        decision, whatever its trigger, before the median of the busy-time estimates has turned.
+        it drifted beyond the watch's tolerance from the speeds the partition was balanced for and
+        the busy-time estimates drifted the same way (the same rank, slower or faster): their
+        median, or, for a drift beyond the square of the tolerance, the last unprofiled step's
+        alone. One profile's noise (a rank holding one small layer has one noisy ratio) or one
+        step's moves nothing, and ranks alike stay exactly alike (``None``); a large slowdown is
+        caught at the first decision, whatever its trigger, before the median has turned.
         Taken, the watch restarts on it (its recent estimates were at the old speeds)."""
         watch = self.policy.speed_watch
         drift = watch.drift_of(estimate) if estimate is not None else None
-        seen = watch.drift_of(watch.latest) if drift is not None and watch.latest is not None else None
-        if drift is not None and seen is not None and seen[0] == drift[0] and (seen[1] < 1) == (drift[1] < 1):
+        if drift is not None and (_same_way(drift, watch.drift()) or (
+                abs(math.log(drift[1])) > 2 * math.log1p(watch.tolerance)
+                and _same_way(drift, watch.drift_of(watch.latest) if watch.latest is not None else None))):
             watch.restart(normalise_speeds(estimate))
         return self.rank_speed
 

@@ -76,6 +76,7 @@ class Rebalancer:
         self._window: dict[int, tuple[float, float]] = {}  # this profile window's times, not yet work
         self._reference: tuple[LayerCosts, list[float | None]] | None = None  # last profile's work, its loads
         self._rank_work: tuple | None = None  # (work costs, layout key, per-rank work) without loads
+        self._migrated = False  # layers moved before the coming step
         self._unagreed = 0.0  # this rank's overhead seconds not yet agreed (sent with the next agreement check)
 
     policy = property(lambda self: self.controller.policy)
@@ -152,7 +153,9 @@ class Rebalancer:
             times = pipe.profiler.layer_times()
             self.known_costs.update(times)
             self._window.update(times)
-        work = None if stats.profiled else self.rank_work(pipe.layout, stats.layer_load)
+        # (not the step after a migration either: the ranks that received layers rebuilt their stages in it)
+        work = None if stats.profiled or self._migrated else self.rank_work(pipe.layout, stats.layer_load)
+        self._migrated = False
         c.after_step(step, stats.profiled, stats.rank_busy, stats.rank_wall, stats.layer_load, rank_work=work)
         if c.rebalancing:
             pipe.module.log("rebalance/overhead_fraction", c.budget.overhead_fraction(), on_step=True,
@@ -174,18 +177,21 @@ class Rebalancer:
 
     def rank_work(self, layout: PipelineLayout, layer_load: list[float | None]) -> list[float] | None:
         """Per active pipeline rank, the work its layers hold under this step's loads (None
-        before any profile): what its busy seconds are compared with for its speed. Cached per
-        partition when no layer reports its load."""
-        costs = self.controller.profiled_costs
-        if costs is None or layout.partition is None or costs.num_layers != layout.partition.num_layers:
+        before any profile): what its busy seconds are compared with for its speed. On the
+        reference work (see :meth:`_profile_speeds`), so that a slowdown one profile took as
+        heavier layers still shows in the busy times. Cached per partition when no layer
+        reports its load."""
+        if self._reference is None or layout.partition is None \
+                or self._reference[0].num_layers != layout.partition.num_layers:
             return None  # (released ranks compute it too: every rank's controller sees the same)
-        loaded = any(x is not None for x in layer_load)
+        costs, at = self._reference
+        loaded = any(x is not None for x in layer_load) and len(at) == costs.num_layers
         key = (layout.partition, layout.pp_size, layout.virtual)
         cached = self._rank_work
         if not loaded and cached is not None and cached[0] is costs and cached[1] == key:
             return cached[2]
         model = self.cost_model(layout, None)  # (the per-micro-batch work does not depend on the count)
-        work = rank_work(scale_by_load(costs, layer_load, self.controller._at_profile()) if loaded else costs, model,
+        work = rank_work(scale_by_load(costs, layer_load, at) if loaded else costs, model,
                          layout.partition, [layout.rank_of_stage(s) for s in range(layout.num_stages)], layout.pp_size)
         if not loaded:
             self._rank_work = (costs, key, work)
@@ -243,8 +249,8 @@ class Rebalancer:
         every rank; on a closing window (``event`` not None) this rank (``rank``) keeps its fresh
         layers' work and the result becomes the next profile's reference."""
         closing = event is not None
-        speeds = self._profile_speeds([fr for _, fr in reports], layout, event) if closing \
-            else self._active_speeds(layout)
+        speeds, suspect = self._profile_speeds([fr for _, fr in reports], layout, event) if closing \
+            else (self._active_speeds(layout), False)
         merged = []
         for g, (rep, fr) in enumerate(reports):
             k = 1.0 if speeds is None or not fr else speeds[layout.topology.pp_rank(g)]
@@ -257,14 +263,20 @@ class Rebalancer:
         costs = merge_layer_costs(merged, num_layers, activation)
         if closing:
             self._window.clear()
-            self._reference = (costs, list(self.controller.load_at_profile))
+            if not suspect:
+                self._reference = (costs, list(self.controller.load_at_profile))
         return costs
 
     def _profile_speeds(self, measured: list[dict], layout: PipelineLayout, event: bool) -> tuple[float, ...] | None:
         """Per pipeline rank, the speeds a closing profile's times are work at (the same on every
-        rank: from the gathered times). The profile's own estimate against the last profile's
-        work (scaled to this window's loads; each replica's median ratio, the slowest replica's
-        per pipeline rank), settled by :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`."""
+        rank: from the gathered times), and whether the profile is suspect. The profile's own
+        estimate against the reference work (scaled to this window's loads; each replica's median
+        ratio, the slowest replica's per pipeline rank), settled by
+        :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`. The
+        reference is the last profile's work, except one whose estimate drifted but was not
+        confirmed (suspect): its times are taken as work as they are (the old behaviour), but
+        speeds are still measured against the work before it, so a real slowdown shows once the
+        busy times confirm it, and noise leaves no trace."""
         c, topo, pp = self.controller, layout.topology, layout.pp_size
         estimate = None
         if not event and self._reference is not None and self._reference[0].num_layers == layout.partition.num_layers:
@@ -277,7 +289,11 @@ class Rebalancer:
                                            previous=[base[topo.pp_rank(g)] if topo.pp_rank(g) < pp else 1.0
                                                      for g in range(topo.world_size)])
                 estimate = normalise_speeds(slowest_replicas(per_rank, topo, active=pp))
-        return c.profile_speeds(estimate)
+        watch = c.policy.speed_watch
+        drifted = estimate is not None and watch.drift_of(estimate) is not None
+        before = watch.balanced_for
+        speeds = c.profile_speeds(estimate)
+        return speeds, drifted and watch.balanced_for == before
 
     def initial_partition(self, layers, layout: PipelineLayout, device: torch.device, rank: int,
                           last_microbatches: int | None = None) -> Partition:
@@ -485,6 +501,7 @@ class Rebalancer:
         everywhere)."""
         layout = pipe.layout
         t0 = time.perf_counter()
+        self._migrated = True
         if ranks is None:
             change = self.rebalance_to(new, pipe)
         else:
