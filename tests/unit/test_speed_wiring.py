@@ -70,7 +70,8 @@ class Job:
             slowest = [min(speed[d * pp + r] for d in range(self.topo.dp)) for r in range(pp)]
             busy = [4 * w / v * (1 + (rnd.uniform(-jitter, jitter) if jitter else 0.0)) for w, v in zip(work, slowest)]
             for rb, lay in zip(self.ranks, self.layouts):
-                rb.controller.after_step(self.step, False, busy, busy, [None] * L, rank_work=rb.rank_work(lay, [None] * L))
+                loads = [None] * L
+                rb.controller.after_step(self.step, False, busy, busy, loads, rank_work=rb.rank_work(lay, loads))
             self.step += 1
 
     @property
