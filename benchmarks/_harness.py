@@ -15,8 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import lightning as L
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,55 +62,69 @@ def write_result(path: str, result: dict) -> None:
         Path(path).write_text(json.dumps(result))
 
 
-class StepTimer(L.Callback):
-    """Wall time of each training step, measured on every rank from batch start to batch end
-    (the optimizer step included), plus the step's logged metrics."""
-
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.metrics: list[dict] = []
-        self.busy: list[list[float]] = []  # per pipeline rank, seconds of compute in each step
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.ends.append(time.perf_counter())
-        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
-        self.busy.append(list(getattr(trainer.strategy, "rank_busy_seconds", [])))
-
-    def seconds_per_step(self, skip: int) -> float:
-        """Median step-to-step time after ``skip`` warm-up steps."""
-        ts = self.starts[skip:]
-        deltas = [b - a for a, b in zip(ts, ts[1:])]
-        return statistics.median(deltas) if deltas else float("nan")
+def __getattr__(name: str):
+    """``StepTimer`` and ``Attribution`` (Lightning callbacks) are built on first use, so that a
+    launcher, which only starts workers and summarises, does not pay for importing Lightning."""
+    if name in ("StepTimer", "Attribution"):
+        globals().update(_callbacks())
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class Attribution(L.Callback):
-    """Per profiled step, this rank's share of busy (chunk) seconds that no layer's profiled cost
-    covers, over the profile window so far (``PipelineProfiler.attribution``); :meth:`gathered`
-    is the median over steps of each rank, the same list on every rank."""
+def _callbacks() -> dict:
+    import lightning as L
 
-    def __init__(self) -> None:
-        self.fractions: list[float] = []
+    class StepTimer(L.Callback):
+        """Wall time of each training step, measured on every rank from batch start to batch end
+        (the optimizer step included), plus the step's logged metrics."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        prof = getattr(trainer.strategy, "profiler", None)
-        if prof is not None and prof.layer_profiling:
-            busy, attributed = prof.attribution()
-            if busy > 0:
-                self.fractions.append(1.0 - attributed / busy)
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.ends: list[float] = []
+            self.metrics: list[dict] = []
+            self.busy: list[list[float]] = []  # per pipeline rank, seconds of compute in each step
 
-    def gathered(self) -> list[float | None]:
-        import torch.distributed as dist
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.starts.append(time.perf_counter())
 
-        mine = statistics.median(self.fractions) if self.fractions else None
-        if not (dist.is_available() and dist.is_initialized()):
-            return [mine]
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        return parts
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ends.append(time.perf_counter())
+            self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
+            self.busy.append(list(getattr(trainer.strategy, "rank_busy_seconds", [])))
+
+        def seconds_per_step(self, skip: int) -> float:
+            """Median step-to-step time after ``skip`` warm-up steps."""
+            ts = self.starts[skip:]
+            deltas = [b - a for a, b in zip(ts, ts[1:])]
+            return statistics.median(deltas) if deltas else float("nan")
+
+
+    class Attribution(L.Callback):
+        """Per profiled step, this rank's share of busy (chunk) seconds that no layer's profiled cost
+        covers, over the profile window so far (``PipelineProfiler.attribution``); :meth:`gathered`
+        is the median over steps of each rank, the same list on every rank."""
+
+        def __init__(self) -> None:
+            self.fractions: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            prof = getattr(trainer.strategy, "profiler", None)
+            if prof is not None and prof.layer_profiling:
+                busy, attributed = prof.attribution()
+                if busy > 0:
+                    self.fractions.append(1.0 - attributed / busy)
+
+        def gathered(self) -> list[float | None]:
+            import torch.distributed as dist
+
+            mine = statistics.median(self.fractions) if self.fractions else None
+            if not (dist.is_available() and dist.is_initialized()):
+                return [mine]
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+            return parts
+
+    return {"StepTimer": StepTimer, "Attribution": Attribution}
 
 
 def median(xs):
@@ -168,6 +180,28 @@ def resolution(a: list[float | None], b: list[float | None], median=statistics.m
     (e.g. ``statistics.median_low``)."""
     r = paired_ratio(a, b, median)
     return None if r is None else abs(1.0 - r)
+
+
+#: Do no harm: where DynMo cannot help, it keeps at least this fraction of the better static split's throughput.
+NO_HARM_TARGET = 0.98
+
+
+def no_harm_verdict(speedup: float | None, resolution: float | None, target: float = NO_HARM_TARGET,
+                    resolution_ci: list[float] | None = None) -> str:
+    """Whether a run shows ``speedup >= target``, taking its own noise floor into account:
+    ``met`` (the speedup reaches the target and the run resolves the gap), ``missed`` (below the
+    target by more than the noise: real harm), or ``unresolved`` (two identical static runs land
+    further apart than the gap it would need to see). The noise is the control's ``resolution``, or
+    the furthest its 95 % interval ``resolution_ci`` strays from 1 where that is further (a few
+    rounds can agree by luck)."""
+    if speedup is None or resolution is None:
+        return "unresolved"
+    noise = max([resolution, *(abs(1.0 - x) for x in (resolution_ci or ()))])
+    if speedup < target - noise:
+        return "missed"
+    if noise > 1.0 - target:
+        return "unresolved"
+    return "met" if speedup >= target else "unresolved"
 
 
 def bootstrap_ratio(num: list[float], dens: list[list[float]], resamples: int = 2000, seed: int = 0,

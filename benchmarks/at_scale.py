@@ -2,6 +2,7 @@
 
     python benchmarks/at_scale.py --stages 8            # 8 stages x dp=2 = 16 ranks (a 16-core machine, ~6 min)
     python benchmarks/at_scale.py --stages 2 --quick    # the small form that keeps it working (4 ranks)
+    python benchmarks/at_scale.py --smoke               # seconds: 2 stages x dp 1, early exit, 8 steps
 
 One torchrun job (``--stages`` x ``--dp`` ranks, gloo, 1 torch thread each, so it needs that many
 free cores; ``CUDA_VISIBLE_DEVICES=""`` is set for the workers, so a GPU machine runs it on its
@@ -33,29 +34,37 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the summary imports the package
-
-from _harness import launch  # noqa: E402
-from dynamism_cases import load  # noqa: E402
+from _harness import launch
+from dynamism_cases import load, smoke
 
 CASES = ("freezing", "early_exit", "pruning", "moe_dropless")
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "stages", "data_parallel", "ranks", "tokens_per_sec", "speedup_vs_static",
+               "sim_speedup_vs_static", "sim_step_error_dynmo", "partition_final", "migrations", "errors")
 
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", type=int, default=8, help="pipeline stages (default 8)")
-    ap.add_argument("--dp", type=int, default=2, help="data-parallel replicas (MoE: expert-parallel ways), default 2")
+    ap.add_argument("--stages", type=int, default=None, help="pipeline stages (default 8; --smoke: 2)")
+    ap.add_argument("--dp", type=int, default=None,
+                    help="data-parallel replicas (MoE: expert-parallel ways), default 2 (--smoke: 1)")
     ap.add_argument("--quick", action="store_true", help="the cases' short plans")
-    ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {','.join(CASES)}")
+    ap.add_argument("--smoke", action="store_true",
+                    help="8 steps of early exit on 2 ranks: checks that the script runs (its figures mean nothing)")
+    ap.add_argument("--cases", default=None, help=f"comma-separated, from {','.join(CASES)} (--smoke: early_exit)")
     ap.add_argument("--timeout", type=int, default=1500, help="seconds for the whole torchrun job")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for key, full, small in (("stages", 8, 2), ("dp", 2, 1), ("cases", ",".join(CASES), "early_exit")):
+        if getattr(args, key) is None:
+            setattr(args, key, small if args.smoke else full)
+    return args
 
 
-def case_plan(case, quick: bool, stages: int) -> dict:
+def case_plan(case, quick: bool, stages: int, smoke_run: bool = False) -> dict:
     """The case's plan, with at least ``2 x stages`` micro-batches of the case's micro-batch size."""
-    plan = dict(case.plan(quick), stages=stages, rounds=1)
+    plan = dict(smoke(case.plan(True)) if smoke_run else case.plan(quick), stages=stages, rounds=1)
     m = max(plan["microbatches"], 2 * stages)
     plan["batch"] = plan["batch"] // plan["microbatches"] * m
     plan["microbatches"] = m
@@ -77,7 +86,7 @@ def _worker(args) -> None:
     out: dict = {}
     for name in args.cases.split(","):
         case = load(name)
-        plan = case_plan(case, args.quick, args.stages)
+        plan = case_plan(case, args.quick, args.stages, args.smoke)
         ep = args.dp if getattr(case, "EXPERT_PARALLEL", False) else 1
         cfg = GPTConfig(**plan["model"])
         n = plan["batch"] * plan["steps"] * args.dp
@@ -141,6 +150,7 @@ def _sim_ms(profile: dict, boundaries: list[int], m: int) -> float:
 
 def summarise(runs: dict, args) -> dict:
     res: dict = {"benchmark": "at_scale", "stages": args.stages, "data_parallel": args.dp, "quick": args.quick,
+                 "smoke": args.smoke,
                  "ranks": args.stages * args.dp, "threads_per_rank": 1, "cpu_count": os.cpu_count(),
                  "tokens_per_sec": {}, "speedup_vs_static": {}, "sim_speedup_vs_static": {},
                  "sim_step_error_dynmo": {}, "partition_final": {}, "migrations": {}, "errors": {}}
@@ -177,14 +187,15 @@ def main(argv=None) -> None:
     if bad or args.stages < 2 or args.dp < 1:
         sys.exit(f"--cases from {CASES}, --stages >= 2, --dp >= 1; got {args.cases!r}, {args.stages}, {args.dp}")
     for name in args.cases.split(","):
-        layers = case_plan(load(name), args.quick, args.stages)["model"]["n_layer"] + 3
+        layers = case_plan(load(name), args.quick, args.stages, args.smoke)["model"]["n_layer"] + 3
         if layers < args.stages:
             sys.exit(f"case {name} has {layers} pipeline layers: at most {layers} stages")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU and gloo, also on a GPU machine
     t0 = time.perf_counter()
     forwarded = ["--stages", str(args.stages), "--dp", str(args.dp), "--cases", args.cases]
     try:
-        runs = launch(os.path.abspath(__file__), args.stages * args.dp, forwarded + (["--quick"] if args.quick else []),
+        runs = launch(os.path.abspath(__file__), args.stages * args.dp,
+                      forwarded + (["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []),
                       timeout=args.timeout)
     except Exception as e:  # noqa: BLE001 - the JSON line says what failed
         print(str(e)[:8000], file=sys.stderr)  # the report leads with the workers' first error lines

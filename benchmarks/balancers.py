@@ -27,6 +27,7 @@ least; target for 200 x 32: under 50 ms), ``diffusion_mean_ratio`` / ``diffusion
 balancer mean / worst ratio, worst ratio per shape, ms per call and layers moved.
 
     python benchmarks/balancers.py [--quick]
+    python benchmarks/balancers.py --smoke     # seconds: 10 instances of at most 24 layers, one timing call each
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 SHAPES = ("uniform", "lognormal", "few_heavy", "frozen_prefix", "early_exit")
 SPEED_SIZES = ((96, 32), (200, 32))  # layers x stages timed with links and memory on (target: 200 x 32 < 50 ms)
 BALANCERS = ("uniform", "param", "partition_time", "partition_param", "diffusion_time", "diffusion_param")
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "instances", "partition_optimal_fraction", "partition_ms_96x32", "partition_ms_200x32",
+               "partition_cpu_ms_200x32", "diffusion_mean_ratio", "diffusion_worst_ratio",
+               "diffusion_param_worst_ratio", "balancers")
 
 
 def layer_times(rng: random.Random, shape: str, L: int) -> tuple[list[float], list[float]]:
@@ -104,7 +109,7 @@ def oracle(problem: BalanceProblem, load) -> float:
     return best[L]
 
 
-def run(instances: int, seed: int) -> dict:
+def run(instances: int, seed: int, max_layers: int = 96, reps: int = 3) -> dict:
     rng = random.Random(seed)
     names = (*BALANCERS, "diffusion_pairs_only")
     ratio = {n: [] for n in names}
@@ -114,7 +119,7 @@ def run(instances: int, seed: int) -> dict:
     optimal, param_ratio = [], []
     for k in range(instances):
         shape = SHAPES[k % len(SHAPES)]
-        L = rng.randint(4, 96)
+        L = rng.randint(4, max_layers)
         S = rng.randint(2, min(32, L))
         links = rng.random() < 1 / 3
         problem = instance(rng, shape, L, S, links and ("nodes" if k % 2 else True), rng.random() < 1 / 3)
@@ -148,7 +153,7 @@ def run(instances: int, seed: int) -> dict:
             speed[key], cpu[key] = [], []
             for shape in SHAPES:
                 problem = instance(random.Random(seed + 1), shape, L, S, links, True)
-                for _ in range(3):
+                for _ in range(reps):
                     t0, c0 = time.perf_counter(), time.process_time()
                     get_balancer("partition_time")(problem)
                     speed[key].append((time.perf_counter() - t0) * 1e3)
@@ -180,9 +185,14 @@ def run(instances: int, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="150 instances instead of 1000")
+    ap.add_argument("--smoke", action="store_true",
+                    help="10 small instances, one timing call per size: checks that the script runs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out = run(150 if args.quick else 1000, args.seed)
+    if args.smoke:
+        out = dict(run(10, args.seed, max_layers=24, reps=1), smoke=True)
+    else:
+        out = run(150 if args.quick else 1000, args.seed)
     print(f"{'balancer':22s} {'mean':>7s} {'worst':>7s} {'ms':>8s} {'moved':>7s}   worst by shape")
     for n, row in out["balancers"].items():
         shapes = " ".join(f"{s}={v:.2f}" for s, v in row["worst_ratio_by_shape"].items())

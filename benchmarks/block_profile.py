@@ -1,6 +1,7 @@
 """Measure one GPT block's per-layer cost profile at the DynMo paper's scale (appendix A).
 
     python benchmarks/block_profile.py [--device cuda] [--out profile.json] [--quick]
+    python benchmarks/block_profile.py --smoke     # seconds: tiny shapes, one repeat, on CUDA if there is one
 
 The paper's GPT: hidden 1024, 32 heads, sequence 2048, micro-batch 2 (GPT-2 vocabulary, padded
 to 50304 as in nanoGPT/Megatron). This script times, with device events (median of repeats after
@@ -34,6 +35,9 @@ from pathlib import Path
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.375, 0.25, 0.1875, 0.125, 0.0625)
 MLP_TOKENS = (512, 1024, 2048, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("device", "dtype", "hidden", "seq", "block", "attention_core", "mlp", "embedding", "final_norm",
+               "head_loss", "params", "not_graphed", "seconds")
 
 
 def _modules():
@@ -138,7 +142,7 @@ def fwd_bwd(timer, module, make_input, needs_input_grad=True, loss_fn=None, grap
     return fw, bw
 
 
-def measure(device_name: str, quick: bool) -> dict:
+def measure(device_name: str, quick: bool, smoke: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -146,9 +150,12 @@ def measure(device_name: str, quick: bool) -> dict:
     device = torch.device(device_name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hidden, heads, seq, mb, vocab = 1024, 32, 2048, 2, 50304
-    if quick:  # a smoke run of the script itself, not a profile
+    mlp_tokens = MLP_TOKENS
+    if quick:  # a short run of the script itself, not a profile
         hidden, heads, seq, vocab = 128, 4, 256, 512
-    timer = Timer(device, warmup=2 if quick else 5, reps=3 if quick else 20)
+    if smoke:  # the smallest run that goes through every measurement
+        hidden, heads, seq, vocab, quick, mlp_tokens = 32, 2, 32, 64, True, (16, 32, 64)
+    timer = Timer(device, warmup=1 if smoke else 2 if quick else 5, reps=1 if smoke else 3 if quick else 20)
     cfg = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=1, n_head=heads, n_embd=hidden, dropout=0.0)
     torch.manual_seed(0)
     block = Block(cfg).to(device, dtype)
@@ -194,7 +201,7 @@ def measure(device_name: str, quick: bool) -> dict:
 
     ln_mlp = torch.nn.Sequential(block.ln_2, block.mlp)
     mlp = {"tokens": [], "forward_ms": [], "backward_ms": []}
-    for n in MLP_TOKENS[:3] if quick else MLP_TOKENS:
+    for n in mlp_tokens[:3] if quick else mlp_tokens:
         fw, bw = fwd_bwd(timer, ln_mlp, lambda grad, n=n: randn(1, n, hidden, device=device, dtype=dtype,
                                                               requires_grad=grad))
         mlp["tokens"].append(n)
@@ -235,12 +242,18 @@ def measure(device_name: str, quick: bool) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default=None, help="default: cuda (--smoke: cuda if there is one, else cpu)")
     ap.add_argument("--out", default=None, help="also write the profile JSON here")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes: checks the script, not a profile")
+    ap.add_argument("--quick", action="store_true", help="small shapes: checks the script, not a profile")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat: checks that the script runs")
     args = ap.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if not args.smoke or torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    prof = measure(args.device, args.quick)
+    prof = measure(args.device, args.quick, args.smoke)
+    prof["smoke"] = args.smoke
     prof["seconds"] = round(time.perf_counter() - t0, 1)
     if args.out:
         Path(args.out).write_text(json.dumps(prof, indent=1) + "\n")

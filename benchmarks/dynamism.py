@@ -3,6 +3,7 @@
     python benchmarks/dynamism.py --case none|freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
     python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
     python benchmarks/dynamism.py --case sparse_attention --sweep [--quick]
+    python benchmarks/dynamism.py --smoke [--case C]    # seconds: 6 steps, 1 round (default case none)
 
 Launches itself with torchrun (2 ranks = 2 pipeline stages by default, ``--stages S`` for more,
 gloo, 1 thread each, so it needs S free cores; with
@@ -23,8 +24,9 @@ configurations in a rotated order. ``resolution`` = |1 - control_a / control_b|,
 way, is how far apart identical runs land on this machine, so a speedup within ``resolution`` of 1
 is noise; ``resolution_ci95`` and ``speedup_vs_static_ci95`` are 95 % bootstrap intervals over
 rounds (``speedup_vs_static_of_medians``: the older unpaired ratio of medians, for comparison).
-Full runs without ``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``) until ``resolution``
-<= 0.02. ``--case none`` is a dense GPT with no dynamism and DynMo's
+Full runs without ``--rounds`` add rounds (``FULL_ROUNDS`` to ``MAX_ROUNDS``; quick runs up to
+``QUICK_MAX_ROUNDS``) until ``resolution`` <= 0.02, and ``no_harm`` judges ``speedup_vs_static``
+against 0.98 with that noise floor (``met``, ``missed`` beyond the noise, or ``unresolved``). ``--case none`` is a dense GPT with no dynamism and DynMo's
 default options: what turning DynMo on costs a model it cannot help (``dynmo_overhead_fraction``
 is the strategy's own measurement of its overhead). Logs (``cost_trace.jsonl``,
 ``rebalance_history.jsonl``) go to a temporary directory per run, never the working directory.
@@ -55,21 +57,30 @@ import time
 from statistics import median  # paired ratios: the true median (an even count averages the middle two)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
-from dynamism_cases import CASES, load  # noqa: E402
+from _harness import NO_HARM_TARGET, bootstrap_ratio, no_harm_verdict, resolution, rotated, speedup  # noqa: E402
+from dynamism_cases import CASES, load, smoke  # noqa: E402
+
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "case", "tokens_per_sec", "best_static", "speedup_vs_static", "resolution", "no_harm",
+               "idle_fraction_static", "idle_fraction_dynmo", "dynmo_overhead_fraction", "errors")
 
 #: A full (non-quick) run without ``--rounds`` runs at least ``FULL_ROUNDS`` rounds and adds rounds
-#: (up to ``MAX_ROUNDS``) until two runs of one static configuration (the control) land within
-#: ``TARGET_RESOLUTION`` of each other (paired: the median over rounds of their ratio).
+#: (up to ``MAX_ROUNDS``; ``--quick``: from its plan's rounds up to ``QUICK_MAX_ROUNDS``) until two runs
+#: of one static configuration (the control) land within ``TARGET_RESOLUTION`` of each other (paired:
+#: the median over rounds of their ratio). ``no_harm`` then says whether the run shows DynMo keeping
+#: ``NO_HARM_TARGET`` of the better static split: met, missed (beyond the noise) or unresolved.
 FULL_ROUNDS = 5  # enough rounds for a bootstrap interval that means something
 MAX_ROUNDS = 12
-TARGET_RESOLUTION = 0.02
+TARGET_RESOLUTION = 0.02  # = 1 - NO_HARM_TARGET: a run that resolves it can say whether DynMo does no harm
+QUICK_MAX_ROUNDS = 4  # --quick adds rounds up to this many, towards the same resolution
 
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", choices=CASES, required=True)
-    ap.add_argument("--quick", action="store_true", help="fewer steps (CI smoke run)")
+    ap.add_argument("--case", choices=CASES, default=None, help="required unless --smoke (then: none)")
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few steps, one round: checks that the script runs (its figures mean nothing)")
     ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                     help="N data-parallel replicas, each stage's experts split over them (MoE cases)")
     ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="K,K,...",
@@ -81,7 +92,12 @@ def _args(argv=None):
     ap.add_argument("--stages", type=int, default=2,
                     help="pipeline stages (one process each, 1 thread; needs as many free cores as processes)")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.case is None:
+        if not args.smoke:
+            ap.error("--case is required (unless --smoke)")
+        args.case = "none"
+    return args
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -112,12 +128,16 @@ def _worker(args) -> None:
     from lightning_dynmo.models import GPTConfig
 
     case = load(args.case)
-    plan = case.plan(args.quick)
-    target = None  # fixed rounds (quick, or --rounds)
-    if args.rounds:
+    plan = case.plan(args.quick or args.smoke)
+    target, max_rounds = None, None  # fixed rounds (smoke, or --rounds)
+    if args.smoke:
+        plan = smoke(plan)
+    elif args.rounds:
         plan["rounds"] = args.rounds
-    elif not args.quick:
-        plan["rounds"], target = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION
+    elif args.quick:  # a few more rounds where the first ones cannot resolve the do-no-harm gap
+        plan["rounds"], target, max_rounds = max(plan["rounds"], 3), TARGET_RESOLUTION, QUICK_MAX_ROUNDS
+    else:
+        plan["rounds"], target, max_rounds = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION, MAX_ROUNDS
     plan["stages"] = args.stages
     ep = args.expert_parallel  # = the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
@@ -162,7 +182,7 @@ def _worker(args) -> None:
     def runs():
         nonlocal control
         done = 0
-        while done < plan["rounds"] or (target is not None and done < MAX_ROUNDS
+        while done < plan["rounds"] or (target is not None and done < max_rounds
                                          and not _agreed_resolved(out, control, target)):
             if control is None:  # the first round picks the control from its static runs
                 yield from configs
@@ -299,6 +319,14 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         "errors": {k: v["error"] for k, v in runs.items() if v.get("error")},
     }
     res.update(_noise_floor(rounds, control, ok))
+    # do no harm, judged against this run's own noise floor (where DynMo cannot help: none, moe, mod)
+    res["no_harm_target"] = NO_HARM_TARGET
+    res["no_harm"] = no_harm_verdict(res["speedup_vs_static"], res["resolution"], resolution_ci=res["resolution_ci95"])
+    # what the verdict cannot be noise about: dynmo ran a static split's own partition throughout
+    # (no migration), so its gap to that split is its measured overhead alone
+    res["dynmo_ran_partition_of"] = next(
+        (k for k in static if dyn and ok[k].get("partition_initial") == dyn.get("partition_initial")
+         and ok[k].get("partition_final") == dyn.get("partition_final") and not dyn.get("migrations")), None)
     fixed = {k: v for k, v in ok.items() if k.startswith("fixed_")}
     if dyn:
         for key in ("decisions", "decisions_from_counters", "migrations", "rebalance_overhead", "skip_records"):
@@ -412,6 +440,8 @@ def main(argv=None) -> None:
                "--expert-parallel", str(args.expert_parallel), "--stages", str(args.stages)]
         if args.quick:
             cmd.append("--quick")
+        if args.smoke:
+            cmd.append("--smoke")
         if args.sweep:
             cmd += ["--sweep", args.sweep]
         if args.rounds:
@@ -430,10 +460,11 @@ def main(argv=None) -> None:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
     summary = _summarise(args.case, args.quick, runs, args.expert_parallel, args.stages)
+    summary["smoke"] = args.smoke
     if args.plot:
         plot_sweep(summary, args.plot)
     case = load(args.case)
-    if hasattr(case, "launcher_extra"):  # figures from a job of its own (e.g. another process layout)
+    if hasattr(case, "launcher_extra") and not args.smoke:  # figures from a job of its own (another process layout)
         summary.update(case.launcher_extra(args.quick))
     print(json.dumps(summary))
 

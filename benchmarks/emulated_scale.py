@@ -3,6 +3,7 @@
     python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~6 min on 2 loaded cores)
     python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, 3 steps per row
     python benchmarks/emulated_scale.py --cases moe,mod      # the per-iteration cases (not yet run)
+    python benchmarks/emulated_scale.py --smoke              # seconds: 2 stages, freezing, 2 rows of 2 steps
 
 The model is the paper's GPT at 48 blocks (``[embedding] + 48 blocks + [final norm, head]``)
 made of layers that *wait* for their cost (``benchmarks/_emulated_model.py``): each does a tiny
@@ -70,18 +71,26 @@ LAYERS = 48
 EVENT_CASES = ("freezing", "early_exit", "pruning")
 PER_ITERATION_CASES = ("moe", "mod")
 WARMUP = 2  # steps before row 0 is measured (the dynamic run profiles the second one)
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "layers", "per_row", "microbatches", "runs", "errors", "max_sim_error",
+               "overhead_fraction")
+#: what ``--smoke`` sets where the command line leaves it open
+SMOKE = dict(stages="2", cases="freezing", per_row=2, snapshots=2, step_seconds=0.05, microbatches=2)
 
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="8 and 16 stages, event cases, short rows")
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 stages, freezing, 2 rows of 2 steps, 0.05 s steps: checks that the script runs")
     ap.add_argument("--stages", default=None, help="comma-separated pipeline depths (default 8,16[,24])")
     ap.add_argument("--cases", default=None, help="comma-separated cases (default: the event cases)")
-    ap.add_argument("--step-seconds", type=float, default=1.0, help="dense step on 8 uniform stages")
+    ap.add_argument("--step-seconds", type=float, default=None, help="dense step on 8 uniform stages (default 1)")
     ap.add_argument("--per-row", type=int, default=None, help="steps per scenario row (default 2, full 3)")
-    ap.add_argument("--snapshots", type=int, default=6, help="rows of freezing / early exit")
-    ap.add_argument("--microbatches", type=int, default=16,
-                    help="micro-batches per step: max(this, stages) (their CPU work is what 2 cores must carry)")
+    ap.add_argument("--snapshots", type=int, default=None, help="rows of freezing / early exit (default 6)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="micro-batches per step: max(this, stages) (their CPU work is what 2 cores must carry; "
+                         "default 16)")
     ap.add_argument("--nice", type=int, default=-20,
                     help="niceness change of the ranks (default -20: they sleep almost always, and a late wake-up "
                          "delays the whole pipeline on a busy host; 0 leaves them alone)")
@@ -89,7 +98,15 @@ def _args(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plan", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for key, full in (("step_seconds", 1.0), ("snapshots", 6), ("microbatches", 16)):
+        if getattr(args, key) is None:
+            setattr(args, key, SMOKE[key] if args.smoke else full)
+    if args.smoke:
+        for key in ("stages", "cases", "per_row"):
+            if getattr(args, key) is None:
+                setattr(args, key, SMOKE[key])
+    return args
 
 
 # ------------------------------------------------------------------------------ the plan (launcher)
@@ -326,7 +343,8 @@ def _projection(case_plan: dict, S: int, m: int) -> float:
 
 
 def summarise(plan: dict, results: dict, args) -> dict:
-    res: dict = {"benchmark": "emulated_scale", "quick": args.quick, "layers": LAYERS, "schedule": "1f1b",
+    res: dict = {"benchmark": "emulated_scale", "quick": args.quick, "smoke": args.smoke, "layers": LAYERS,
+                 "schedule": "1f1b",
                  "step_seconds_target_8": args.step_seconds, "per_row": plan["per_row"],
                  "microbatches": {str(S): microbatches(args, S) for S in results}, "runs": {}, "errors": {}}
     errors, overheads = [], []

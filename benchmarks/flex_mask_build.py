@@ -9,6 +9,7 @@ so this is forward only; ``benchmarks/sparse_attention.py --device cuda`` report
 share on a GPU. One JSON object on the last line.
 
     python benchmarks/flex_mask_build.py [--quick]
+    python benchmarks/flex_mask_build.py --smoke     # seconds (most of it the compile): seq 256, 2 heads
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from lightning_dynmo.sparse import BlockLayout
 from lightning_dynmo.sparse.flex import flex_available, flex_block_mask
+
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("device", "torch", "threads", "shape", "results", "seconds")
 
 
 def random_layout(b, h, t, bs, density, gen):
@@ -43,10 +47,13 @@ def median_ms(fn, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="seq 256, 2 heads, one repeat: checks that the script runs")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    if args.smoke:
+        args.seq, args.heads = 256, 2
     if not flex_available():
         raise SystemExit(f"torch {torch.__version__} has no flex_attention")
     from torch.nn.attention.flex_attention import flex_attention
@@ -54,7 +61,7 @@ def main():
     torch.set_num_threads(args.threads)
     compiled = torch.compile(flex_attention, dynamic=False)
     b, h, t, d, bs = 1, args.heads, args.seq, 64, 128
-    repeats = 3 if args.quick else 7
+    repeats = 1 if args.smoke else 3 if args.quick else 7
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=gen) for _ in range(3))
     valid = torch.ones(b, h, t, dtype=torch.bool)
@@ -74,7 +81,7 @@ def main():
         print(json.dumps({"density": density, **rows[f"{density:g}"]}), flush=True)
     print(json.dumps({"device": "cpu", "torch": torch.__version__, "threads": args.threads,
                       "shape": {"batch": b, "heads": h, "seq": t, "head_dim": d, "block": bs},
-                      "results": rows, "seconds": round(time.perf_counter() - start, 1)}))
+                      "results": rows, "smoke": args.smoke, "seconds": round(time.perf_counter() - start, 1)}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ benchmark trains on) or the standard library's help text (``--data text``). ``ba
 density the layout would have with equal buckets. Prints one JSON object as the last line.
 
     python benchmarks/hash_bucket_balance.py [--quick] [--data random|text] [--centers none causal]
+    python benchmarks/hash_bucket_balance.py --smoke     # seconds: 2 steps of batch 1, 512 tokens
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from dynamism_cases.sparse_attention import MODEL
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.models.gpt import SparseAttentionBlock, set_hash_step
 from lightning_dynmo.sparse.hash_layout import HASH_CENTERS, hash_sort_plan
+
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("data", "steps", "batch", "seq", "block", "nb_hash", "balanced", "runs")
 
 
 def batches(kind: str, n: int, batch: int, t: int, seed: int = 0) -> list[torch.Tensor]:
@@ -79,21 +83,25 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="30 steps, batch 2 (default: 60 steps, batch 4)")
     ap.add_argument("--data", choices=("random", "text"), default="random")
     ap.add_argument("--centers", nargs="+", choices=HASH_CENTERS, default=["none", "causal"])
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 steps of batch 1 on 512 tokens (8 attention blocks): checks that the script runs")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    steps = args.steps or (30 if args.quick else 60)
-    batch = args.batch or (2 if args.quick else 4)
-    t, bs = MODEL["block_size"], MODEL["attention_block"]
+    steps = args.steps or (2 if args.smoke else 30 if args.quick else 60)
+    batch = args.batch or (1 if args.smoke else 2 if args.quick else 4)
+    model = dict(MODEL, block_size=512) if args.smoke else MODEL
+    t, bs = model["block_size"], model["attention_block"]
     data = batches(args.data, steps, batch, t)
-    nbs = list(MODEL["nb_hash"])
-    runs = {c: train(c, data, MODEL) for c in args.centers}
+    nbs = list(model["nb_hash"])
+    runs = {c: train(c, data, model) for c in args.centers}
     for c, r in runs.items():
         print(f"{c:>10}: first {r['density_first']}  last {r['density_last_mean']}  loss {r['loss_last_mean']}",
               file=sys.stderr)
-    print(json.dumps({"data": args.data, "steps": steps, "batch": batch, "seq": t, "block": bs, "nb_hash": nbs,
+    print(json.dumps({"smoke": args.smoke, "data": args.data, "steps": steps, "batch": batch, "seq": t, "block": bs,
+                      "nb_hash": nbs,
                       "balanced": [round(balanced_density(t, nb, bs), 3) for nb in nbs], "runs": runs}))
 
 

@@ -28,6 +28,8 @@
    above the pre-build baseline of setup and of the step (HWM reset between them), per mode.
 
 Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
+       python benchmarks/memory.py --smoke      (seconds: width 64, parts 1-3 on pp1 and pp2 only;
+                                                 part 4 and pp4 need 4 ranks and are left out)
 """
 from __future__ import annotations
 
@@ -45,6 +47,11 @@ import torch
 from _harness import launch, write_result
 
 BLOCKS = 24
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``;
+#: the full run adds the ``fsdp_*`` keys of part 4)
+RESULT_KEYS = ("benchmark", "blocks", "n_embd", "model_mib_fp32", "setup_peak_mib", "setup_peak_rss_ratio_pp2",
+               "setup_peak_rss_ratio_pp4", "setup_peak_rss_ratio_pp2_full_build", "activation_bytes_ratio",
+               "head_activation_ratio_2", "head_activation_ratio_4", "peak_reset", "targets")
 
 
 def model_config(width: int, block: int):
@@ -266,6 +273,8 @@ def head_activation_peak(chunks: int, width: int, vocab: int, block: int, microb
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="width 512 (76M parameters) instead of 768 (170M)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="width 64, pp1 and pp2 only, no part 4: checks that the script runs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--meta", type=int, default=1, help=argparse.SUPPRESS)
@@ -281,9 +290,10 @@ def main() -> None:
         print(json.dumps({"benchmark": "memory", "quick": bool(args.quick), **sharding,
                           "targets": {"fsdp_state_ratio_dp2": 0.55}}))
         return
-    width = 512 if args.quick else 768
+    width = 64 if args.smoke else 512 if args.quick else 768
     runs = {}
-    for name, nproc, meta in (("pp1", 1, 1), ("pp2", 2, 1), ("pp4", 4, 1), ("pp2_full_build", 2, 0)):
+    setups = (("pp1", 1, 1), ("pp2", 2, 1), ("pp4", 4, 1), ("pp2_full_build", 2, 0))
+    for name, nproc, meta in setups[:2] if args.smoke else setups:
         res = launch(Path(__file__), nproc, ["--width", str(width), "--meta", str(meta)])
         runs[name] = res
         worst = max(r["setup_kb"] for r in res["ranks"])
@@ -291,26 +301,26 @@ def main() -> None:
               f"{[round(r['setup_kb'] / 1024, 1) for r in res['ranks']]}, max {worst / 1024:.1f}; "
               f"parameters held {[round(r['params_bytes'] / 2**20, 1) for r in res['ranks']]} MiB", flush=True)
     single = runs["pp1"]["ranks"][0]["setup_kb"]
-    ratio = {name: max(r["setup_kb"] for r in runs[name]["ranks"]) / single for name in ("pp2", "pp4", "pp2_full_build")}
-    block, microbatch = (128, 2) if args.quick else (256, 4)
+    ratio = {name: max(r["setup_kb"] for r in runs[name]["ranks"]) / single if name in runs else None
+             for name in ("pp2", "pp4", "pp2_full_build")}
+    block, microbatch = (32, 2) if args.smoke else (128, 2) if args.quick else (256, 4)
     plain, ckpt = activation_bytes(width, block, microbatch)
     print(f"activations of one micro-batch ({microbatch} x {block} tokens) through {BLOCKS + 3} layers: "
           f"{plain / 2**20:.1f} MiB plain, {ckpt / 2**20:.1f} MiB with every layer checkpointed", flush=True)
-    vocab, head_block, head_mb = (8192, 512, 4) if args.quick else (50304, 1024, 4)
-    sharding = sharding_runs(256 if args.quick else 512)
+    vocab, head_block, head_mb = (512, 64, 2) if args.smoke else (8192, 512, 4) if args.quick else (50304, 1024, 4)
+    sharding = {} if args.smoke else sharding_runs(256 if args.quick else 512)
     head_peak = {k: head_activation_peak(k, width, vocab, head_block, head_mb) for k in (1, 2, 4)}
     print(f"head + loss peak over one micro-batch ({head_mb} x {head_block} tokens, vocabulary {vocab}): "
           + ", ".join(f"{k} chunk(s) {b / 2**20:.1f} MiB" for k, b in head_peak.items()), flush=True)
     result = {
         "benchmark": "memory",
         "quick": bool(args.quick),
+        "smoke": bool(args.smoke),
         "blocks": BLOCKS,
         "n_embd": width,
         "model_mib_fp32": round(runs["pp1"]["ranks"][0]["params_bytes"] / 2**20, 1),
         "setup_peak_mib": {name: [round(r["setup_kb"] / 1024, 1) for r in res["ranks"]] for name, res in runs.items()},
-        "setup_peak_rss_ratio_pp2": round(ratio["pp2"], 3),
-        "setup_peak_rss_ratio_pp4": round(ratio["pp4"], 3),
-        "setup_peak_rss_ratio_pp2_full_build": round(ratio["pp2_full_build"], 3),
+        **{f"setup_peak_rss_ratio_{k}": None if v is None else round(v, 3) for k, v in ratio.items()},
         "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4, "head_activation_ratio_4": 0.35,
                     "fsdp_state_ratio_dp2": 0.55},
         "activation_bytes_plain": plain,

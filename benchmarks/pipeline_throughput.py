@@ -13,6 +13,7 @@ the same invocation also measures block granularity, interleaved, and reports it
 a finer granularity or K > 1 the baseline beside it is whole blocks with one head.
 
     python benchmarks/pipeline_throughput.py [--quick] [--pipeline-granularity {block,sublayer,fine}] [--head-chunks K] [--compile]
+    python benchmarks/pipeline_throughput.py --smoke     # seconds: 2 tiny layers, 5 steps, one repeat
 
 ``--compile`` also runs the pipeline with ``DynMoStrategy(compile=True)`` (each pipeline layer
 compiled in place, inductor on CPU) and reports ``compile_speedup`` (compiled pipeline tokens/s
@@ -26,7 +27,14 @@ import json
 import tempfile
 from pathlib import Path
 
-from _harness import StepTimer, launch, median, write_result
+from _harness import launch, median, write_result
+
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "schedule", "microbatches", "stages", "granularity", "model", "partition",
+               "single_tokens_per_sec", "pipeline_tokens_per_sec", "speedup", "ideal_speedup", "fraction_of_ideal",
+               "repeats")
+#: what ``--smoke`` sets where the command line leaves it open
+SMOKE = dict(layers=2, embd=32, block=16, batch=4, microbatches=2, steps=5)
 
 
 def model_and_data(args):
@@ -47,6 +55,8 @@ def model_and_data(args):
 def worker(args) -> None:
     import torch
     import lightning as L
+
+    from _harness import StepTimer
 
     torch.set_num_threads(1)
     model, loader = model_and_data(args)
@@ -75,15 +85,17 @@ def worker(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model, 5 steps, one repeat: checks that the script runs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=["single", "pipeline"], default="single", help=argparse.SUPPRESS)
     p.add_argument("--schedule", default="1f1b")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--embd", type=int, default=256)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--microbatches", type=int, default=None, help="default 8")
+    p.add_argument("--layers", type=int, default=None, help="default 8")
+    p.add_argument("--embd", type=int, default=None, help="default 256")
+    p.add_argument("--block", type=int, default=None, help="default 128")
+    p.add_argument("--batch", type=int, default=None, help="default 32")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
@@ -92,13 +104,17 @@ def main() -> None:
                         "(finer than block: whole blocks with one head are measured too)")
     p.add_argument("--compile", action="store_true", help="also run the pipeline with compile=True")
     args = p.parse_args()
-    args.steps = args.steps or (8 if args.quick else 16)
-    args.warmup = 3
+    for key, full in (("microbatches", 8), ("layers", 8), ("embd", 256), ("block", 128), ("batch", 32)):
+        if getattr(args, key) is None:
+            setattr(args, key, SMOKE[key] if args.smoke else full)
+    args.steps = args.steps or (SMOKE["steps"] if args.smoke else 8 if args.quick else 16)
+    args.warmup = 2 if args.smoke else 3
     if args.worker:
         worker(args)
         return
-    repeats = args.repeats or (1 if args.quick else 3)
+    repeats = args.repeats or (1 if args.quick or args.smoke else 3)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("schedule", "microbatches", "layers", "embd", "block", "batch", "steps")]
+    fwd += ["--smoke"] if args.smoke else []
     # the configuration asked for, and (when it is finer) whole blocks with one head beside it
     grains = [(args.pipeline_granularity, args.head_chunks)] + ([("block", 1)] if (args.pipeline_granularity, args.head_chunks) != ("block", 1) else [])
     single = {g: [] for g in grains}
@@ -130,7 +146,8 @@ def main() -> None:
         block = figures(("block", 1))
         extra = {"block": block, "fraction_of_ideal_minus_block": round(out["fraction_of_ideal"] - block["fraction_of_ideal"], 3)}
     print(json.dumps({
-        "benchmark": "pipeline_throughput", "schedule": args.schedule, "microbatches": m, "stages": pp,
+        "benchmark": "pipeline_throughput", "smoke": args.smoke, "schedule": args.schedule, "microbatches": m,
+        "stages": pp,
         "granularity": args.pipeline_granularity,
         "model": {"n_layer": args.layers, "n_embd": args.embd, "block": args.block, "batch": args.batch,
                   "head_chunks": args.head_chunks},

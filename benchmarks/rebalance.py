@@ -26,6 +26,7 @@ the time-based balancers cannot see, e.g. the loss before it was given to the he
 static ones included.
 
     python benchmarks/rebalance.py [--quick] [--pipeline-granularity {block,sublayer,fine}] [--head-chunks K]
+    python benchmarks/rebalance.py --smoke     # seconds: width 32, 10 steps, one repeat
 """
 from __future__ import annotations
 
@@ -35,13 +36,18 @@ import tempfile
 from pathlib import Path
 from statistics import median
 
-from _harness import (Attribution, StepTimer, bootstrap_ratio, launch, resolution, speedup,
-                                 write_result)
+from _harness import bootstrap_ratio, launch, resolution, speedup, write_result
 
 STATIC = ["uniform", "param"]
 DYNAMIC = ["partition_time", "partition_param", "diffusion_time", "diffusion_param"]
 RATIOS = [1, 1, 1, 1, 1, 1, 8, 8]  # two wide blocks right before the head
 VOCAB = 8192
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "tokens_per_sec", "partitions", "best_dynamic", "best_static", "efficiency",
+               "speedup_vs_static", "control", "resolution", "unattributed_busy_fraction", "rebalance_cost_iterations",
+               "profiling_overhead", "repeats")
+#: what ``--smoke`` sets where the command line leaves it open
+SMOKE = dict(embd=32, block=16, batch=4, microbatches=2, steps=10, interval=5)
 
 
 def worker(args) -> None:
@@ -49,6 +55,7 @@ def worker(args) -> None:
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
+    from _harness import Attribution, StepTimer
     from lightning_dynmo import DynMoStrategy
     from lightning_dynmo.models import GPT, GPTConfig
 
@@ -132,25 +139,30 @@ def _uniform(L: int) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    p.add_argument("--smoke", action="store_true",
+                   help="a narrow model, 10 steps, one repeat: checks that the script runs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
-    p.add_argument("--embd", type=int, default=192)
-    p.add_argument("--block", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--embd", type=int, default=None, help="default 192")
+    p.add_argument("--block", type=int, default=None, help="default 128")
+    p.add_argument("--batch", type=int, default=None, help="default 16")
+    p.add_argument("--microbatches", type=int, default=None, help="default 8")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--interval", type=int, default=4, help="dynamic variants profile/rebalance every N steps")
+    p.add_argument("--interval", type=int, default=None, help="dynamic variants profile/rebalance every N steps (4)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--head-chunks", type=int, default=1, help="GPTConfig(head_chunks=K): the LM head + loss as K layers")
     p.add_argument("--pipeline-granularity", choices=["block", "sublayer", "fine"], default="block",
                    help="pipeline layers: whole blocks, attention and MLP halves, or five pieces per block "
                         "(static baselines alike)")
     args = p.parse_args()
-    args.steps = args.steps or (12 if args.quick else 20)
+    for key, full in (("embd", 192), ("block", 128), ("batch", 16), ("microbatches", 8), ("interval", 4)):
+        if getattr(args, key) is None:
+            setattr(args, key, SMOKE[key] if args.smoke else full)
+    args.steps = args.steps or (SMOKE["steps"] if args.smoke else 12 if args.quick else 20)
     if args.worker:
         worker(args)
         return
-    repeats = args.repeats or (1 if args.quick else 5)
+    repeats = args.repeats or (1 if args.quick or args.smoke else 5)
     fwd = [f"--{k}={getattr(args, k)}" for k in ("embd", "block", "batch", "microbatches", "steps", "interval")]
     fwd += [f"--pipeline-granularity={args.pipeline_granularity}", f"--head-chunks={args.head_chunks}"]
     runs = []
@@ -169,7 +181,9 @@ def main() -> None:
     costs = [r[n]["rebalance_cost_ms"] / 1e3 / r[n]["step_seconds"] for r in runs for n in DYNAMIC
              if r[n]["rebalance_cost_ms"] is not None]
     print(json.dumps({
-        "benchmark": "rebalance", "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
+        "benchmark": "rebalance", "smoke": args.smoke,
+        "command": "python benchmarks/rebalance.py" + (" --quick" if args.quick else "")
+        + (" --smoke" if args.smoke else "")
         + (f" --pipeline-granularity {args.pipeline_granularity}" if args.pipeline_granularity != "block" else "")
         + (f" --head-chunks {args.head_chunks}" if args.head_chunks != 1 else ""), "stages": 2,
         "microbatches": args.microbatches, "n_layer": len(RATIOS), "vocab": VOCAB, "granularity": args.pipeline_granularity,

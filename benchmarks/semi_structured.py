@@ -22,10 +22,13 @@ the figure a captured training step would see; a variant that cannot be captured
 ``graph_capture_failed``. ``--no-graphs`` skips it.
 
 Correctness: outputs and gradients of each 2:4 variant against the masked dense layer in bf16
-(relative error by norm); a failure exits 1. Without CUDA it prints ``{"gpu": false}`` and
-exits 0. Prints one JSON object as the last line; ``speedup_fwd_bwd_2to4`` is per shape.
+(relative error by norm); a failure exits 1. Without CUDA it prints ``{"gpu": false}`` with
+``cpu_check`` (the CPU side: both masks are 2:4, the transposable one in columns too, and the
+layer's masked-dense fallback matches the reference) and exits 0 unless that check fails. Prints
+one JSON object as the last line; ``speedup_fwd_bwd_2to4`` is per shape.
 
     python benchmarks/semi_structured.py [--rounds 50] [--tokens 8192]
+    python benchmarks/semi_structured.py --smoke     # seconds: one 256x512 shape, 256 tokens, 3 rounds
 """
 from __future__ import annotations
 
@@ -35,27 +38,30 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _cuda_timing import graphed_round_robin  # noqa: E402
-from _harness import bootstrap_ratio, resolution, rotated, speedup  # noqa: E402
+from _cuda_timing import graphed_round_robin
+from _harness import bootstrap_ratio, resolution, rotated, speedup
 
 SHAPES = ((1024, 4096), (4096, 1024))  # (in_features, out_features): GPT-2-medium's MLP
+SMOKE_SHAPES = ((256, 512),)
 TARGET = 1.1
+#: keys the last JSON line has on a GPU (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("gpu", "device", "torch", "tokens", "shapes", "speedup_fwd_bwd_2to4",
+               "speedup_fwd_bwd_2to4_transposable", "speedup_fwd_2to4", "noise_floor_fwd_bwd", "correct",
+               "meets_target", "seconds")
+#: ... and without one (``"skipped"``)
+SKIP_RESULT_KEYS = ("gpu", "skipped", "torch", "cpu_check")
 
 
-def _layer(in_f: int, out_f: int, mask_rule: str, seed: int):
+def _layer(in_f: int, out_f: int, mask_rule: str, seed: int, device: str = "cuda", dtype=torch.bfloat16):
     from lightning_dynmo.dynamic import PrunableLinear
     from lightning_dynmo.dynamic.nm_sparsity import nm_keep, transposable_2to4_keep
 
     torch.manual_seed(seed)
-    layer = PrunableLinear(in_f, out_f, device="cuda", dtype=torch.bfloat16)
+    layer = PrunableLinear(in_f, out_f, device=device, dtype=dtype)
     if mask_rule == "2:4":
         layer.set_mask(nm_keep(layer.weight.detach().abs(), 2, 4))
     else:
@@ -64,10 +70,11 @@ def _layer(in_f: int, out_f: int, mask_rule: str, seed: int):
     return layer
 
 
-def _check(layer, x, g) -> dict:
-    """Relative errors (by norm) of the 2:4 route against masked dense in the same dtype."""
+def _check(layer, x, g, route: bool = True) -> dict:
+    """Relative errors (by norm) of the 2:4 route (``route=False``: whatever the layer runs here,
+    its masked-dense fallback off CUDA) against masked dense in the same dtype."""
     why = layer.semi_structured_unavailable(x.device, x.dtype)
-    if why is not None:
+    if why is not None and route:
         raise RuntimeError(f"the 2:4 route cannot run here: {why}")
     xs = x.detach().clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
@@ -78,11 +85,34 @@ def _check(layer, x, g) -> dict:
     b = layer.bias.detach().clone().requires_grad_()
     yr = F.linear(xr, w * layer.weight_mask, b)
     yr.backward(g)
-    rel = lambda a, r: float((a.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30))  # noqa: E731
+    rel = lambda a, r: float((a.detach().float() - r.detach().float()).norm()  # noqa: E731
+                             / r.detach().float().norm().clamp_min(1e-30))
     return {"y": rel(y, yr), "grad_x": rel(xs.grad, xr.grad), "grad_w": rel(layer.weight.grad, w.grad),
             "grad_b": rel(layer.bias.grad, b.grad),
             "grad_w_zero_where_pruned": bool((layer.weight.grad[~layer.weight_mask] == 0).all()),
-            "sparse_input_grad": layer._semi_cache.sparse_t is not None}
+            "sparse_input_grad": getattr(getattr(layer, "_semi_cache", None), "sparse_t", None) is not None}
+
+
+def cpu_check(in_f: int = 64, out_f: int = 128, tokens: int = 32) -> dict:
+    """What runs without a GPU: both masks (2:4 in rows; the transposable one in columns too) and
+    the layer's masked-dense fallback against the reference, fp32."""
+    from lightning_dynmo.dynamic.nm_sparsity import satisfies_nm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, in_f, generator=gen).requires_grad_()
+    g = torch.randn(tokens, out_f, generator=gen)
+    out = {}
+    for rule in ("2:4", "2:4T"):
+        layer = _layer(in_f, out_f, rule, 1, device="cpu", dtype=torch.float32)
+        mask = layer.weight_mask
+        errors = _check(layer, x, g, route=False)
+        out[rule] = {"rows_2to4": satisfies_nm(mask, 2, 4), "columns_2to4": satisfies_nm(mask.t(), 2, 4),
+                     "max_rel_error": max(v for v in errors.values() if isinstance(v, float)),
+                     "grad_w_zero_where_pruned": errors["grad_w_zero_where_pruned"],
+                     "route_unavailable": layer.semi_structured_unavailable(x.device, x.dtype)}
+    out["ok"] = (all(out[r]["rows_2to4"] and out[r]["grad_w_zero_where_pruned"] and out[r]["max_rel_error"] < 1e-5
+                     for r in ("2:4", "2:4T")) and out["2:4T"]["columns_2to4"])
+    return out
 
 
 def _step(layer, x, g, backward: bool, recompress: bool, backend: str = ""):
@@ -197,16 +227,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replay timings")
+    ap.add_argument("--smoke", action="store_true", help="one small shape, 3 rounds: checks that the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.rounds, args.tokens = 3, 256
     if not torch.cuda.is_available():
+        check = cpu_check()
         print(json.dumps({"gpu": False, "skipped": "no CUDA GPU: 2:4 semi-structured kernels need one",
-                          "torch": torch.__version__}))
-        return 0
+                          "torch": torch.__version__, "smoke": args.smoke, "cpu_check": check}))
+        return 0 if check["ok"] else 1
     t0 = time.perf_counter()
     result = {"gpu": True, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "tokens": args.tokens, "dtype": "bfloat16", "rounds": args.rounds, "target": TARGET, "shapes": {}}
+              "tokens": args.tokens, "dtype": "bfloat16", "rounds": args.rounds, "target": TARGET, "shapes": {},
+              "smoke": args.smoke}
     graphs = None if args.no_graphs else []
-    for in_f, out_f in SHAPES:
+    for in_f, out_f in SMOKE_SHAPES if args.smoke else SHAPES:
         result["shapes"][f"{in_f}x{out_f}"] = bench_shape(in_f, out_f, args.tokens, args.rounds, graphs)
     shapes = result["shapes"]
     # CUDA graphs last: a capture that fails can leave torch's default CUDA generator mid-capture,

@@ -1,6 +1,7 @@
 """Validate the pipeline simulator (lightning_dynmo.sim) against real 2-rank pipeline runs.
 
     python benchmarks/simulator_validation.py [--quick]
+    python benchmarks/simulator_validation.py --smoke     # seconds: 18 steps, profiles after steps 9 and 13
 
 What it does, in one invocation:
 
@@ -64,12 +65,20 @@ LOPSIDED = (12, 12, 4, 1, 1, 1, 1, 1)  # per-block MLP width ratios: a heavy fro
 CASES = ("lopsided", "early_exit", "freezing")
 WARMUP = 3  # steps before the first that calibrates or is predicted
 WINDOW = 4  # steady steps before a profile that calibrate its prediction
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("benchmark", "stages", "schedule", "max_step_time_error", "mean_step_time_error",
+               "max_schedule_time_error", "ranking_matches", "ranking_cases_compared", "speedup_static_to_dynamic",
+               "component_bias_ms", "calibration", "configs", "runs", "seconds")
 
 
-def _plan(quick: bool) -> dict:
-    steps, rounds, profiles = (25, 1, (9, 13, 17)) if quick else (48, 3, (10, 16, 22, 28))
+def _plan(quick: bool, smoke: bool = False) -> dict:
+    steps, rounds, profiles = ((18, 1, (9, 13)) if smoke else (25, 1, (9, 13, 17)) if quick
+                               else (48, 3, (10, 16, 22, 28)))
     runs = [(c, v) for c in CASES for v in ("static", "dynamic")]
-    return dict(steps=steps, rounds=rounds, event=4, profiles=profiles, batch=16, microbatches=4, runs=runs)
+    # early exit re-checks its exits (and asks for a rebalance when they moved) every exit_check steps;
+    # the smoke run checks less often, so its few steps still hold a steady stretch to replay
+    return dict(steps=steps, rounds=rounds, event=4, profiles=profiles, batch=8 if smoke else 16, microbatches=4,
+                runs=runs, exit_check=6 if smoke else 2, model=dict(MODEL, n_embd=32) if smoke else MODEL)
 
 
 # ------------------------------------------------------------------------------ worker side
@@ -84,10 +93,10 @@ def _worker(args) -> None:
     from lightning_dynmo.callbacks import EarlyExit, LayerFreezing
     from lightning_dynmo.models import GPT, EarlyExitGPT, GPTConfig
 
-    plan = _plan(args.quick)
+    plan = _plan(args.quick, args.smoke)
     n = plan["batch"] * plan["steps"]
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, MODEL["vocab_size"], (n, MODEL["block_size"] + 1), generator=g)
+    data = torch.randint(0, plan["model"]["vocab_size"], (n, plan["model"]["block_size"] + 1), generator=g)
     ds = TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
 
     class ProfileAt(L.Callback):
@@ -133,11 +142,11 @@ def _worker(args) -> None:
     for rnd in range(plan["rounds"]):
         for case, variant in plan["runs"]:
             torch.manual_seed(0)
-            cfg = GPTConfig(**MODEL, mlp_ratios=LOPSIDED if case == "lopsided" else None)
+            cfg = GPTConfig(**plan["model"], mlp_ratios=LOPSIDED if case == "lopsided" else None)
             cbs = []
             if case == "early_exit":
                 model = EarlyExitGPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
-                cbs.append(EarlyExit(schedule={plan["event"]: 0.93}, check_interval=2))
+                cbs.append(EarlyExit(schedule={plan["event"]: 0.93}, check_interval=plan["exit_check"]))
             else:
                 model = GPT(cfg, seed=0, warmup_steps=2, max_steps=plan["steps"])
             if case == "freezing":
@@ -493,7 +502,10 @@ def analyse(runs: list[dict], opt_per_param: float) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="25 steps, one round of each configuration (a smoke run: no median over rounds)")
+    ap.add_argument("--quick", action="store_true",
+                    help="25 steps, one round of each configuration (no median over rounds)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="18 steps, two profiles, one round: checks that the script runs (its figures mean nothing)")
     ap.add_argument("--replay", default=None, help="analyse a saved runs file (--save) instead of running")
     ap.add_argument("--save", default=None, help="keep the raw runs (JSON) here")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -507,9 +519,9 @@ def main(argv=None) -> None:
         runs, opt = saved["runs"], saved["optimizer_seconds_per_param"]
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            opt = optimizer_seconds_per_param(args.quick)
+            opt = optimizer_seconds_per_param(args.quick or args.smoke)
             out = os.path.join(tmp, "runs.json")
-            _torchrun(["--quick"] if args.quick else [], out)
+            _torchrun((["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []), out)
             runs = json.load(open(out))
         if args.save:
             with open(args.save, "w") as fh:
@@ -525,7 +537,8 @@ def main(argv=None) -> None:
               f"pred {d['predicted_step_ms']:7.1f} ({d['step_error']:.1%}) | busy {c['busy_ms']} pred {c['predicted_busy_ms']} "
               f"| comm+wait {c['comm_wait_ms']} pred {c['predicted_comm_wait_ms']} | outside {c['outside_schedule_ms']} "
               f"pred {c['predicted_outside_schedule_ms']}")
-    summary = {"benchmark": "simulator_validation", "quick": args.quick, "stages": 2, "schedule": "1f1b",
+    summary = {"benchmark": "simulator_validation", "quick": args.quick, "smoke": args.smoke, "stages": 2,
+               "schedule": "1f1b",
                "threads_per_rank": 1, "target_max_step_time_error": 0.10, **res,
                "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(summary))

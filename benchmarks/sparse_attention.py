@@ -13,6 +13,7 @@ Prints one JSON object as the last line.
 
     python benchmarks/sparse_attention.py [--quick] [--threads 1 2] [--seq 1024 2048]
     python benchmarks/sparse_attention.py --device cuda [--quick]
+    python benchmarks/sparse_attention.py --smoke [--device cuda]   # seconds: seq 128 (CUDA: 512), 2 heads, 1 round
 
 On CUDA (bf16, seq 4096, 16 heads, head_dim 64, 128-blocks, batch 1): forward+backward of our
 route -- ``block_sparse_attention(backend="auto")``, which takes FlexAttention or our kernel,
@@ -46,6 +47,9 @@ from lightning_dynmo.sparse.hash_layout import draw_rotations, hash_sparse_atten
 
 DENSITIES = (1.0, 0.5, 0.25, 0.125)
 NB_HASH = (4, 8)
+#: keys the last JSON line always has on CPU (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("device", "torch", "rounds", "shape", "threads", "seq", "speedup_vs_dense_at_20", "crossover_density",
+               "noise_floor", "summaries", "ratios", "results", "seconds")
 
 
 def random_layout(b, h, t, bs, density, gen):
@@ -235,6 +239,8 @@ def bench_cuda(args, rounds):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one short sequence, 2 heads, one round, 1 thread: checks that the script runs")
     ap.add_argument("--threads", type=int, nargs="+", default=None,
                     help="thread counts (default: 1 and all cores)")
     ap.add_argument("--seq", type=int, nargs="+", default=None, help="CPU: 1024 2048; CUDA: 4096 (the longest one)")
@@ -248,15 +254,22 @@ def main():
                     help="CUDA: skip the CUDA-graph replay timings (the host-free figure)")
     args = ap.parse_args()
     on_cuda = args.device == "cuda"
+    if args.smoke:  # CUDA: long enough for four 128-blocks at every density
+        args.seq, args.heads, args.rounds = args.seq or [512 if on_cuda else 128], args.heads or 2, args.rounds or 1
+        args.threads, args.block, args.quick = args.threads or [1], args.block or (128 if on_cuda else 32), True
     args.seq = args.seq or ([4096] if on_cuda else [1024, 2048])
     args.heads = args.heads or (16 if on_cuda else 8)
     args.block = args.block or (128 if on_cuda else 64)
     if on_cuda:
         if not torch.cuda.is_available():
+            if args.smoke:
+                print(json.dumps({"device": "cuda", "skipped": "no CUDA", "smoke": True}))
+                return
             sys.exit("--device cuda: no CUDA GPU here")
         start = time.perf_counter()
         result = bench_cuda(args, args.rounds or (20 if args.quick else 100))
         result["seconds"] = round(time.perf_counter() - start, 1)
+        result["smoke"] = args.smoke
         print(json.dumps(result))
         return
     threads = args.threads or sorted({1, len(os.sched_getaffinity(0))})
@@ -276,7 +289,7 @@ def main():
     result = {
         "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "isa": sparse._ops._C.cpu_isa() if sparse.extension_available() else None,
-        "torch": torch.__version__, "quick": args.quick, "rounds": rounds,
+        "torch": torch.__version__, "quick": args.quick, "smoke": args.smoke, "rounds": rounds,
         "shape": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "block": args.block},
         "threads": threads, "seq": args.seq,
         # headline: the longest sequence, one thread and all threads

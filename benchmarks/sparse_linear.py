@@ -10,6 +10,7 @@ object as the last line.
     python benchmarks/sparse_linear.py --device cuda [--quick] [--figure]   # GPU: the seed's SpMM
         figure (M=N=K=4096, fp32, ours vs cuSPARSE vs cuBLAS; --figure writes a PNG) and the
         layer's forward+backward (benchmarks/_sparse_linear_cuda.py)
+    python benchmarks/sparse_linear.py --smoke     # seconds: one 128x256 shape, 64 tokens, 90 and 50 %, 1 round
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ from lightning_dynmo import sparse
 from lightning_dynmo.sparse import SparseLinear
 
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+#: keys the last JSON line always has on CPU (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("device", "threads", "rounds", "torch", "speedup_vs_dense_at_90", "speedup_vs_torch_sparse_at_90",
+               "noise_floor_at_90", "noise_floor_max", "crossover_sparsity", "crossover_sparsity_fwd",
+               "crossover_sparsity_by_shape", "speedup_vs_dense_at_90_by_shape", "results")
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
 
 
@@ -91,6 +96,7 @@ def _crossover(rows, key):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="GPT shapes only, fewer rounds")
+    ap.add_argument("--smoke", action="store_true", help="one small shape, one round: checks that the script runs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -100,32 +106,41 @@ def main():
                     help="(cuda) the LDSPARSE_SPMM_KERNEL values to time (default: all; v1 always)")
     args = ap.parse_args()
     if args.device == "cuda":
+        if args.smoke:  # the GPU figure has no small form of its own: its quick one
+            args.quick = True
+            if not torch.cuda.is_available():
+                print(json.dumps({"device": "cuda", "skipped": "no CUDA", "smoke": True}))
+                return
         import _sparse_linear_cuda
-        print(json.dumps(_sparse_linear_cuda.main(args)))
+        print(json.dumps(dict(_sparse_linear_cuda.main(args), smoke=args.smoke)))
         return
     torch.set_num_threads(args.threads)
     if not sparse.extension_available():  # never report the fallback as "ours"
         sys.exit(f"compiled kernels missing ({sparse._ops.import_failure_cause('_C_cpu', sparse.extension_error())}); "
                  "SparseLinear would time the slow reference path, which is not our kernel")
-    rounds = args.rounds or (3 if args.quick else 7)
+    rounds = args.rounds or (1 if args.smoke else 3 if args.quick else 7)
     results = {}
-    for in_f, out_f in ((768, 3072), (3072, 768)):
-        results[f"{in_f}x{out_f}x2048"] = bench_shape(in_f, out_f, 2048, SPARSITIES, rounds, 0.0)
-    if not args.quick:  # torch.sparse takes tens of seconds per call here at low sparsity
+    if args.smoke:
+        results["128x256x64"] = bench_shape(128, 256, 64, (0.5, 0.9), rounds, 0.0)
+    else:
+        for in_f, out_f in ((768, 3072), (3072, 768)):
+            results[f"{in_f}x{out_f}x2048"] = bench_shape(in_f, out_f, 2048, SPARSITIES, rounds, 0.0)
+    if not (args.quick or args.smoke):  # torch.sparse takes tens of seconds per call here at low sparsity
         results["4096x4096x4096"] = bench_shape(4096, 4096, 4096, SPARSITIES, 3, 0.9)
-    gpt = {r["sparsity"]: r for r in results["768x3072x2048"]}
+    first = next(iter(results))  # the GPT-2 MLP's 768 -> 3072 (the smoke run's one shape)
+    gpt = {r["sparsity"]: r for r in results[first]}
     summary = {
         "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "isa": sparse._ops._C.cpu_isa() if sparse.extension_available() else None,
-        "threads": args.threads, "quick": args.quick, "rounds": rounds, "torch": torch.__version__,
+        "threads": args.threads, "quick": args.quick, "smoke": args.smoke, "rounds": rounds, "torch": torch.__version__,
         "speedup_vs_dense_at_90": gpt[0.9]["speedup_vs_dense"],
         "speedup_vs_torch_sparse_at_90": gpt[0.9]["speedup_vs_torch_sparse"],
         # |dense_control / dense - 1|, the same configuration timed twice side by side: a speedup
         # closer to 1 than this is noise
         "noise_floor_at_90": gpt[0.9]["noise_floor_fwd_bwd"],
         "noise_floor_max": max(r[f"noise_floor_{t}"] for v in results.values() for r in v for t in ("fwd", "fwd_bwd")),
-        "crossover_sparsity": _crossover(results["768x3072x2048"], "fwd_bwd"),
-        "crossover_sparsity_fwd": _crossover(results["768x3072x2048"], "fwd"),
+        "crossover_sparsity": _crossover(results[first], "fwd_bwd"),
+        "crossover_sparsity_fwd": _crossover(results[first], "fwd"),
         "crossover_sparsity_by_shape": {k: _crossover(v, "fwd_bwd") for k, v in results.items()},
         "speedup_vs_dense_at_90_by_shape": {
             k: next(r["speedup_vs_dense"] for r in v if r["sparsity"] == 0.9) for k, v in results.items()},

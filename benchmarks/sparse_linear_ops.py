@@ -11,6 +11,7 @@ by running it with each build's tree on PYTHONPATH, one after the other.  Prints
 as the last line.
 
     LDSPARSE_ISA=avx2 python benchmarks/sparse_linear_ops.py [--sparsity 0.9] [--tokens 2048]
+    python benchmarks/sparse_linear_ops.py --smoke     # seconds: 64 tokens, one call per round
 """
 from __future__ import annotations
 
@@ -24,20 +25,26 @@ import torch
 from lightning_dynmo import sparse
 from lightning_dynmo.sparse import SparseLinear
 
+#: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
+RESULT_KEYS = ("isa", "threads", "sparsity", "tokens", "torch", "shapes")
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="64 tokens, one call per round: checks that the script runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.reps = 64, 1
     torch.set_num_threads(1)
     if not sparse.extension_available():  # never time the reference path as a kernel
         sys.exit(f"compiled kernels missing: {sparse.extension_error()!r}")
     ops = torch.ops.ldsparse
     gen = torch.Generator().manual_seed(0)
     result = {"isa": sparse._ops._C.cpu_isa(), "threads": 1, "sparsity": args.sparsity,
-              "tokens": args.tokens, "torch": torch.__version__, "shapes": {}}
+              "tokens": args.tokens, "torch": torch.__version__, "smoke": args.smoke, "shapes": {}}
     for in_f, out_f in ((768, 3072), (3072, 768)):
         layer = SparseLinear.from_dense(torch.nn.Linear(in_f, out_f),
                                         torch.rand(out_f, in_f, generator=gen) >= args.sparsity)

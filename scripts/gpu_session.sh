@@ -24,7 +24,7 @@ first="${steps%% *}"; rest="${steps#* }"
 if [[ "$first" == build ]]; then GPU_CHECK_OUT="$g/b" GPU_CHECK_STEPS="build kernels" bash scripts/gpu_check.sh | tail -1; steps="${rest/kernels/}"; fi
 if [[ -n "$cases" ]]; then
   left=$(( GPU_CHECK_DEADLINE - $(date +%s) - 10 ))
-  (timeout "$left" python3 benchmarks/at_scale.py --stages 8 --dp 1 --quick --cases "$cases" > "$g/at_scale.log" 2>&1; echo "at_scale rc=$?" >> "$g/at_scale.log") &
+  (PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "$left" python3 benchmarks/at_scale.py --stages 8 --dp 1 --quick --cases "$cases" > "$g/at_scale.log" 2>&1; echo "at_scale rc=$?" >> "$g/at_scale.log") &
 fi
 GPU_CHECK_OUT="$g/c" GPU_CHECK_STEPS="$steps" bash scripts/gpu_check.sh
 wait

@@ -14,12 +14,26 @@ A case module defines:
   (dynmo over that run, e.g. the same model with dense attention);
 * optionally ``launcher_extra(quick) -> dict``: figures from a job of the case's own (run by the
   launcher after the comparison, e.g. pruning's pp=2 x dp=2 gradient-exchange measurement).
+
+``smoke(plan)`` cuts any case's plan to a few steps and one round: the benchmarks' ``--smoke``
+form, which checks that the script still runs end to end (its figures mean nothing).
 """
 from __future__ import annotations
 
 import importlib
 
 CASES = ("none", "freezing", "early_exit", "pruning", "mod", "moe", "moe_dropless", "sparse_attention")
+
+
+SMOKE_STEPS = 8
+
+
+def smoke(plan: dict) -> dict:
+    """``plan`` (a case's quick plan) cut to ``SMOKE_STEPS`` steps, measured over the last three,
+    one round, micro-batches of 2 samples; the case's event, model and callbacks stay as they
+    are (an event past the last step simply does not happen)."""
+    return dict(plan, steps=SMOKE_STEPS, window=(SMOKE_STEPS - 3, SMOKE_STEPS), rounds=1,
+                batch=2 * plan["microbatches"])
 
 
 def load(case: str):

@@ -19,12 +19,13 @@ def build(cfg, plan: dict):
 
 
 def dynmo_strategy(plan: dict) -> dict:
-    # the strategy's own defaults (the benchmark's harness sets rebalance_cooldown=1 for the
-    # dynamic cases; here it is set back to the default)
-    import inspect
+    # the strategy's own defaults, read from PipelineOptions (where every option gets its default);
+    # the benchmark's harness sets rebalance_cooldown=1 for the dynamic cases, here it is set back
+    from dataclasses import fields
 
-    from lightning_dynmo import DynMoStrategy
+    from lightning_dynmo.strategy.options import PipelineOptions
 
-    defaults = inspect.signature(DynMoStrategy).parameters
-    return {k: defaults[k].default for k in ("balancer", "rebalance", "imbalance_threshold", "rebalance_cooldown",
-                                             "rebalance_horizon", "overhead_budget")}
+    defaults = {f.name: f.default for f in fields(PipelineOptions)}
+    return {k: getattr(defaults[k], "value", defaults[k])  # an enum default as its plain value
+            for k in ("balancer", "rebalance", "imbalance_threshold", "rebalance_cooldown", "rebalance_horizon",
+                      "overhead_budget")}

@@ -60,7 +60,8 @@ class CausalLMModule(L.LightningModule):
     def _init_eval_metric(self, vocab_size: int) -> None:
         with torch.device("cpu"):  # a real tensor even when the layers are built on the meta device
             self.val_loss_mean = MeanMetric()
-            self.token_accuracy = nn.ModuleDict({stage: MulticlassAccuracy(vocab_size, average="micro",
+            classes = max(2, vocab_size)  # torchmetrics wants two classes at least (a one-token vocabulary: tests)
+            self.token_accuracy = nn.ModuleDict({stage: MulticlassAccuracy(classes, average="micro",
                                                                            ignore_index=IGNORE_INDEX)
                                                  for stage in ("val", "test")})
 

@@ -348,7 +348,8 @@ def check_evaluation(res: dict, cfg: dict) -> None:
     if not cfg.get("padded"):
         assert val["val_ppl"] == pytest.approx(math.exp(val["val_loss"]), rel=RTOL)
     # token accuracy: a MulticlassAccuracy updated on the last stage only, the same on every rank
-    assert 0 < val["val_acc"] < 1
+    # (with padding, few targets count and the young model may get none right)
+    assert 0 <= val["val_acc"] < 1 if cfg.get("padded") else 0 < val["val_acc"] < 1
     assert res["val_acc_per_rank"] == [pytest.approx(val["val_acc"], abs=1e-7)] * len(res["val_acc_per_rank"])
     if cfg["evaluate"].get("test"):
         assert "test_error" not in res, res["test_error"]

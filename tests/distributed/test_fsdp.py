@@ -50,7 +50,7 @@ RUNS = {
                                  rebalance="every_n", balancer="test_cycle"),
     # every token exits after block 1 (cos > -1 always holds): blocks 2-5 get no gradient anywhere
     "early_exit": base(dp_sharding="fsdp", accumulate=1, partition=[0, 6, 9], rebalance="every_n",
-                       balancer="test_cycle", early_exit={"exit_layers": [1], "exit_threshold": -1.0}),
+                       balancer="test_cycle", early_exit_gpt={"exit_layers": [1], "exit_threshold": -1.0}),
 }
 ACCUMULATING = [n for n in RUNS if RUNS[n]["accumulate"] > 1]
 

@@ -1,9 +1,12 @@
 """The tests' warm launcher (``tests/support/warm_launcher.py``) starts a job as the torchrun
 command line does: the same environment and signal handlers in each worker, the worker script as
 ``__main__`` with its arguments, exit handlers run at its end, a failing rank failing the job, and
-a job past its timeout killed whole, after which the launcher still serves the next job."""
+a job past its timeout killed whole, after which the launcher still serves the next job. A rank
+that crashes in native code under it (a forked worker) gets the job rerun on the command line,
+where a crash of the code itself happens again and fails the test with the rank's stack."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -56,3 +59,16 @@ def test_a_job_past_its_timeout_is_killed_whole_and_the_next_job_runs(tmp_path):
     assert WARM.broken is None, WARM.broken
     (env,) = run_worker(tmp_path / "next", 2, [{"case": "env"}], worker=WORKER)
     assert [e["env"]["RANK"] for e in env] == ["0", "1"]
+
+
+def test_a_native_crash_reruns_on_the_command_line_and_a_repeated_one_fails_with_its_stack(tmp_path):
+    spec, out = write_spec(tmp_path / "once", [{"case": "crash_once"}])
+    with pytest.warns(UserWarning, match="(?s)rerunning the job on the torchrun command line.*Fatal Python error"):
+        done = launch(torchrun(2, WORKER, str(spec)), 120)
+    assert done.returncode == 0, done.output[-3000:]
+    assert [e["env"]["RANK"] for e in json.loads(out.read_text())["runs"][0]] == ["0", "1"]
+    with pytest.warns(UserWarning, match="rerunning"), pytest.raises(AssertionError) as failed:
+        run_worker(tmp_path / "always", 2, [{"case": "crash"}], worker=WORKER)
+    message = str(failed.value)
+    assert "the crashed rank's stack" in message and "Fatal Python error: Segmentation fault" in message
+    assert "env_worker.py" in message.split("the crashed rank's stack")[1]  # the frame that crashed

@@ -31,7 +31,8 @@ WORKER = ROOT / "tests" / "support" / "workers" / "pipeline_worker.py"
 
 def worker_env(**extra: str) -> dict:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # faulthandler: a rank that crashes in native code prints its Python stack
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -102,11 +103,27 @@ def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
             str(script), *args]
 
 
+def _native_crash(output: str) -> str:
+    """The Python stack faulthandler printed for a rank killed by a signal (SIGSEGV, SIGBUS, ...),
+    or ``""``: the crashing thread's first frames, which a long log's tail would otherwise cut."""
+    lines = output.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Fatal Python error:"):
+            block = [line]
+            for more in lines[i + 1:i + 40]:
+                if not more.strip() and len(block) > 3:
+                    break
+                block.append(more)
+            return "\n".join(block)
+    return next((l for l in lines if "(SIGSEGV)" in l or "(SIGBUS)" in l or "(SIGILL)" in l), "")
+
+
 def _failure(proc: Finished, log: Path) -> AssertionError:
     key = [l for l in proc.output.splitlines()
            if any(w in l for w in ("Error", "error:", "terminate", "what()", "Abort"))]
+    crash = _native_crash(proc.output)
     return AssertionError(f"worker failed ({proc.returncode}); full log {log}\n" + "\n".join(key[-30:])
-                          + f"\n{proc.stderr[-4000:]}")
+                          + f"\n{proc.stderr[-4000:]}" + (f"\n--- the crashed rank's stack ---\n{crash}" if crash else ""))
 
 
 class WarmLauncher:
@@ -197,7 +214,15 @@ WARM = WarmLauncher()
 def launch(cmd: list[str], timeout: float, log: Path | None = None) -> Finished:
     """Run a ``torchrun()`` or plain ``[python, script, ...]`` command with ``worker_env()``: on the
     warm launcher where it is available, else on the command line."""
-    return WARM.run(cmd, timeout, log) if WARM.available() else run(cmd, timeout, log)
+    if not WARM.available():
+        return run(cmd, timeout, log)
+    proc = WARM.run(cmd, timeout, log)
+    crash = _native_crash(proc.output) if proc.returncode != 0 else ""
+    if crash:  # a forked worker's native crash: the job runs again as torchrun would start it
+        warnings.warn(f"a rank of a warm-launched job crashed (its stack below); rerunning the job on the "
+                      f"torchrun command line, where a crash of the code itself happens again\n{crash}")
+        proc = run(cmd, timeout, log)
+    return proc
 
 
 def write_spec(tmp: Path, runs: list[dict]) -> tuple[Path, Path]:

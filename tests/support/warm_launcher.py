@@ -38,6 +38,9 @@ import uuid
 #: forked worker would otherwise inherit the agent's, which turn its SIGTERM into an exception that
 #: a rank blocked in C++ never sees, where a fresh worker dies at once
 _FRESH_HANDLERS: dict = {}
+#: left to faulthandler (a C handler Python's ``signal`` does not see): torch's worker wrapper enables
+#: it, and a crashed rank's Python stack is the first clue to a native crash
+_FATAL = {signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL}
 
 
 def _run_script(script: str, *args: str) -> None:
@@ -105,7 +108,7 @@ def _threads() -> int:
 def serve() -> None:
     for sig in signal.valid_signals():
         handler = signal.getsignal(sig)
-        if handler is not None and sig not in (signal.SIGKILL, signal.SIGSTOP):
+        if handler is not None and sig not in (signal.SIGKILL, signal.SIGSTOP, *_FATAL):
             _FRESH_HANDLERS[sig] = handler
     import torch  # noqa: F401
     import torch.distributed.run  # noqa: F401  (torchrun's parser and config)

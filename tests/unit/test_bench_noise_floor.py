@@ -66,3 +66,16 @@ def test_rotation_puts_every_configuration_in_every_place(items):
     assert all(sorted(o) == sorted(items) for o in orders)
     for pos in range(n):
         assert sorted(o[pos] for o in orders) == sorted(items)
+
+
+def test_the_no_harm_verdict_takes_the_runs_noise_floor_into_account():
+    verdict = _harness.no_harm_verdict
+    assert verdict(0.99, 0.01) == "met"
+    assert verdict(0.975, 0.01) == "unresolved"  # below 0.98, but within this run's noise
+    assert verdict(0.95, 0.01) == "missed"  # below by more than the noise: real harm
+    assert verdict(1.02, 0.05) == "unresolved"  # a run this noisy cannot resolve a 2 % gap
+    assert verdict(0.90, 0.05) == "missed"
+    assert verdict(None, 0.01) == verdict(0.99, None) == "unresolved"
+    # two rounds whose control agreed by luck: the interval says how far identical runs can land
+    assert verdict(0.945, 0.012, resolution_ci=[0.80, 1.18]) == "unresolved"
+    assert verdict(0.99, 0.01, resolution_ci=[0.995, 1.015]) == "met"

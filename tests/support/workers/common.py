@@ -35,7 +35,7 @@ class SGDGPT(GPT):
 def make_model(cfg: dict, cls: type = GPT) -> GPT:
     """The test GPT; ``cfg["gpt"]``: further GPTConfig fields; ``cfg["tied"]``: the LM head shares
     the token embedding's weight (GPT-2's tying), so the parameter is used by the first and the
-    last pipeline layer; ``cfg["early_exit"]``: an EarlyExitGPT with these kwargs (same weights);
+    last pipeline layer; ``cfg["early_exit_gpt"]``: an EarlyExitGPT with these kwargs (same weights);
     ``cfg["unused"]``: see :func:`add_unused_parameters`."""
     n_layer = cfg.get("n_layer", 6)
     config = GPTConfig(
@@ -52,8 +52,8 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
     )
     cls = SGDGPT if cfg.get("optimizer") == "sgd" and cls is GPT else cls
     kw = {}
-    if cfg.get("early_exit") and cls is GPT:  # EarlyExitGPT kwargs (exit_layers, exit_threshold)
-        cls, kw = EarlyExitGPT, dict(cfg["early_exit"])
+    if cfg.get("early_exit_gpt") and cls is GPT:  # EarlyExitGPT kwargs (exit_layers, exit_threshold)
+        cls, kw = EarlyExitGPT, dict(cfg["early_exit_gpt"])
     model = cls(config, lr=cfg.get("lr", 3e-3), warmup_steps=2, max_steps=20, seed=cfg.get("seed", 0), **kw)
     add_unused_parameters(model, cfg.get("unused", ()))
     return model

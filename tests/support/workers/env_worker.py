@@ -1,14 +1,17 @@
 """Reports what a torchrun worker sees (for tests/distributed/test_warm_launcher.py).
 
 Usage: torchrun --nproc-per-node N env_worker.py SPEC.json
-SPEC: {"out": path, "runs": [{"case": "env" | "fail" | "hang" | "exit"}]}. ``env``: rank 0 writes
+SPEC: {"out": path, "runs": [{"case": "env" | "fail" | "hang" | "exit" | "crash" | "crash_once"}]}. ``env``: rank 0 writes
 every rank's launch environment, signal handlers and ``sys.argv`` after an all-gather over gloo,
 and each rank creates ``OUT.atexit<rank>`` from an ``atexit`` handler; ``fail`` raises on rank 1;
-``hang`` writes ``OUT.pid<rank>`` and sleeps forever; ``exit`` calls ``sys.exit(3)`` on rank 1.
+``hang`` writes ``OUT.pid<rank>`` and sleeps forever; ``exit`` calls ``sys.exit(3)`` on rank 1; ``crash`` segfaults rank 1 (faulthandler's own
+null read, its handler on, as in torch's workers); ``crash_once`` does so only while ``OUT.crashed`` does not exist yet,
+then runs ``env``.
 """
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import signal
@@ -39,6 +42,11 @@ def main() -> None:
         raise RuntimeError("env_worker: rank 1 failed on purpose")
     if case == "exit" and rank == 1:
         sys.exit(3)
+    marker = f"{spec['out']}.crashed"
+    if rank == 1 and (case == "crash" or (case == "crash_once" and not os.path.exists(marker))):
+        open(marker, "w").close()
+        faulthandler.enable()
+        faulthandler._sigsegv()
     atexit.register(lambda: open(f"{spec['out']}.atexit{rank}", "w").close())  # runs as the worker exits
     dist.init_process_group("gloo")
     seen = {"env": {k: os.environ.get(k) for k in KEYS}, "argv": sys.argv, "name": __name__, "pid": os.getpid(),
