@@ -42,7 +42,6 @@ class SpeedWatch:
     balanced_for: tuple[float, ...] | None = None  # relative speeds the partition was balanced for
     recent: deque = field(default_factory=deque, repr=False)  # the last ``window`` estimates
     streak: int = 0
-    settling: int = 0  # estimates still to come after a restart before drift is reported
     _drift: tuple[int, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +64,12 @@ class SpeedWatch:
         if not self.recent:
             return None
         return [statistics.median(col) for col in zip(*self.recent)]
+
+    @property
+    def quorum(self) -> int:
+        """Estimates a drift needs: half a window (a median of one or two is a step's noise, at the
+        start as after a restart)."""
+        return (self.window + 1) // 2
 
     @property
     def estimate(self) -> tuple[float, ...] | None:
@@ -99,14 +104,13 @@ class SpeedWatch:
         if self.balanced_for is None or len(self.balanced_for) != len(now):
             self.balanced_for = tuple(1.0 for _ in now)  # what a partition balanced without speeds assumed
         self.recent.append(now)
-        self.settling = max(0, self.settling - 1)
         self._drift = self.drift()
         self.streak = self.streak + 1 if self._drift is not None else 0
 
     def drift(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of the rank whose relative speed moved most since the partition was
         balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
-        if self.smoothed is None or self.balanced_for is None or self.settling:
+        if self.balanced_for is None or len(self.recent) < self.quorum:
             return None
         return self.drift_of(self.smoothed)
 
@@ -136,7 +140,6 @@ class SpeedWatch:
         ``speeds``, and report none until half a window of new estimates is in (a median of one
         or two is a step's noise)."""
         self.recent.clear()
-        self.settling = (self.window + 1) // 2
         self.rebase(speeds)
 
     def rebase(self, speeds: Sequence[float] | None = None) -> None:

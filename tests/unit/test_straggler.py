@@ -72,7 +72,10 @@ def test_watch_validation_and_rank_count_change():
             SpeedWatch(**bad)
     watch = SpeedWatch()
     watch.observe([1.0, 0.5])
-    assert watch.balanced_for == (1.0, 1.0) and watch.drift() == (1, 0.5) and watch.reason() is None
+    assert watch.balanced_for == (1.0, 1.0) and watch.drift() is None  # one estimate: a step's noise
+    watch.observe([1.0, 0.5])
+    watch.observe([1.0, 0.5])  # half a window
+    assert watch.drift() == (1, 0.5) and watch.reason() is None  # (not yet confirmed)
     watch.observe([1.0, 1.0, 1.0])  # re-packed onto 3 ranks: starts over
     assert watch.balanced_for == (1.0, 1.0, 1.0) and watch.streak == 0 and watch.drift() is None
 
