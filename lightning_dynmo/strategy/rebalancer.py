@@ -24,6 +24,7 @@ new layout (:class:`~lightning_dynmo.strategy.state.Relayout`) for the strategy 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -251,12 +252,13 @@ class Rebalancer:
         closing = event is not None
         speeds, suspect = self._profile_speeds([fr for _, fr in reports], layout, event) if closing \
             else (self._active_speeds(layout), False)
-        merged = []
+        merged, timed_at = [], {}  # (timed_at: layer -> the speed of the slowest rank that timed it now)
         for g, (rep, fr) in enumerate(reports):
             k = 1.0 if speeds is None or not fr else speeds[layout.topology.pp_rank(g)]
             rep = dict(rep)
             for i, (f, b) in fr.items():
                 rep[i] = (f * k, b * k, *rep[i][2:])
+                timed_at[i] = min(k, timed_at.get(i, k))
                 if closing and g == rank:
                     self.known_work[i] = (f * k, b * k)
             merged.append(rep)
@@ -264,8 +266,26 @@ class Rebalancer:
         if closing:
             self._window.clear()
             if not suspect:
-                self._reference = (costs, list(self.controller.load_at_profile))
+                self._reference = self._anchored(costs, timed_at, bool(event))
         return costs
+
+    def _anchored(self, costs: LayerCosts, timed_at: dict[int, float], event: bool) -> tuple[LayerCosts, list]:
+        """The reference the next speeds are measured against: this profile's work, except for
+        layers timed now on a rank slower than the fastest, which keep their work in the reference
+        before (timed at speed 1.0 in the end): work derived from an estimated speed carries that
+        estimate's error, and speeds measured against it would carry it on from profile to profile
+        (a random walk that, e.g., leaves a recovered rank looking slow). After a dynamism event
+        every layer takes its new work (what it computes changed)."""
+        loads, old = list(self.controller.load_at_profile), self._reference
+        slow = [i for i, k in timed_at.items() if k < 1.0]
+        if event or not slow or old is None or old[0].num_layers != costs.num_layers:
+            return costs, loads
+        f, b = list(costs.forward), list(costs.backward)
+        for i in slow:
+            f[i], b[i] = old[0].forward[i], old[0].backward[i]
+            if i < len(loads):
+                loads[i] = old[1][i] if i < len(old[1]) else None
+        return dataclasses.replace(costs, forward=tuple(f), backward=tuple(b)), loads
 
     def _profile_speeds(self, measured: list[dict], layout: PipelineLayout, event: bool) -> tuple[float, ...] | None:
         """Per pipeline rank, the speeds a closing profile's times are work at (the same on every
@@ -273,10 +293,11 @@ class Rebalancer:
         estimate against the reference work (scaled to this window's loads; each replica's median
         ratio, the slowest replica's per pipeline rank), settled by
         :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`. The
-        reference is the last profile's work, except one whose estimate drifted but was not
-        confirmed (suspect): its times are taken as work as they are (the old behaviour), but
-        speeds are still measured against the work before it, so a real slowdown shows once the
-        busy times confirm it, and noise leaves no trace."""
+        reference is the last profile's work (for layers a slower rank timed: their work from
+        before, see :meth:`_anchored`), except one whose estimate drifted but was not confirmed
+        (suspect): its times are taken as work as they are (the old behaviour), but speeds are
+        still measured against the work before it, so a real slowdown shows once the busy times
+        confirm it, and noise leaves no trace."""
         c, topo, pp = self.controller, layout.topology, layout.pp_size
         estimate = None
         if not event and self._reference is not None and self._reference[0].num_layers == layout.partition.num_layers:

@@ -233,3 +233,22 @@ def test_a_moderate_slowdown_waits_for_the_median_a_large_one_does_not():
     job2.run_steps(2, [1.0, 0.7])
     job2.close_profile([1.0, 0.7])  # three slow steps: the median shows it
     assert job2.speeds == pytest.approx((1.0, 0.7))
+
+
+def test_speeds_are_measured_against_work_timed_at_full_speed_so_noise_does_not_build_up():
+    """A slow rank's layers keep, in the reference, the work they were timed at on a rank of
+    speed 1.0: every estimate is the rank's time against it. Against work derived from the last
+    estimate instead, each taken estimate carried the noise of the one before it on, and here the
+    recovered rank stayed 0.83x (a profile and the steps after it measured 0.3x and 0.18x in turn
+    for a rank at 0.25x)."""
+    job = Job()
+    job.close_profile([1.0, 1.0])
+    job.run_steps(5, [1.0, 1.0])
+    for m, busy in [(0.25, 0.25), (0.3, 0.18), (0.18, 0.25), (0.3, 0.18), (0.18, 0.25), (0.3, 0.25)]:
+        job.close_profile([1.0, m], busy_speed=[1.0, busy])  # the profile's times as if at m
+        assert job.speeds[1] in (pytest.approx(0.25), pytest.approx(m)), (m, job.speeds)  # ... a real reading
+        job.run_steps(4, [1.0, busy])
+    job.run_steps(4, [1.0, 1.0])  # it recovers
+    job.close_profile([1.0, 1.0])
+    assert alike(job.speeds), job.speeds
+    assert times_of(job.ranks[0].controller.profiled_costs) == pytest.approx(WORK, rel=1e-12)
