@@ -22,7 +22,7 @@ import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 
 from tests.support.evaluation import GPTWithTest, eval_loader
-from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.common import LossRecorder, make_loader, make_model, pin_to_own_core, run_spec
 
 
 class RepackRequest(L.Callback):
@@ -214,6 +214,8 @@ class StepProbe(L.Callback):
 
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.get("pin_cores"):
+        pin_to_own_core()
     nnodes = int(cfg.get("nnodes", 1))
     model = make_model(cfg)
     evaluate = cfg.get("evaluate")
