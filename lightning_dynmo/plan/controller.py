@@ -29,7 +29,7 @@ from .budget import OverheadBudget
 from .cost_model import LayerCosts
 from .measurements import loads_near_profile, scale_by_load, smooth_load
 from .policy import Rebalance, RebalancePolicy
-from .speed import speeds_from_busy
+from .speed import normalise_speeds, speeds_from_busy
 
 #: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
 REPROFILE_STEPS = 200
@@ -48,6 +48,11 @@ class StepActions:
     skipped: tuple[tuple[str, str], ...] = ()  # (trigger, why it was skipped) to record
 
 
+def _same_way(a: tuple[int, float] | None, b: tuple[int, float] | None) -> bool:
+    """Two drifts (rank, factor) of the same rank in the same direction."""
+    return a is not None and b is not None and a[0] == b[0] and (a[1] < 1) == (b[1] < 1)
+
+
 class RebalanceController:
     def __init__(self, policy: RebalancePolicy, budget: OverheadBudget, repack: int | str) -> None:
         self.policy = policy
@@ -58,6 +63,7 @@ class RebalanceController:
         self.counter_requests: list[str] = []  # request(..., reprofile=False)
         self.repack_requested: int | str | None = None
         self.profiling_reason: str | None = None
+        self.event_noted = False  # a dynamism event was requested since the last profile closed
         self.decide_next = False
         self.profiled_steps = 0  # profiled steps so far in the current window
         self.closed_window_steps = 0  # profiled steps of the window that closed last (its times are their mean)
@@ -85,6 +91,7 @@ class RebalanceController:
             return False
         if reprofile:
             self.policy.request(str(reason))
+            self.event_noted = True
         else:
             self.counter_requests.append(str(reason))
         return True
@@ -209,6 +216,32 @@ class RebalanceController:
         """Per-pipeline-rank speeds to balance for (fastest 1.0; None: no estimate yet)."""
         return self.policy.speed_estimate
 
+    def take_event(self, reason: str) -> bool:
+        """Whether the profile closing now may have measured layers a dynamism event changed (this
+        rank's view: its reason, or a request since the last close; agree it over the ranks)."""
+        noted, self.event_noted = self.event_noted, False
+        return noted or "event:" in reason
+
+    def profile_speeds(self, estimate: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        """Per-pipeline-rank speeds a decision on the profile closing now balances for, and that
+        its measured times are turned into work with. ``estimate``: the profile's own
+        (:func:`~lightning_dynmo.plan.speed.estimate_speeds` against the last work; None without
+        one, e.g. after a dynamism event: the speeds from before it stand). It is taken only when
+        it drifted beyond the watch's tolerance from the speeds the partition was balanced for and
+        the busy-time estimates drifted the same way (the same rank, slower or faster): their
+        median, or, for a drift beyond the square of the tolerance, the last unprofiled step's
+        alone. One profile's noise (a rank holding one small layer has one noisy ratio) or one
+        step's moves nothing, and ranks alike stay exactly alike (``None``); a large slowdown is
+        caught at the first decision, whatever its trigger, before the median has turned.
+        Taken, the watch restarts on it (its recent estimates were at the old speeds)."""
+        watch = self.policy.speed_watch
+        drift = watch.drift_of(estimate) if estimate is not None else None
+        if drift is not None and (_same_way(drift, watch.drift()) or (
+                abs(math.log(drift[1])) > 2 * math.log1p(watch.tolerance)
+                and _same_way(drift, watch.drift_of(watch.latest) if watch.latest is not None else None))):
+            watch.restart(normalise_speeds(estimate))
+        return self.rank_speed
+
     def profiled(self, step: int, costs: LayerCosts) -> None:
         """The merged costs of the profile window that closed at ``step``."""
         self.profiled_costs, self.profile_step = costs, step
@@ -235,7 +268,11 @@ class RebalanceController:
         if cost is not None:
             self.migration_cost = cost
 
-    def repacked(self, step: int) -> None:
+    def repacked(self, step: int, ranks: int | None = None) -> None:
+        """A re-pack onto ``ranks`` pipeline ranks was applied: the ranks that stay keep their speeds."""
+        speeds = self.rank_speed
+        if ranks is not None and speeds is not None and len(speeds) >= ranks:
+            self.policy.speed_watch.restart(normalise_speeds(speeds[:ranks]))
         self.policy.applied(step)  # a re-pack changes the rank count: nothing to undo
         self.budget.structural()
         self._skip_noted = False

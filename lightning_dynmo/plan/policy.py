@@ -80,6 +80,7 @@ class Decision:
     microbatches: int | None = None
     released: tuple[int, ...] | None = None
     speeds: tuple[float, ...] | None = None  # per stage: the cost model's speed the decision balanced for
+    straggler: str | None = None  # the slowest rank it balanced for, e.g. "pipeline rank 1 at 0.52x"
 
     def with_(self, **changes: Any) -> "Decision":
         return dataclasses.replace(self, **changes)
@@ -120,6 +121,7 @@ class RebalancePolicy:
     ema_busy: list[float] | None = None
     pending_reasons: list[str] = field(default_factory=list)
     left_at: dict[Partition, int] = field(default_factory=dict)  # partitions applied decisions left, and when
+    left_for: dict[Partition, tuple[float, ...] | None] = field(default_factory=dict)  # ... the speeds it was left for
     speed_watch: SpeedWatch = field(default_factory=SpeedWatch)  # rank speeds vs those last balanced for
 
     def __post_init__(self) -> None:
@@ -205,11 +207,15 @@ class RebalancePolicy:
         that partition less than ``horizon`` steps ago. That decision was paid for by a saving
         predicted over the horizon; coming back before the horizon is over says the loads it was
         judged on did not last (a per-step signal that flips: a router's or a predictor's noise),
-        and the migrations pay for gains that lasted a few steps. ``None``: no recent partition."""
+        and the migrations pay for gains that lasted a few steps. ``None``: no recent partition, or
+        the ranks' speeds changed since it was left (settled speeds change only beyond the speed
+        watch's tolerance: the move back follows a straggler's recovery, not noise)."""
         if self.rebalance is not Rebalance.AUTO or new not in self.left_at:
             return None
         when = self.left_at[new]
         if step - when >= self.rebalance_horizon:
+            return None
+        if self.left_for.get(new) != _speed_key(self.speed_estimate):
             return None
         return (f"refused: would return to the partition left at step {when}, {step - when} of the {self.rebalance_horizon} "
                 "steps its replacement's saving was predicted over (the loads it was judged on did not last; raise "
@@ -222,8 +228,10 @@ class RebalancePolicy:
         self.ema_busy = None
         self.speed_watch.rebase()
         self.left_at = {p: t for p, t in self.left_at.items() if step - t < self.rebalance_horizon}
+        self.left_for = {p: v for p, v in self.left_for.items() if p in self.left_at}
         if left is not None:
             self.left_at[left] = step
+            self.left_for[left] = _speed_key(self.speed_estimate)
 
     def decided(self, step: int, applied: bool, left: Partition | None = None) -> None:
         """Every decision starts the cooldown; one that changed nothing also disarms ``auto``
@@ -236,6 +244,11 @@ class RebalancePolicy:
         self.speed_watch.rebase()
         if self.ema_busy:
             self.disarmed_at = max(imbalance(self.ema_busy), self.imbalance_threshold)
+
+
+def _speed_key(speeds: Sequence[float] | None) -> tuple[float, ...] | None:
+    """Speeds as the cost model sees them: None while every rank is alike."""
+    return None if speeds is None or all(v == 1.0 for v in speeds) else tuple(speeds)
 
 
 def decide(

@@ -151,6 +151,16 @@ def slowest_replicas(speeds: Sequence[float], topology: Topology, active: int | 
     return tuple(min(v[d * topology.pp + r] for d in range(topology.dp)) for r in range(pp))
 
 
+def describe_slowest(speeds: Sequence[float] | None, what: str = "pipeline rank") -> str | None:
+    """``"pipeline rank 1 at 0.52x"``: the slowest rank of per-rank ``speeds`` against the fastest
+    (None when there are none or all are equal): what a decision record and the fit summary say."""
+    if not speeds:
+        return None
+    v = normalise_speeds(speeds)
+    slow = min(range(len(v)), key=lambda r: (v[r], r))
+    return None if v[slow] == 1.0 else f"{what} {slow} at {v[slow]:.2f}x"
+
+
 def work_costs(costs: LayerCosts, partition: Partition, stage_speed: Sequence[float] | None) -> LayerCosts:
     """Measured per-layer times -> work: each layer's time times the speed of the stage that timed
     it (``partition``: where the layers were when measured). With replicas the merged time is the

@@ -8,6 +8,9 @@ balanced for by more than a factor ``1 + tolerance``, either way (a slowdown, or
 one), on ``confirm_steps`` consecutive steps. A decision (applied or not) rebases it on the speeds
 it was taken for (:attr:`SpeedWatch.for_balancing`), so it fires again only after a further drift
 of the same size: the hysteresis. Below the tolerance decisions keep balancing for the old speeds.
+A profile's own estimate, taken when it drifted as far and the last step's estimate
+(:attr:`SpeedWatch.latest`) drifted the same way, restarts the watch on it
+(:meth:`SpeedWatch.restart`; see :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`).
 
 Why jitter does not fire it: on ranks of equal speed whose estimates stay within ``[1 - j, 1 + j]``
 of it, every relative speed (over the fastest; a median of estimates or a single one) lies in
@@ -63,9 +66,21 @@ class SpeedWatch:
         return [statistics.median(col) for col in zip(*self.recent)]
 
     @property
+    def quorum(self) -> int:
+        """Estimates a drift needs: half a window (a median of one or two is a step's noise, at the
+        start as after a restart)."""
+        return (self.window + 1) // 2
+
+    @property
     def estimate(self) -> tuple[float, ...] | None:
         """The smoothed speeds, normalised (fastest 1.0)."""
         return None if self.smoothed is None else normalise_speeds(self.smoothed)
+
+    @property
+    def latest(self) -> tuple[float, ...] | None:
+        """The last step's estimate alone, normalised (None before any): what has turned already
+        when the median has not."""
+        return normalise_speeds(self.recent[-1]) if self.recent else None
 
     @property
     def for_balancing(self) -> tuple[float, ...] | None:
@@ -95,9 +110,18 @@ class SpeedWatch:
     def drift(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of the rank whose relative speed moved most since the partition was
         balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
-        if self.smoothed is None or self.balanced_for is None:
+        if self.balanced_for is None or len(self.recent) < self.quorum:
             return None
-        now, then = normalise_speeds(self.smoothed), normalise_speeds(self.balanced_for)
+        return self.drift_of(self.smoothed)
+
+    def drift_of(self, speeds: Sequence[float]) -> tuple[int, float] | None:
+        """:meth:`drift` of ``speeds`` (e.g. a profile's own estimate) from what the partition was
+        balanced for (every rank alike before any balancing, or after the rank count changed)."""
+        now = normalise_speeds(speeds)
+        base = self.balanced_for if self.balanced_for is not None and len(self.balanced_for) == len(now) else None
+        then = normalise_speeds(base) if base is not None else tuple(1.0 for _ in now)
+        if not now:
+            return None
         rank = max(range(len(now)), key=lambda r: abs(math.log(now[r] / then[r])))
         factor = now[rank] / then[rank]
         return (rank, factor) if abs(math.log(factor)) > math.log1p(self.tolerance) else None
@@ -109,6 +133,14 @@ class SpeedWatch:
         rank, factor = self._drift
         return (f"auto: pipeline rank {rank} runs at {factor:.2f}x the relative speed the partition was balanced for "
                 f"(beyond 1/{1 + self.tolerance:.2f}..{1 + self.tolerance:.2f})")
+
+    def restart(self, speeds: Sequence[float] | None) -> None:
+        """A profile settled new speeds (``speeds``): forget the estimates taken before the change
+        (their median would report it as a drift back until it turns), measure drift from
+        ``speeds``, and report none until half a window of new estimates is in (a median of one
+        or two is a step's noise)."""
+        self.recent.clear()
+        self.rebase(speeds)
 
     def rebase(self, speeds: Sequence[float] | None = None) -> None:
         """A decision was taken for ``speeds`` (default: :attr:`for_balancing`): drift is measured

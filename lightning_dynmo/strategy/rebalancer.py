@@ -9,12 +9,22 @@ partition) is checked with one small all-reduce (MIN of a hash and its negation;
 all-reduce agrees on what the decision cost, for the overhead budget), and a balancer that answers
 differently on different ranks stops training on every rank with a message saying so.
 
+Rank speed (:mod:`~lightning_dynmo.plan.speed`): every rank converts the layer times it profiled
+into work (seconds at speed 1.0) with its pipeline rank's speed at that profile, and keeps the work,
+not the time: a layer that migrates off a slow rank does not carry the slow rank's seconds along,
+and a layer profiled long ago keeps the speed it was timed at. The speed at a profile is its own
+estimate against the last profile's work (the same layers, so a straggler is seen at the first
+decision, whatever triggered it), or the speeds balanced for until then after a dynamism event (the
+work changed, so the times say nothing about the ranks). Between profiles each step's busy times
+against the work each rank holds feed the controller's speed watch.
+
 The rebalancer never holds the strategy: each call gets this rank's pipeline as a value
 (:class:`~lightning_dynmo.strategy.state.RankPipeline`), and a call that moves layers returns the
 new layout (:class:`~lightning_dynmo.strategy.state.Relayout`) for the strategy to adopt.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -28,12 +38,13 @@ from ..plan.balancers import BalanceProblem, BalancerResultError, get_balancer
 from ..plan.cost_model import CostModel, LayerCosts
 from ..plan.controller import RebalanceController
 from ..plan.layout import PipelineLayout
-from ..plan.measurements import merge_layer_costs
+from ..plan.measurements import merge_layer_costs, scale_by_load
 from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
 from ..plan.policy import Decision, decide
 from ..plan.repack import RepackRefused, check_repack_target, plan_repack
 from ..plan.schedules import choose_microbatches
+from ..plan.speed import describe_slowest, estimate_speeds, normalise_speeds, rank_work, slowest_replicas
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..runtime.groups import packed_groups
@@ -62,6 +73,11 @@ class Rebalancer:
         self.recorder = DecisionRecorder(options.plot, options.plot_interval)
         self._warned_never = False
         self.known_costs: dict[int, tuple[float, float]] = {}  # layer -> (fwd, bwd) s per micro-batch
+        self.known_work: dict[int, tuple[float, float]] = {}  # the same as work: x this rank's speed when timed
+        self._window: dict[int, tuple[float, float]] = {}  # this profile window's times, not yet work
+        self._reference: tuple[LayerCosts, list[float | None]] | None = None  # last profile's work, its loads
+        self._rank_work: tuple | None = None  # (work costs, layout key, per-rank work) without loads
+        self._migrated = False  # layers moved before the coming step
         self._unagreed = 0.0  # this rank's overhead seconds not yet agreed (sent with the next agreement check)
 
     policy = property(lambda self: self.controller.policy)
@@ -135,21 +151,52 @@ class Rebalancer:
     def after_step(self, step: int, stats: StepStats, pipe: RankPipeline) -> None:
         c = self.controller
         if c.profiling:
-            for i, ft in pipe.profiler.layer_times().items():
-                self.known_costs[i] = ft
-        c.after_step(step, stats.profiled, stats.rank_busy, stats.rank_wall, stats.layer_load)
+            times = pipe.profiler.layer_times()
+            self.known_costs.update(times)
+            self._window.update(times)
+        # (not the step after a migration either: the ranks that received layers rebuilt their stages in it)
+        work = None if stats.profiled or self._migrated else self.rank_work(pipe.layout, stats.layer_load)
+        self._migrated = False
+        c.after_step(step, stats.profiled, stats.rank_busy, stats.rank_wall, stats.layer_load, rank_work=work)
         if c.rebalancing:
             pipe.module.log("rebalance/overhead_fraction", c.budget.overhead_fraction(), on_step=True,
                             on_epoch=False, batch_size=1)
 
     def summary(self) -> dict:
         """What DynMo cost and what its applied decisions gained, measured (see
-        :meth:`~lightning_dynmo.plan.budget.OverheadBudget.summary`), plus the migrations' seconds."""
+        :meth:`~lightning_dynmo.plan.budget.OverheadBudget.summary`), plus the migrations' seconds
+        and the decisions taken for a slow rank (``stragglers``; only when there were any)."""
         out = self.controller.budget.summary()
         out["migration_s"] = round(self.controller.migration_seconds, 4)
         out["decisions"] = sum(1 for d in self.recorder.decisions if d.kind != "skip")
         out["skipped"] = sum(1 for d in self.recorder.decisions if d.kind == "skip")
+        slow = [{"step": d.step, "straggler": d.straggler, "applied": d.applied}
+                for d in self.recorder.decisions if d.straggler]
+        if slow:
+            out["stragglers"] = slow
         return out
+
+    def rank_work(self, layout: PipelineLayout, layer_load: list[float | None]) -> list[float] | None:
+        """Per active pipeline rank, the work its layers hold under this step's loads (None
+        before any profile): what its busy seconds are compared with for its speed. On the
+        reference work (see :meth:`_profile_speeds`), so that a slowdown one profile took as
+        heavier layers still shows in the busy times. Cached per partition when no layer
+        reports its load."""
+        if self._reference is None or layout.partition is None \
+                or self._reference[0].num_layers != layout.partition.num_layers:
+            return None  # (released ranks compute it too: every rank's controller sees the same)
+        costs, at = self._reference
+        loaded = any(x is not None for x in layer_load) and len(at) == costs.num_layers
+        key = (layout.partition, layout.pp_size, layout.virtual)
+        cached = self._rank_work
+        if not loaded and cached is not None and cached[0] is costs and cached[1] == key:
+            return cached[2]
+        model = self.cost_model(layout, None)  # (the per-micro-batch work does not depend on the count)
+        work = rank_work(scale_by_load(costs, layer_load, at) if loaded else costs, model,
+                         layout.partition, [layout.rank_of_stage(s) for s in range(layout.num_stages)], layout.pp_size)
+        if not loaded:
+            self._rank_work = (costs, key, work)
+        return work
 
     def counter_costs(self) -> LayerCosts:
         return self.controller.counter_costs()
@@ -159,25 +206,115 @@ class Rebalancer:
 
     # ------------------------------------------------------------------ costs
     def cost_model(self, layout: PipelineLayout, last_microbatches: int | None) -> CostModel:
+        """The cost model decisions use: this layout's schedule, links and the ranks' speeds
+        (``speed=None`` while every rank is taken as alike)."""
         m = last_microbatches or self.options.microbatches or 4 * layout.num_stages
         return CostModel(microbatches=m, schedule=layout.spec.cost_schedule, capacity=self.options.memory_capacity,
-                         virtual_stages=layout.virtual, bandwidth=layout.boundary_bandwidth(self.options.link_bandwidth))
+                         virtual_stages=layout.virtual, bandwidth=layout.boundary_bandwidth(self.options.link_bandwidth),
+                         speed=layout.stage_speed(self._active_speeds(layout)))
 
-    def gather_layer_costs(self, pipe: RankPipeline, timelines: bool = True) -> tuple[LayerCosts, list[dict]]:
-        """Per-layer costs identical on every rank (collective over the world) as last profiled;
-        plus every rank's chunk timeline of the last step (``timelines=False``: none, e.g. when no
-        plot will draw them: they are most of what the gather carries)."""
-        local = {}
+    def _active_speeds(self, layout: PipelineLayout) -> tuple[float, ...] | None:
+        speeds = self.controller.rank_speed  # (more than pp_size right after a re-pack by hand: the first ones stay)
+        return None if speeds is None or len(speeds) < layout.pp_size else tuple(speeds[:layout.pp_size])
+
+    def gather_layer_costs(self, pipe: RankPipeline, timelines: bool = True,
+                           event: bool | None = None) -> tuple[LayerCosts, list[dict]]:
+        """Per-layer work identical on every rank (collective over the world) as last profiled
+        (seconds at speed 1.0: the measured seconds while every rank is alike); plus every rank's
+        chunk timeline of the last step (``timelines=False``: none, e.g. when no plot will draw
+        them: they are most of what the gather carries). ``event``: this closes a profile window
+        (agreed: whether a dynamism event may have changed the layers it measured); its times
+        become work at the speeds :meth:`_profile_speeds` settles. ``None`` (a user's call): the
+        window stays open and its times count at the speeds balanced for."""
+        layout, closing = pipe.layout, event is not None
+        local, fresh = {}, {}
         for i in pipe.local_layer_indices():
             layer = pipe.layers[i]
-            f, b = self.known_costs.get(i, (math.nan, math.nan))
+            if i in self._window:
+                fresh[i] = self._window[i]
+            f, b = self.known_work.get(i, (math.nan, math.nan))
             params = sum(p.numel() for p in layer.parameters())
             local[i] = (f, b, params, layer_memory_bytes(layer, pipe.optimizers))
         events = pipe.last_step_events() if timelines else []
-        parts: list = [None] * pipe.layout.topology.world_size
-        dist.all_gather_object(parts, (local, events))
-        costs = merge_layer_costs([p for p, _ in parts], len(pipe.layers), pipe.engines.activation_bytes())
-        return costs, [e for _, ev in parts for e in ev]
+        parts: list = [None] * layout.topology.world_size
+        dist.all_gather_object(parts, (local, fresh, events))
+        costs = self.work_of_reports([(rep, fr) for rep, fr, _ in parts], layout, len(pipe.layers),
+                                     pipe.engines.activation_bytes(), event, pipe.global_rank)
+        return costs, [e for _, _, ev in parts for e in ev]
+
+    def work_of_reports(self, reports: list[tuple[dict, dict]], layout: PipelineLayout, num_layers: int,
+                        activation, event: bool | None, rank: int) -> LayerCosts:
+        """Every rank's ``(report, fresh)`` (global rank order; ``report``: ``{layer: (forward,
+        backward, params, memory)}`` with the work known so far, ``fresh``: ``{layer: (forward,
+        backward)}`` seconds of the open profile window) -> the merged work. Pure, the same on
+        every rank; on a closing window (``event`` not None) this rank (``rank``) keeps its fresh
+        layers' work and the result becomes the next profile's reference."""
+        closing = event is not None
+        speeds, suspect = self._profile_speeds([fr for _, fr in reports], layout, event) if closing \
+            else (self._active_speeds(layout), False)
+        merged, timed_at = [], {}  # (timed_at: layer -> the speed of the slowest rank that timed it now)
+        for g, (rep, fr) in enumerate(reports):
+            k = 1.0 if speeds is None or not fr else speeds[layout.topology.pp_rank(g)]
+            rep = dict(rep)
+            for i, (f, b) in fr.items():
+                rep[i] = (f * k, b * k, *rep[i][2:])
+                timed_at[i] = min(k, timed_at.get(i, k))
+                if closing and g == rank:
+                    self.known_work[i] = (f * k, b * k)
+            merged.append(rep)
+        costs = merge_layer_costs(merged, num_layers, activation)
+        if closing:
+            self._window.clear()
+            if not suspect:
+                self._reference = self._anchored(costs, timed_at, bool(event))
+        return costs
+
+    def _anchored(self, costs: LayerCosts, timed_at: dict[int, float], event: bool) -> tuple[LayerCosts, list]:
+        """The reference the next speeds are measured against: this profile's work, except for
+        layers timed now on a rank slower than the fastest, which keep their work in the reference
+        before (timed at speed 1.0 in the end): work derived from an estimated speed carries that
+        estimate's error, and speeds measured against it would carry it on from profile to profile
+        (a random walk that, e.g., leaves a recovered rank looking slow). After a dynamism event
+        every layer takes its new work (what it computes changed)."""
+        loads, old = list(self.controller.load_at_profile), self._reference
+        slow = [i for i, k in timed_at.items() if k < 1.0]
+        if event or not slow or old is None or old[0].num_layers != costs.num_layers:
+            return costs, loads
+        f, b = list(costs.forward), list(costs.backward)
+        for i in slow:
+            f[i], b[i] = old[0].forward[i], old[0].backward[i]
+            if i < len(loads):
+                loads[i] = old[1][i] if i < len(old[1]) else None
+        return dataclasses.replace(costs, forward=tuple(f), backward=tuple(b)), loads
+
+    def _profile_speeds(self, measured: list[dict], layout: PipelineLayout, event: bool) -> tuple[float, ...] | None:
+        """Per pipeline rank, the speeds a closing profile's times are work at (the same on every
+        rank: from the gathered times), and whether the profile is suspect. The profile's own
+        estimate against the reference work (scaled to this window's loads; each replica's median
+        ratio, the slowest replica's per pipeline rank), settled by
+        :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`. The
+        reference is the last profile's work (for layers a slower rank timed: their work from
+        before, see :meth:`_anchored`), except one whose estimate drifted but was not confirmed
+        (suspect): its times are taken as work as they are (the old behaviour), but speeds are
+        still measured against the work before it, so a real slowdown shows once the busy times
+        confirm it, and noise leaves no trace."""
+        c, topo, pp = self.controller, layout.topology, layout.pp_size
+        estimate = None
+        if not event and self._reference is not None and self._reference[0].num_layers == layout.partition.num_layers:
+            ref = scale_by_load(self._reference[0], c._at_profile(), self._reference[1]) \
+                if len(self._reference[1]) == self._reference[0].num_layers else self._reference[0]
+            base = self._active_speeds(layout) or (1.0,) * pp
+            times = [{i: f + b for i, (f, b) in m.items()} for m in measured]
+            if any(times[g] for g in range(topo.world_size) if topo.pp_rank(g) < pp):
+                per_rank = estimate_speeds(times, [f + b for f, b in zip(ref.forward, ref.backward)],
+                                           previous=[base[topo.pp_rank(g)] if topo.pp_rank(g) < pp else 1.0
+                                                     for g in range(topo.world_size)])
+                estimate = normalise_speeds(slowest_replicas(per_rank, topo, active=pp))
+        watch = c.policy.speed_watch
+        drifted = estimate is not None and watch.drift_of(estimate) is not None
+        before = watch.balanced_for
+        speeds = c.profile_speeds(estimate)
+        return speeds, drifted and watch.balanced_for == before
 
     def initial_partition(self, layers, layout: PipelineLayout, device: torch.device, rank: int,
                           last_microbatches: int | None = None) -> Partition:
@@ -233,11 +370,11 @@ class Rebalancer:
         """Algorithm 1: balance on the profiled costs, migrate, then (optionally) re-pack."""
         started = time.perf_counter()
         c, change = self.controller, None
-        costs, events = self.gather_layer_costs(pipe, timelines=self.recorder.plot)
+        # a request made on some ranks only acts on all (strategy/requests.py): one small all-reduce
+        rebalance, requested, event = agree_on_actions(reason, c.take_repack(), pipe.device, c.take_event(reason))
+        costs, events = self.gather_layer_costs(pipe, timelines=self.recorder.plot, event=event)
         c.profiled(step, costs)
         self._trace(step, costs, pipe)
-        # a request made on some ranks only acts on all (strategy/requests.py): one small all-reduce
-        rebalance, requested = agree_on_actions(reason, c.take_repack(), pipe.device)
         if c.rebalancing and rebalance:
             change = self._rebalance(step, reason, costs, events, pipe, samples=c.load_cost_samples(), started=started)
             pipe = pipe.adopted(change)
@@ -258,6 +395,7 @@ class Rebalancer:
                                    current=before, policy=self.policy,
                                    migration_cost=self.controller.expected_migration_cost(), samples=samples,
                                    runs_per_step=pipe.runs_per_step)
+        decision = decision.with_(straggler=describe_slowest(self._active_speeds(pipe.layout)))
         overhead = self.check_agreement(decision.after, new is not None, what, pipe.device, pipe.global_rank, started)
         self.controller.charge(step, overhead, source)
         seconds, change = 0.0, None
@@ -284,10 +422,12 @@ class Rebalancer:
         what, o = f"the re-pack decision at step {step}", self.options
         try:
             with self.agreed_failure(what, pipe.device, pipe.global_rank):
+                speeds = self._active_speeds(layout)
                 plan = plan_repack(
                     costs, before, self.cost_model(layout, pipe.last_microbatches), ranks_before, target, self.balancer,
                     lambda r: choose_microbatches(o.schedule, pipe.last_batch_size, r, o.virtual_stages, o.microbatches),
                     layout.virtual, o.repack_tolerance, lambda r: layout.boundary_bandwidth(o.link_bandwidth, r),
+                    speed=lambda r: layout.stage_speed(speeds, r),
                 )
         except RepackRefused as err:
             self.check_agreement(None, False, what, pipe.device, pipe.global_rank)
@@ -297,11 +437,12 @@ class Rebalancer:
         change, seconds, _ = self.migrate(plan.partition, pipe, ranks=plan.ranks)
         pipe = pipe.adopted(change)
         self.controller.migrated(seconds)
-        self.controller.repacked(step)
+        self.controller.repacked(step, plan.ranks)
         self._record(pipe, base.with_(
             applied=True, after=str(plan.partition), ranks_after=plan.ranks, microbatches=plan.microbatches,
             released=tuple(pipe.layout.released_ranks), predicted_step_after=plan.predicted_step,
             migration_ms=seconds * 1e3, why=f"packed {ranks_before} -> {plan.ranks}",
+            straggler=describe_slowest(speeds),
         ))
         return change
 
@@ -314,6 +455,7 @@ class Rebalancer:
             "params": list(costs.params), "memory": list(costs.memory), "activation": list(costs.activation),
             "layer_load": self.layer_load, "rank_busy": self.rank_busy, "rank_wall": self.rank_wall,
             "profiled_steps": self.controller.closed_window_steps,  # the steps the per-layer times are the mean of
+            "rank_speed": self._active_speeds(layout),  # forward/backward are work: seconds at these speeds' 1.0
         })
 
     def _record(self, pipe: RankPipeline, decision: Decision, costs=None, model=None, events=(), before=None,
@@ -381,6 +523,7 @@ class Rebalancer:
         everywhere)."""
         layout = pipe.layout
         t0 = time.perf_counter()
+        self._migrated = True
         if ranks is None:
             change = self.rebalance_to(new, pipe)
         else:

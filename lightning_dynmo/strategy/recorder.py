@@ -104,6 +104,9 @@ def dynmo_summary_text(summary: dict) -> str:
             lines.append(f"  step {p['step']}: step time {p['step_ms_before']:.1f} -> {p['step_ms_after']:.1f} ms "
                          f"({-p['gain']:+.1%}), cost {p['cost_ms']:.0f} ms: "
                          + ("paid for itself" if p["paid"] else "did not pay"))
+    for d in summary.get("stragglers", []):  # decisions taken for a slow rank
+        lines.append(f"  step {d['step']}: balanced for {d['straggler']} the fastest's speed"
+                     + ("" if d["applied"] else " (nothing moved)"))
     return "\n".join(lines)
 
 

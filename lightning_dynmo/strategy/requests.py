@@ -14,12 +14,16 @@ import torch.distributed as dist
 from ..plan.controller import PEER_REQUEST
 
 
-def agree_on_actions(reason: str, repack: int | str | None, device: torch.device) -> tuple[bool, int | str | None]:
-    """``(rebalance, repack target or None)`` the same on every rank. Collective over the world."""
+def agree_on_actions(reason: str, repack: int | str | None, device: torch.device,
+                     event: bool = False) -> tuple[bool, int | str | None, bool]:
+    """``(rebalance, repack target or None, event)`` the same on every rank; ``event``: some rank
+    saw a dynamism event since the last profile (its times say nothing about rank speeds).
+    Collective over the world."""
     wants_rebalance = not (reason.startswith("repack") or reason == PEER_REQUEST)
     code = 0 if repack is None else 1 if repack == "auto" else int(repack) + 1  # 0: none, 1: auto, n + 1: n ranks
-    flags = torch.tensor([1.0 if wants_rebalance else 0.0, float(code)], dtype=torch.float64, device=device)
+    flags = torch.tensor([1.0 if wants_rebalance else 0.0, float(code), 1.0 if event else 0.0], dtype=torch.float64,
+                         device=device)
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     code = int(flags[1])
-    return bool(flags[0] > 0), None if code == 0 else "auto" if code == 1 else code - 1
+    return bool(flags[0] > 0), None if code == 0 else "auto" if code == 1 else code - 1, bool(flags[2] > 0)

@@ -72,7 +72,10 @@ def test_watch_validation_and_rank_count_change():
             SpeedWatch(**bad)
     watch = SpeedWatch()
     watch.observe([1.0, 0.5])
-    assert watch.balanced_for == (1.0, 1.0) and watch.drift() == (1, 0.5) and watch.reason() is None
+    assert watch.balanced_for == (1.0, 1.0) and watch.drift() is None  # one estimate: a step's noise
+    watch.observe([1.0, 0.5])
+    watch.observe([1.0, 0.5])  # half a window
+    assert watch.drift() == (1, 0.5) and watch.reason() is None  # (not yet confirmed)
     watch.observe([1.0, 1.0, 1.0])  # re-packed onto 3 ranks: starts over
     assert watch.balanced_for == (1.0, 1.0, 1.0) and watch.streak == 0 and watch.drift() is None
 
@@ -171,3 +174,36 @@ def test_profiled_steps_do_not_feed_the_watch():
     assert ctl.rank_speed is None
     ctl.after_step(2, False, [1.0, 2.0], [1.0, 2.0], [None, None], rank_work=[1.0, 1.0])
     assert ctl.policy.speed_watch.estimate == (1.0, 0.5)
+
+
+def test_returning_to_a_partition_left_for_a_straggler_is_no_undo_once_it_recovered():
+    """The undo refusal (back within the horizon: the loads did not last) keeps noise from moving
+    layers back and forth; a return after the ranks' settled speeds changed is a recovery."""
+    p = policy(rebalance_horizon=100)
+    p.observe_speeds([1.0, 1.0])
+    even, lopsided = Partition((0, 4, 8)), Partition((0, 6, 8))
+    p.speed_watch.restart((1.0, 0.5))  # a profile found rank 1 at half speed
+    p.decided(10, applied=True, left=even)
+    assert p.undo_refusal(20, even) is not None  # same speeds: coming back within the horizon is refused
+    p.speed_watch.restart((1.0, 1.0))  # it recovered
+    assert p.undo_refusal(20, even) is None
+    p.decided(20, applied=True, left=lopsided)
+    p.speed_watch.restart((1.0, 1.0))
+    assert p.undo_refusal(25, lopsided) is not None  # ranks alike throughout: the old rule
+
+
+def test_a_restart_forgets_the_old_estimates_and_waits_for_half_a_window():
+    """After a profile settles new speeds, the estimates before the change do not report it as a
+    drift back, and one or two new ones (a step's noise) report none either."""
+    watch = SpeedWatch()
+    for _ in range(5):
+        watch.observe([1.0, 1.0])
+    watch.observe([1.0, 0.5])
+    watch.restart((1.0, 0.5))
+    assert watch.balanced_for == (1.0, 0.5) and not watch.recent
+    watch.observe([1.0, 0.5])
+    assert watch.drift() is None and watch.for_balancing == (1.0, 0.5)
+    watch.observe([1.0, 1.0])
+    assert watch.drift() is None  # (a median of two: one step's noise) ...
+    watch.observe([1.0, 1.0])
+    assert watch.drift() == (1, 2.0)  # ... a drift back once half a window of new ones is in

@@ -60,6 +60,16 @@ def make_model(cfg: dict, cls: type = GPT) -> GPT:
     return model
 
 
+def pin_to_own_core() -> None:
+    """This rank, for the rest of its job, on a core of its own (global rank r on the r-th core the
+    job may run on) where there are at least as many cores as ranks: its peers' compute then never
+    shares its core, as on a machine with a device per rank (the host's other jobs still may)."""
+    cores = sorted(os.sched_getaffinity(0))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if len(cores) >= world:
+        os.sched_setaffinity(0, {cores[rank]})
+
+
 def add_unused_parameters(model, unused) -> None:
     """``unused``: ``[[layer, shape], ...]``: a parameter ``unused`` of that shape on each pipeline
     layer, which no forward reads (it never gets a gradient anywhere). A 2-D one falls in the

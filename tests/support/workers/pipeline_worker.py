@@ -23,7 +23,7 @@ from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.strategy import checkpoint
 
 from tests.support.evaluation import GPTWithTest, eval_loader
-from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.common import LossRecorder, make_loader, make_model, pin_to_own_core, run_spec
 
 
 class RepackRequest(L.Callback):
@@ -81,6 +81,50 @@ class StarveOnOneReplica(L.Callback):
         layer = pipeline_layers_of(pl_module)[self.layer]
         if trainer.strategy.distributed_sampler_kwargs["rank"] == 1 and not isinstance(layer, RemoteLayer):
             layer.get_submodule(self.name).register_forward_hook(lambda m, args, out: out.detach() * 0)
+
+
+class SlowOnRank(L.Callback):
+    """A genuinely slower rank: on global rank ``rank``, during steps ``start <= step < stop``,
+    every pipeline layer's forward runs ``repeat`` times (the extra runs under no_grad, their
+    outputs dropped: the math is unchanged), wherever the layers are. A global forward hook, so
+    that layers arriving by migration (new modules) are slowed too."""
+
+    def __init__(self, rank: int, start: int, stop: int, repeat: int, classes: tuple[type, ...]) -> None:
+        self.rank, self.start, self.stop, self.repeat, self.classes = rank, start, stop, repeat, classes
+        self.active, self._inside, self._handle = False, False, None
+
+    def _hook(self, module, args, output):
+        if not self.active or self._inside or not isinstance(module, self.classes):
+            return None
+        self._inside = True  # (the repeats' own submodule calls are not repeated again)
+        try:
+            with torch.no_grad():
+                for _ in range(self.repeat - 1):
+                    module.forward(*args)
+        finally:
+            self._inside = False
+        return None
+
+    def on_train_start(self, trainer, pl_module):
+        self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.active = dist.get_rank() == self.rank and self.start <= trainer.global_step < self.stop
+
+    def on_train_end(self, trainer, pl_module):
+        self.active = False
+        if self._handle is not None:
+            self._handle.remove()
+
+
+class BusyProbe(L.Callback):
+    """Per step: every pipeline rank's busy seconds as the step's all-reduce gave them."""
+
+    def __init__(self):
+        self.rank_busy: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rank_busy.append(list(trainer.strategy.rebalancer.rank_busy))
 
 
 def count_replica_averages() -> list[int]:
@@ -180,6 +224,8 @@ def _masks(module) -> tuple[int, int, int]:
 
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.get("pin_cores"):
+        pin_to_own_core()
     nnodes = int(cfg.get("nnodes", 1))
     model = make_model(cfg)
     evaluate = cfg.get("evaluate")
@@ -204,6 +250,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         link_bandwidth=tuple(cfg["link_bandwidth"]) if isinstance(cfg.get("link_bandwidth"), list)
         else cfg.get("link_bandwidth"),
         rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
+        overhead_budget=float(cfg.get("overhead_budget", 0.01)),
         profile_steps=cfg.get("profile_steps", 1),
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
@@ -216,7 +263,11 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     probe = StepProbe()
     released_hook = ReleaseListener()
     ckpt_dir = os.path.join(out_dir, f"ckpt{idx}")
-    callbacks = [rec, probe, released_hook]
+    busy = BusyProbe()
+    callbacks = [rec, probe, released_hook, busy]
+    if cfg.get("slow"):  # {"rank", "start", "stop", "repeat"}: that rank runs the layers' forwards repeat times
+        classes = tuple({type(layer) for layer in make_model(cfg).pipeline_layers()})
+        callbacks.append(SlowOnRank(classes=classes, **cfg["slow"]))
     if cfg.get("freeze"):
         from lightning_dynmo import LayerFreezing
 
@@ -315,7 +366,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
-              "replica_averages": averages[0], "mid_window_moves": mid_window.moves if mid_window else 0}
+              "replica_averages": averages[0], "mid_window_moves": mid_window.moves if mid_window else 0,
+              "rank_busy": busy.rank_busy, "summary": trainer.strategy.dynmo_summary}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")
