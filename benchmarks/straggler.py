@@ -10,7 +10,7 @@ and stops it after; nothing is slept or emulated, the rank genuinely gets a shar
 round trains the same GPT, data and schedule four times in one job:
 
 * ``param``    static: equal parameter counts (DeepSpeed), ``rebalance="never"``;
-* ``dynmo``    ``rebalance="auto"`` with its defaults, ``balancer="partition_time"``;
+* ``dynmo``    ``rebalance="auto"`` with its defaults, ``balancer="partition_time"``, ``rank_speeds=True``;
 * ``oracle``   static on the split a speed-aware ``partition_time`` (:mod:`lightning_dynmo.plan`)
   computes for the co-tenant phase from *measured* speeds: the per-layer work dynmo profiled before
   the co-tenant came, at each rank's speed in the first round's ``param`` run (its median busy
@@ -200,7 +200,7 @@ def _worker(args) -> None:
                 oracle, speeds = _agreed_oracle(out, meters, plan, dist)
             options = {"param": dict(balancer="param", rebalance="never"),
                        "control": dict(balancer="param", rebalance="never"),
-                       "dynmo": dict(balancer="partition_time", rebalance="auto")}.get(name)
+                       "dynmo": dict(balancer="partition_time", rebalance="auto", rank_speeds=True)}.get(name)
             if name == "oracle":
                 if oracle is None:
                     out[name].append({"error": "no oracle: the param or dynmo run of round 1 failed"})

@@ -155,7 +155,8 @@ class Rebalancer:
             self.known_costs.update(times)
             self._window.update(times)
         # (not the step after a migration either: the ranks that received layers rebuilt their stages in it)
-        work = None if stats.profiled or self._migrated else self.rank_work(pipe.layout, stats.layer_load)
+        work = None if stats.profiled or self._migrated or not self.options.rank_speeds \
+            else self.rank_work(pipe.layout, stats.layer_load)
         self._migrated = False
         c.after_step(step, stats.profiled, stats.rank_busy, stats.rank_wall, stats.layer_load, rank_work=work)
         if c.rebalancing:
@@ -298,6 +299,8 @@ class Rebalancer:
         (suspect): its times are taken as work as they are (the old behaviour), but speeds are
         still measured against the work before it, so a real slowdown shows once the busy times
         confirm it, and noise leaves no trace."""
+        if not self.options.rank_speeds:
+            return None, False
         c, topo, pp = self.controller, layout.topology, layout.pp_size
         estimate = None
         if not event and self._reference is not None and self._reference[0].num_layers == layout.partition.num_layers:

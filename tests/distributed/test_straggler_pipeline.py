@@ -22,7 +22,8 @@ from lightning_dynmo.strategy.recorder import dynmo_summary_text
 pytestmark = pytest.mark.slow
 SLOW = {"rank": 1, "start": 10, "stop": 28, "repeat": 24}
 CFG = base(steps=42, clip=1.0, partition=[0, 1, 9], rebalance="auto", balancer="partition_time", rebalance_cooldown=3,
-           profile_steps=2, overhead_budget=float("inf"), slow=SLOW, pin_cores=True)
+           profile_steps=2, overhead_budget=float("inf"), slow=SLOW, pin_cores=True,
+           rank_speeds=True)
 REACT = 10  # steps the slowdown may take to be balanced for (the trigger, a 2-step profile, the busy median)
 SLOWER_THAN = 1 / 1.3  # rank 1 is balanced for a speed beyond the watch's tolerance (a drift, not alike)
 

@@ -252,6 +252,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         rebalance_cooldown=cfg.get("rebalance_cooldown", 10),
         overhead_budget=float(cfg.get("overhead_budget", 0.01)),
         profile_steps=cfg.get("profile_steps", 1),
+        rank_speeds=cfg.get("rank_speeds", False),
         plot=bool(cfg.get("plot", False)),
         timeout=cfg.get("timeout", 120),
         activation_checkpointing=cfg.get("activation_checkpointing", False),
