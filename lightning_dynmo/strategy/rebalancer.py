@@ -227,7 +227,7 @@ class Rebalancer:
         (agreed: whether a dynamism event may have changed the layers it measured); its times
         become work at the speeds :meth:`_profile_speeds` settles. ``None`` (a user's call): the
         window stays open and its times count at the speeds balanced for."""
-        layout, closing = pipe.layout, event is not None
+        layout = pipe.layout
         local, fresh = {}, {}
         for i in pipe.local_layer_indices():
             layer = pipe.layers[i]

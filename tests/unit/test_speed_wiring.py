@@ -7,7 +7,6 @@ import random
 
 import pytest
 
-from lightning_dynmo.plan.cost_model import LayerCosts
 from lightning_dynmo.plan.layout import PipelineLayout
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.plan.policy import Decision
