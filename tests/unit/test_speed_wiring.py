@@ -26,6 +26,7 @@ class Job:
     """``pp`` x ``dp`` ranks, each with its own Rebalancer, as in a real run."""
 
     def __init__(self, pp=2, dp=1, boundaries=(0, 4, 8), **opts):
+        opts.setdefault("rank_speeds", True)
         options = PipelineOptions(pipeline_parallel=pp, rebalance="auto", balancer="partition_time", **opts)
         self.topo = Topology(pp * dp, pp)
         self.ranks = [Rebalancer(options) for _ in range(pp * dp)]
@@ -111,6 +112,15 @@ def test_a_straggler_is_seen_at_its_first_profile_and_its_layers_keep_their_work
     costs = job.close_profile([1.0, 1.0], untimed={7})
     assert job.speeds == (1.0, 1.0) and job.ranks[0].cost_model(job.layouts[0], 4).speed is None
     assert times_of(costs) == pytest.approx(WORK, rel=1e-12)
+
+
+def test_without_rank_speeds_every_rank_counts_as_alike_and_times_are_taken_as_measured():
+    job = Job(rank_speeds=False)
+    job.close_profile([1.0, 1.0])
+    costs = job.close_profile([1.0, 0.5])
+    assert alike(job.speeds) and job.ranks[0].cost_model(job.layouts[0], 4).speed is None
+    slow = job.layouts[1].local_layer_indices()
+    assert all(costs.forward[i] == pytest.approx(2 * WORK[i][0]) for i in slow)  # the slow rank's time, as work
 
 
 def test_ranks_alike_within_the_tolerance_keep_the_cost_model_and_the_times_exactly():
