@@ -216,6 +216,9 @@ class PipelineOptions:
             check_activation_checkpointing(self.activation_checkpointing, self.memory_capacity))
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {self.compile!r}")
+        if not isinstance(self.rank_speeds, bool):
+            raise ValueError(f"rank_speeds must be True or False (measure each rank's speed and balance for it), "
+                             f"got {self.rank_speeds!r}")
         put("start_method", enum_value("start_method", StartMethod, self.start_method))
         put("dp_sharding", enum_value("dp_sharding", DpSharding, self.dp_sharding))
         if self.checkpoint_format is None:  # by dp_sharding: a sharded model is saved sharded

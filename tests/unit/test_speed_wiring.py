@@ -261,3 +261,9 @@ def test_speeds_are_measured_against_work_timed_at_full_speed_so_noise_does_not_
     job.close_profile([1.0, 1.0])
     assert alike(job.speeds), job.speeds
     assert times_of(job.ranks[0].controller.profiled_costs) == pytest.approx(WORK, rel=1e-12)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_rank_speeds_takes_a_bool_only(value):
+    with pytest.raises(ValueError, match="rank_speeds must be True or False"):
+        PipelineOptions(rank_speeds=value)
