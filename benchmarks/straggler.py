@@ -192,18 +192,18 @@ def _worker(args) -> None:
         return rec, meter
 
     out: dict[str, list] = {name: [] for name in CONFIGS}
-    oracle, speeds, meters = None, None, {}  # (meters: round 1's, what the oracle is computed from)
+    oracle, speeds, no_oracle, meters = None, None, None, {}  # (meters: round 1's, what the oracle is computed from)
     for r in range(plan["rounds"]):
         order = list(CONFIGS) if r == 0 else rotated(list(CONFIGS), r)
         for name in order:
             if name == "oracle" and oracle is None:
-                oracle, speeds = _agreed_oracle(out, meters, plan, dist)
+                oracle, speeds, no_oracle = _agreed_oracle(out, meters, plan, dist)
             options = {"param": dict(balancer="param", rebalance="never"),
                        "control": dict(balancer="param", rebalance="never"),
                        "dynmo": dict(balancer="partition_time", rebalance="auto", rank_speeds=True)}.get(name)
             if name == "oracle":
                 if oracle is None:
-                    out[name].append({"error": "no oracle: the param or dynmo run of round 1 failed"})
+                    out[name].append({"error": f"no oracle: {no_oracle}"})
                     continue
                 options = dict(balancer="uniform", rebalance="never", partition=tuple(oracle))
             rec, meter = run(name, options)
@@ -229,13 +229,17 @@ def _reaction(partitions: list[str], history: list[dict], plan: dict) -> dict:
             "moves": [f"{h['step']}: {h['before']}->{h['after']}" for h in moves]}
 
 
-def _agreed_oracle(out: dict, meters: dict, plan: dict, dist) -> tuple[list[int] | None, list[float] | None]:
+def _agreed_oracle(out: dict, meters: dict, plan: dict,
+                   dist) -> tuple[list[int] | None, list[float] | None, str | None]:
     """The oracle split (rank 0 computes it, every rank gets it): speed-aware ``partition_time``
     on dynmo's work profiled before the co-tenant, at the speeds the ``param`` run's busy times
-    show while the co-tenant ran (its median busy seconds per rank before, over those during)."""
-    choice: list = [None, None]
-    if int(os.environ["RANK"]) == 0 and not out["param"][0]["error"] and not out["dynmo"][0]["error"] \
-            and meters["dynmo"].work is not None:
+    show while the co-tenant ran (its median busy seconds per rank before, over those during);
+    and, when there is none, why."""
+    why = next((f"the {n} run of round 1 failed" for n in ("param", "dynmo") if out[n][0]["error"]), None) or (
+        None if meters["dynmo"].work is not None else
+        f"the dynmo run profiled no layer work before the co-tenant came (step {plan['start']})")
+    choice: list = [None, None, why]
+    if int(os.environ["RANK"]) == 0 and why is None:
         from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
         from lightning_dynmo.plan.cost_model import CostModel
         from lightning_dynmo.plan.speed import normalise_speeds
@@ -246,9 +250,10 @@ def _agreed_oracle(out: dict, meters: dict, plan: dict, dist) -> tuple[list[int]
         during = [statistics.median([s[k] for s in busy[c:d] if len(s) == 2]) for k in range(2)]
         speeds = normalise_speeds([x / y for x, y in zip(before, during)])
         problem = BalanceProblem(meters["dynmo"].work, 2, CostModel(microbatches=plan["microbatches"], speed=speeds))
-        choice = [list(get_balancer("partition_time")(problem).partition.boundaries), [round(v, 4) for v in speeds]]
+        choice = [list(get_balancer("partition_time")(problem).partition.boundaries), [round(v, 4) for v in speeds],
+                  None]
     dist.broadcast_object_list(choice, src=0)
-    return choice[0], choice[1]
+    return choice[0], choice[1], choice[2]
 
 
 # ------------------------------------------------------------------------------ launcher side

@@ -39,6 +39,8 @@ LOAD_SAMPLE_STEPS = 8
 LOAD_TOLERANCE = 0.01
 
 PEER_REQUEST = "peer request"  # the reason of a rank that profiled only because another rank asked
+#: the reason of the profile that rank speeds are measured against when nothing else profiled first
+REFERENCE_PROFILE = "rank speeds: a reference profile (no layer work measured yet)"
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,12 @@ class RebalanceController:
             self.profiling_reason = self.profiling_reason or PEER_REQUEST
         return None
 
-    def plan(self, step: int, decided: bool) -> StepActions:
-        """What this step does besides a decision on a closed profile (``decided``)."""
+    def plan(self, step: int, decided: bool, reference: bool = False) -> StepActions:
+        """What this step does besides a decision on a closed profile (``decided``). ``reference``:
+        rank speeds need work to measure busy times against and none was profiled yet, so this
+        step profiles if nothing else asks it to (once: the profile becomes the reference). A
+        balanced start never trips ``auto``'s imbalance trigger, so without it the first profile
+        would come only after a slowdown, and the slow rank's layers would look heavy."""
         if self.counter_requests and not self.policy.rebalances:
             self.counter_requests.clear()
         reasons = []
@@ -142,6 +148,8 @@ class RebalanceController:
             self.budget.structural()
         if policy_reason:
             reasons.append(policy_reason)
+        if reference and not reasons and self.policy.rebalances and not self.profiled_steps:
+            reasons.append(REFERENCE_PROFILE)
         reason = "; ".join(reasons) or None
         counters, skipped = None, []
         if reason and self.can_decide_from_counters(step, reason):

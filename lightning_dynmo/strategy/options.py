@@ -105,8 +105,9 @@ class PipelineOptions:
     rank_speeds: bool = False
     """Measure each pipeline rank's speed (its layers' times against their work) and balance for it:
     ``auto`` then moves layers off a rank that slows down and back when it recovers (see
-    docs/dynamism.md, Stragglers). Off by default: ranks that share CPU cores or a device measure
-    each other's load, not their own speed, and every rank then counts as alike."""
+    docs/dynamism.md, Stragglers; it profiles once at step 1 for the work speeds are measured
+    against, when nothing else profiled first). Off by default: ranks that share CPU cores or a
+    device measure each other's load, not their own speed, and every rank then counts as alike."""
     overhead_budget: float = 0.01
     """Under ``auto``, the share of the training time that the profiling and decisions the policy
     starts by itself may cost over the last ``max(100, rebalance_horizon)`` steps (more when the

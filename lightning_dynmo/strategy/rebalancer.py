@@ -58,6 +58,10 @@ from .state import RankPipeline, Relayout
 
 log = logging.getLogger(__name__)
 
+#: the first step whose times a reference profile may take (step 0's carry its allocations)
+REFERENCE_STEP = 1
+
+
 class BalancerDisagreementError(RuntimeError):
     """Ranks computed different partitions from the same costs: the balancer is not deterministic."""
 
@@ -123,7 +127,7 @@ class Rebalancer:
                 pipe.profiler.start_layer_profiling(pipe.layers, pipe.local_layer_indices())
             return None
         self._agree_on_counter_requests(pipe)
-        actions = c.plan(step, decided=reason is not None)
+        actions = c.plan(step, decided=reason is not None, reference=self._needs_reference(step))
         for trigger, why in actions.skipped:
             self._record(pipe, Decision(step=step, reason=trigger, before=str(pipe.layout.partition), applied=False,
                                         why=why, kind="skip"))
@@ -134,6 +138,11 @@ class Rebalancer:
         if actions.profile:
             pipe.profiler.start_layer_profiling(pipe.layers, pipe.local_layer_indices())
         return change
+
+    def _needs_reference(self, step: int) -> bool:
+        """Rank speeds are on and no profile has given the work they are measured against. Not
+        at step 0, whose times carry the first step's allocations (the same answer on every rank)."""
+        return self.options.rank_speeds and self._reference is None and step >= REFERENCE_STEP
 
     def _agree_on_counter_requests(self, pipe: RankPipeline) -> None:
         """Load monitors reduce over their own pipeline, so with several replicas (or ranks

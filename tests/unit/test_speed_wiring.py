@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from lightning_dynmo.plan.controller import REFERENCE_PROFILE
 from lightning_dynmo.plan.layout import PipelineLayout
 from lightning_dynmo.plan.partition import Partition
 from lightning_dynmo.plan.policy import Decision
@@ -267,3 +268,20 @@ def test_speeds_are_measured_against_work_timed_at_full_speed_so_noise_does_not_
 def test_rank_speeds_takes_a_bool_only(value):
     with pytest.raises(ValueError, match="rank_speeds must be True or False"):
         PipelineOptions(rank_speeds=value)
+
+
+@pytest.mark.parametrize("rank_speeds", [True, False])
+def test_rank_speeds_profile_once_for_a_reference_even_when_nothing_else_asks(rank_speeds):
+    """A balanced start never trips ``auto``'s imbalance trigger: without a profile of its own, the
+    first one would come after a slowdown and take the slow rank's times for its layers' work."""
+    job = Job(rank_speeds=rank_speeds)
+    rb, lay = job.ranks[0], job.layouts[0]
+    asked = [rb.controller.plan(step, False, reference=rb._needs_reference(step)).profile for step in range(3)]
+    if not rank_speeds:
+        assert asked == [None, None, None]
+        return
+    assert asked[0] is None and asked[1] == REFERENCE_PROFILE  # (not step 0: its times carry allocations)
+    job.close_profile([1.0, 1.0])
+    assert not any(r._needs_reference(5) for r in job.ranks)
+    assert rb.controller.plan(5, False, reference=rb._needs_reference(5)).profile is None
+    assert rb.rank_work(lay, [None] * L) is not None  # busy times now have work to be measured against
