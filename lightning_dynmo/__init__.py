@@ -16,7 +16,7 @@ from .callbacks import EarlyExit, GradualPruning, LayerFreezing, MixtureOfDepths
     SparseAttentionMonitor
 from .plan.cost_model import CostModel, LayerCosts
 from .plan.partition import Partition
-from .plan.policy import Decision
+from .plan.decision import Decision
 from .protocol import PipelineControl, PipelineProtocolError, RemoteLayer, ReportsLoad, run_layers
 from .plan.schedules import available_schedules
 from .strategy import DynMoStrategy

@@ -191,7 +191,7 @@ def check_compatible(cfg: DictConfig, strategy: Any, model: Any = None, datamodu
         raise ValueError(f"logger must be one of {list(LOGGER_CHOICES)}, got {cfg.logger!r}")
     options = getattr(strategy, "options", None)
     if model is not None and options is not None and hasattr(model, "pipeline_layers"):
-        from lightning_dynmo.strategy.options import check_stage_count
+        from lightning_dynmo.strategy.setup_checks import check_stage_count
 
         devices = cfg.trainer.get("devices")
         pp = options.pipeline_parallel

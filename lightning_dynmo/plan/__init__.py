@@ -17,7 +17,8 @@ from .cost_model import CostModel, LayerCosts, imbalance
 from .measurements import merge_layer_costs
 from .migration_plan import LayerMove, MigrationPlan
 from .partition import Partition
-from .policy import Decision, RebalancePolicy, decide
+from .decision import Decision
+from .policy import RebalancePolicy, decide
 from .repack import RepackPlan, RepackRefused, plan_repack
 from .schedules import ScheduleSpec, available_schedules, get_schedule
 from .speed import estimate_speeds, rank_work, slowest_replicas, speeds_from_busy, work_costs

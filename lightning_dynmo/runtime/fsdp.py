@@ -299,10 +299,6 @@ class ShardedLayers:
             self.tied.merge_local_gradients(self.layers)
             self.tied.tie_local(self.layers, self.optimizers, only=indices)
 
-    def forget(self, indices: Iterable[int]) -> None:
-        for i in indices:
-            self._plain.pop(i, None)
-
     def wrap_stage(self, submod: nn.Module) -> nn.Module:
         """Make ``submod`` (a stage's layers) the FSDP root of its layers' units, so torch's
         pipeline schedules reduce gradients once per step (see the module docstring)."""
@@ -311,13 +307,6 @@ class ShardedLayers:
                 fully_shard.state(m)._is_root = None  # adopted by this root at its first forward
         fully_shard(submod, mesh=self.mesh, reshard_after_forward=True)
         return submod
-
-    def reshard_all(self) -> None:
-        """Free every unsharded parameter (after a forward outside a training schedule)."""
-        for layer in self.layers:
-            if isinstance(layer, FSDPModule):
-                layer.reshard()
-
 
 #: Tested under fsdp (test_fsdp_precision.py): fp32, autocast over fp32 parameters (the shards,
 #: gradients and optimizer state stay fp32) and bf16 parameters sharded as bf16.

@@ -35,7 +35,6 @@ class PipelineAPI:
     partition = property(lambda self: self.layout.partition if self.layout else None)
     pipeline_group = property(lambda self: self.groups.pipeline, doc="This rank's pipeline group (None: the world).")
     data_parallel_group = property(lambda self: self.groups.data_parallel)
-    replica_pipeline_groups = property(lambda self: list(self.groups.replicas), doc="Every replica's pipeline group.")
     released = property(lambda self: self.layout.released, doc="True on a rank re-packing released (no layers).")
     layers_attr = property(lambda self: self._layers_attr, doc="Attribute name of the layer list on the module.")
 

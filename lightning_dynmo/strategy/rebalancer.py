@@ -41,7 +41,8 @@ from ..plan.layout import PipelineLayout
 from ..plan.measurements import merge_layer_costs, scale_by_load
 from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
-from ..plan.policy import Decision, decide
+from ..plan.decision import Decision
+from ..plan.policy import decide
 from ..plan.repack import RepackRefused, check_repack_target, plan_repack
 from ..plan.schedules import choose_microbatches
 from ..plan.speed import describe_slowest, estimate_speeds, normalise_speeds, rank_work, slowest_replicas
@@ -207,12 +208,6 @@ class Rebalancer:
         if not loaded:
             self._rank_work = (costs, key, work)
         return work
-
-    def counter_costs(self) -> LayerCosts:
-        return self.controller.counter_costs()
-
-    def load_cost_samples(self) -> list[LayerCosts]:
-        return self.controller.load_cost_samples()
 
     # ------------------------------------------------------------------ costs
     def cost_model(self, layout: PipelineLayout, last_microbatches: int | None) -> CostModel:

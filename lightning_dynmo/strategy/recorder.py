@@ -9,7 +9,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..plan.cost_model import CostModel, LayerCosts, imbalance
 from ..plan.partition import Partition
-from ..plan.policy import Decision
+from ..plan.decision import Decision
 
 #: Decision fields logged as ``rebalance/<field>`` metrics.
 METRIC_FIELDS = ("decision_ms", "migration_ms", "migration_bytes", "imbalance_before", "imbalance_after",

@@ -8,7 +8,7 @@ pipeline group (MIN of ``[v, -v]``: each entry's minimum and maximum over the ra
   RNGs advance differently (dropout runs only where its layer lives). A position-weighted digest of
   inputs and targets (a permutation changes it) must agree on every rank, every step, or every rank
   stops before the step runs, naming the fix.
-* **unchanged grad-ness.** Stages are built from a shape/grad table (``runtime/engine.py``); a
+* **unchanged grad-ness.** Stages are built from a shape/grad table (``runtime/tensor_specs.py``); a
   user who freezes or unfreezes layers mid-run (``requires_grad_``, as Lightning's
   ``BaseFinetuning`` does) makes it stale, and a stage would wait for a gradient that never comes.
   Any rank that sees a layer whose grad-ness differs from the table makes every rank rebuild its
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime.engine import first_stage_inputs, output_requires_grad
+from ..runtime.tensor_specs import first_stage_inputs, output_requires_grad
 from .collectives import explain_timeout
 
 

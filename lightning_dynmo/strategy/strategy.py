@@ -52,7 +52,6 @@ from ..runtime.gradients import (HeldGradients, average_expert_shards, average_o
                                  install_global_norm_clipping)
 from ..runtime.groups import PipelineGroups, groups_of_layout
 from ..runtime.materialize import meta_init_context
-from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
 from ..runtime.placement import Placement, collect_load_factors, place_local_layers
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
@@ -61,23 +60,24 @@ from ..runtime.recompute import ActivationCheckpointing, layer_state_bytes
 from ..runtime.step_stats import exchange_step_stats
 from ..runtime.tied import TiedParameters, find_tied_parameters
 from . import checkpoint, dcp_checkpoint
-from .checkpoint_hooks import CheckpointHooks
 from .accumulation import AccumulationWindow
 from .api import PipelineAPI
+from .checkpoint_hooks import CheckpointHooks
 from .collectives import WorldStrategy, agree_before_each_batch, explain_timeout
-from .signals import act_at_batch_boundary, defer_signal_handlers
-from .token_weights import TokenWeights
 from .evaluation import eval_batch
 from .launcher import PipelineSpawnLauncher, connect, seeded_loader_for_one_replica
 from .nonfinite import NonFiniteLossError, check_loss  # noqa: F401 (NonFiniteLossError: public here too)
-from .options import DpSharding, PipelineOptions, StartMethod, check_fit, check_module, warn_skipped_eval_steps
+from .options import DpSharding, PipelineOptions, StartMethod
 from .partial_batch import BatchSizes
 from .predict import predict_batch
 from .rebalancer import Rebalancer
-from .signature import expose_options
 from .recorder import dynmo_summary_text, log_step, notify_released
+from .setup_checks import check_fit, check_module, warn_skipped_eval_steps
+from .signals import act_at_batch_boundary, defer_signal_handlers
+from .signature import expose_options
 from .state import Relayout
 from .step_guard import check_before_run, check_closure_optimizers, evaluated_once, waiting_hint
+from .token_weights import TokenWeights
 
 
 class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
@@ -108,7 +108,6 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.optimizer_layout: OptimizerLayout | None = None
         self.profiler: PipelineProfiler | None = None
         self.engines: EngineCache | None = None
-        self.last_migration: MigrationStats | None = None
         self.last_batch_size: int | None = None
         self.last_microbatches: int | None = None
         self._layers: nn.ModuleList | None = None
@@ -222,8 +221,6 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         if change is None:
             return
         self.layout = change.layout
-        if change.migration is not None:
-            self.last_migration = change.migration
         if change.groups is not None:
             self.groups = change.groups
             notify_released(self.lightning_module, self.layout.pp_size, self.layout.released_ranks)
@@ -234,7 +231,7 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         module = self.lightning_module
-        check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel,
+        check_module(module, self.layout.num_stages, self.pipeline_parallel,
                      self.options.virtual_stages, self.options.activation_checkpointing, self.options.expert_parallel)
         check_precision(self.precision_plugin)
         if self._dcp:

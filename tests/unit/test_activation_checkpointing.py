@@ -195,7 +195,7 @@ def test_auto_policy_recomputes_only_in_stages_over_capacity():
     """Two local stages of a GPT (virtual stages on one rank): a capacity that stage 0 meets and
     stage 1 does not makes only stage 1 recompute, and only as much as needed."""
     from lightning_dynmo.plan.schedules import get_schedule
-    from lightning_dynmo.runtime.engine import TensorSpec
+    from lightning_dynmo.runtime.tensor_specs import TensorSpec
 
     model = gpt()
     layers = model.pipeline_layers()

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_dynmo import PipelineProtocolError, run_layers
 from lightning_dynmo.protocol.activations import call_layer, consumed, output_problem
-from lightning_dynmo.runtime.engine import TensorSpec, act_nbytes, act_spec
+from lightning_dynmo.runtime.tensor_specs import TensorSpec, act_nbytes, act_spec
 
 
 class Double(nn.Module):

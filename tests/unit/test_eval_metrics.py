@@ -10,7 +10,7 @@ import torchmetrics
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dynmo.strategy.eval_metrics import LogRecorder, check_no_step_sync, metric_problems, metrics_of
-from lightning_dynmo.strategy.options import skipped_eval_step_warning
+from lightning_dynmo.strategy.setup_checks import skipped_eval_step_warning
 from tests.support.workers.common import make_model
 
 

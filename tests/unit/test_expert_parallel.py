@@ -17,7 +17,7 @@ from lightning_dynmo.runtime.expert_parallel import (
     check_expert_parallel_model,
     shard_slots,
 )
-from lightning_dynmo.strategy.options import check_module
+from lightning_dynmo.strategy.setup_checks import check_module
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0)
 
@@ -44,8 +44,8 @@ def test_expert_parallel_dividing_the_replicas_is_accepted():
 def test_num_experts_not_divisible_by_expert_parallel_names_the_counts():
     model = MoEGPT(CONFIG, moe=dict(num_experts=4, top_k=2), seed=0)
     with pytest.raises(ValueError, match=r"expert_parallel=3 must divide the number of experts.*num_experts=\[4\]"):
-        check_module(model, 1, 2, 2, 1, expert_parallel=3)
-    check_module(model, 1, 2, 2, 1, expert_parallel=2)
+        check_module(model, 2, 2, 1, expert_parallel=3)
+    check_module(model, 2, 2, 1, expert_parallel=2)
 
 
 def test_a_dense_model_cannot_be_expert_parallel():

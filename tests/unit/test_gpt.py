@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_dynmo.data import ByteTextDataModule
-from lightning_dynmo.strategy.options import skipped_training_step_warning
+from lightning_dynmo.strategy.setup_checks import skipped_training_step_warning
 from lightning_dynmo.models import GPT, Block, Embedding, FinalNorm, GPTConfig, Head, WarmupCosine
 
 

@@ -10,7 +10,7 @@ from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.plan.policy import Rebalance
 from lightning_dynmo.protocol import PipelineProtocolError, pipeline_layers_of
-from lightning_dynmo.strategy.options import check_fit
+from lightning_dynmo.strategy.setup_checks import check_fit
 
 
 def test_unknown_schedule_lists_valid_ones():

@@ -271,7 +271,7 @@ def test_a_buffer_shared_by_two_layers_is_refused():
 
 # ---------------------------------------------------------------------------------- item 9
 def test_training_step_with_logic_the_pipeline_skips_is_named():
-    from lightning_dynmo.strategy.options import skipped_training_step_warning
+    from lightning_dynmo.strategy.setup_checks import skipped_training_step_warning
 
     class StepLogging(L.LightningModule):  # a user model as many are written: logging in training_step
         def training_step(self, batch, batch_idx):
@@ -297,7 +297,7 @@ def test_training_step_with_logic_the_pipeline_skips_is_named():
 
 
 def test_a_layer_normalising_by_batch_statistics_is_named():
-    from lightning_dynmo.strategy.options import batch_statistics_warning
+    from lightning_dynmo.strategy.setup_checks import batch_statistics_warning
 
     layers = nn.ModuleList([nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.LayerNorm(4)])
     msg = batch_statistics_warning(layers)
@@ -469,7 +469,7 @@ def test_infeasible_partition_error_formats_without_a_capacity():
 
 def test_the_batch_digest_sees_a_reordered_batch_and_stale_gradness_is_found():
     """The per-step checks of strategy/step_guard.py."""
-    from lightning_dynmo.runtime.engine import TensorSpec
+    from lightning_dynmo.runtime.tensor_specs import TensorSpec
     from lightning_dynmo.strategy.step_guard import batch_digest, stale_gradness
 
     x = torch.arange(32).reshape(4, 8)

@@ -10,7 +10,7 @@ import pytest
 from lightning_dynmo.plan.controller import REFERENCE_PROFILE
 from lightning_dynmo.plan.layout import PipelineLayout
 from lightning_dynmo.plan.partition import Partition
-from lightning_dynmo.plan.policy import Decision
+from lightning_dynmo.plan.decision import Decision
 from lightning_dynmo.plan.schedules import get_schedule
 from lightning_dynmo.plan.speed import describe_slowest
 from lightning_dynmo.plan.topology import Topology
