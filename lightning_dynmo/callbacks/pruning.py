@@ -314,8 +314,8 @@ class GradualPruning(Callback):
             trainer, torch.tensor([len(bad)], dtype=torch.int64, device=reduce_device(trainer, pl_module)))
         if int(count):
             raise ValueError(f"GradualPruning(pattern={self.pattern!r}): {int(count)} prunable Linear(s) have "
-                             f"in_features{' or out_features' if self.transposable else ''} not divisible by {m_}" + (f", here: {', '.join(bad)}" if bad else
-                                                                      " on other pipeline ranks")
+                             f"in_features{' or out_features' if self.transposable else ''} not divisible by {m_}"
+                             + (f", here: {', '.join(bad)}" if bad else " on other pipeline ranks")
                              + "; exclude them with layer_filter or pick another pattern")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -352,7 +352,8 @@ class PrunableLinear(nn.Linear):
         mask = self.weight_mask.bool()
         self.csr_crow, self.csr_col = csr_pattern(mask)
         self.csr_index = mask.reshape(-1).nonzero(as_tuple=True)[0]
-        self.csr_crow_t, self.csr_col_t, self.csr_perm_t = _ops.csr_transpose(self.csr_crow, self.csr_col, self.in_features)
+        self.csr_crow_t, self.csr_col_t, self.csr_perm_t = _ops.csr_transpose(self.csr_crow, self.csr_col,
+                                                                               self.in_features)
 
     # ------------------------------------------------------------------ 2:4 semi-structured
     def set_semi_structured(self, enabled: bool) -> None:

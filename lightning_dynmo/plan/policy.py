@@ -132,7 +132,8 @@ class RebalancePolicy:
                 if imb > self.imbalance_threshold:
                     return f"auto: busy-time imbalance {imb:.2f} > {self.imbalance_threshold:.2f}"
             elif imb > max(self.imbalance_threshold, self.disarmed_at * (1 + self.rebalance_hysteresis)):
-                return f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x {1 + self.rebalance_hysteresis:.2f}"
+                return (f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x "
+                        f"{1 + self.rebalance_hysteresis:.2f}")
         if self.rebalance is Rebalance.AUTO:
             if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
                 return None
@@ -145,7 +146,8 @@ class RebalancePolicy:
         if self.rebalance is not Rebalance.AUTO:
             return True, f"mode {self.rebalance}"
         if gain * self.rebalance_horizon > migration_cost:
-            return True, f"gain {gain * 1e3:.2f} ms/step x {self.rebalance_horizon} > cost {migration_cost * 1e3:.1f} ms"
+            return True, (f"gain {gain * 1e3:.2f} ms/step x {self.rebalance_horizon} > "
+                          f"cost {migration_cost * 1e3:.1f} ms")
         return False, f"gain {gain * 1e3:.2f} ms/step x {self.rebalance_horizon} <= cost {migration_cost * 1e3:.1f} ms"
 
     def undo_refusal(self, step: int, new: Partition) -> str | None:
@@ -163,9 +165,9 @@ class RebalancePolicy:
             return None
         if self.left_for.get(new) != _speed_key(self.speed_estimate):
             return None
-        return (f"refused: would return to the partition left at step {when}, {step - when} of the {self.rebalance_horizon} "
-                "steps its replacement's saving was predicted over (the loads it was judged on did not last; raise "
-                "ema_decay to smooth them more, or lower rebalance_horizon)")
+        return (f"refused: would return to the partition left at step {when}, {step - when} of the "
+                f"{self.rebalance_horizon} steps its replacement's saving was predicted over (the loads it was "
+                "judged on did not last; raise ema_decay to smooth them more, or lower rebalance_horizon)")
 
     def applied(self, step: int, left: Partition | None = None) -> None:
         """The partition changed at ``step`` (a rebalance or a re-pack) away from ``left``."""

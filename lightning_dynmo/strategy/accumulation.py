@@ -71,7 +71,8 @@ class AccumulationWindow:
         @functools.wraps(loss_fn)
         def fn(output, target):
             loss = loss_fn(output, target)  # (a loss that is not a float tensor is left for the engine to name)
-            return loss / self.k if self.k != 1 and isinstance(loss, torch.Tensor) and loss.is_floating_point() else loss
+            scales = self.k != 1 and isinstance(loss, torch.Tensor) and loss.is_floating_point()
+            return loss / self.k if scales else loss
 
         return fn
 

@@ -66,7 +66,8 @@ class PipelineAPI:
                             self.last_batch_size, self.last_microbatches, self._window.k, self.sharded_layers)
 
     def _world_topology(self) -> Topology:
-        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel, ranks_per_node=self.num_processes or None)
+        topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel,
+                        ranks_per_node=self.num_processes or None)
         check_expert_parallel(self.options.expert_parallel, topo.dp)
         return topo
 
@@ -128,7 +129,8 @@ class PipelineAPI:
     def rebalance_to(self, new: Partition | tuple[int, ...] | list[int]) -> MigrationStats:
         """Move layers (with all their state) so that ``new`` becomes the partition. Collective:
         every pipeline rank of every replica must call it with the same partition."""
-        change = self.rebalancer.rebalance_to(new if isinstance(new, Partition) else Partition(tuple(new)), self._pipe())
+        target = new if isinstance(new, Partition) else Partition(tuple(new))
+        change = self.rebalancer.rebalance_to(target, self._pipe())
         self._adopt(change)
         return change.migration if change.migration is not None else MigrationStats()
 

@@ -94,7 +94,8 @@ def read_checkpoint(checkpoint_io, path, weights_only: bool | None = None) -> di
                 f"{path} holds Python objects that a weights_only=True load refuses ({detail}). A Lightning "
                 "checkpoint needs none; if you trust the file and need them, pass weights_only=False to trainer.fit"
             ) from None
-        raise CheckpointError(f"{path} is not a checkpoint: torch.load cannot read it ({detail or type(err).__name__})") from None
+        raise CheckpointError(
+            f"{path} is not a checkpoint: torch.load cannot read it ({detail or type(err).__name__})") from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path} is not a checkpoint: torch.load cannot read it ({first})") from None
@@ -115,7 +116,8 @@ def check_archive(path) -> None:
         raise CheckpointError(f"{path} is damaged: its archive cannot be read ({err}). Resume from another "
                               "checkpoint") from None
     if bad is not None:
-        what = "a tensor's storage" if "/data/" in bad else "the pickled structure" if bad.endswith(".pkl") else "an entry"
+        what = ("a tensor's storage" if "/data/" in bad else "the pickled structure" if bad.endswith(".pkl")
+                else "an entry")
         raise CheckpointError(
             f"{path} is damaged: archive entry {bad!r} ({what}) does not match its CRC-32 checksum, so the file "
             "changed after it was written (disk, copy or transfer error). Resume from another checkpoint"
@@ -163,7 +165,8 @@ def whole_model_state_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return dict(shapes)
 
 
-def check_model_state(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, Any], strict: bool, name: str) -> None:
+def check_model_state(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, Any], strict: bool,
+                      name: str) -> None:
     """Compare a checkpoint's ``state_dict`` with the whole model's keys and shapes (not only
     this rank's), so every rank reaches the same verdict."""
     errors = []

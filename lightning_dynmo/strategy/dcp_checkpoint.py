@@ -53,8 +53,8 @@ DCP_METADATA = ".metadata"
 CRC_KEY = "dynmo_dcp_crc32"  # in meta.pt: {file name: CRC-32} of the DCP files of this save
 MODEL = "state_dict"
 _CHUNK = 1 << 22
-LOAD_ON_EVERY_RANK = ("Loading a DCP checkpoint is collective: every rank reads its own layers, and a rank did not join "
-                      "(if none stopped, see its log)")
+LOAD_ON_EVERY_RANK = ("Loading a DCP checkpoint is collective: every rank reads its own layers, and a rank did "
+                      "not join (if none stopped, see its log)")
 
 
 def is_dcp_checkpoint(path) -> bool:

@@ -183,12 +183,13 @@ class PipelineOptions:
         if self.partition is not None:
             if not isinstance(self.partition, Partition) and (isinstance(self.partition, (str, bytes)) or not all(
                     isinstance(b, Integral) and not isinstance(b, bool) for b in self.partition)):
-                raise ValueError("partition must be the stage boundaries as a sequence of layer indices, e.g. (0, 3, 7) "
-                                 f"for stages 0-2 and 3-6 of 7 layers, got {self.partition!r}")
+                raise ValueError("partition must be the stage boundaries as a sequence of layer indices, e.g. "
+                                 f"(0, 3, 7) for stages 0-2 and 3-6 of 7 layers, got {self.partition!r}")
             put("partition", Partition(tuple(self.partition)))
         cap = self.memory_capacity
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, Real) or not cap > 0):
-            raise ValueError(f"memory_capacity must be a positive number of bytes per stage (e.g. 8e9) or None, got {cap!r}")
+            raise ValueError(
+                f"memory_capacity must be a positive number of bytes per stage (e.g. 8e9) or None, got {cap!r}")
         put("link_bandwidth", check_link_bandwidth(self.link_bandwidth))
         if self.repack != "off":
             try:
@@ -217,7 +218,8 @@ class PipelineOptions:
         put("start_method", enum_value("start_method", StartMethod, self.start_method))
         put("dp_sharding", enum_value("dp_sharding", DpSharding, self.dp_sharding))
         if self.checkpoint_format is None:  # by dp_sharding: a sharded model is saved sharded
-            put("checkpoint_format", CheckpointFormat.DCP if self.dp_sharding is DpSharding.FSDP else CheckpointFormat.SINGLE)
+            sharded = self.dp_sharding is DpSharding.FSDP
+            put("checkpoint_format", CheckpointFormat.DCP if sharded else CheckpointFormat.SINGLE)
         put("checkpoint_format", enum_value("checkpoint_format", CheckpointFormat, self.checkpoint_format))
         put("timeout", check_timeout(self.timeout))
         put("process_group_backend", check_backend(self.process_group_backend))
@@ -228,7 +230,8 @@ class PipelineOptions:
         """A fresh rebalance policy (its state starts empty) with these settings."""
         return RebalancePolicy(rebalance=self.rebalance, rebalance_interval=self.rebalance_interval,
                                imbalance_threshold=self.imbalance_threshold, rebalance_horizon=self.rebalance_horizon,
-                               rebalance_cooldown=self.rebalance_cooldown, rebalance_hysteresis=self.rebalance_hysteresis,
+                               rebalance_cooldown=self.rebalance_cooldown,
+                               rebalance_hysteresis=self.rebalance_hysteresis,
                                profile_steps=self.profile_steps)
 
     def budget(self) -> OverheadBudget:

@@ -61,9 +61,9 @@ def skipped_predict_step_warning(module) -> str | None:
     if step is None or step is L.LightningModule.predict_step or callable(getattr(module, "pipeline_predict", None)):
         return None
     return (f"{type(module).__name__}.predict_step is not called under DynMoStrategy (its layers are split over the "
-            "pipeline's ranks): each prediction is the last pipeline layer's output. Define `def pipeline_predict(self, "
-            "output, batch, batch_idx)` to turn that output into what predict_step returns (it runs on the last "
-            "stage's rank; defining it also silences this warning)")
+            "pipeline's ranks): each prediction is the last pipeline layer's output. Define "
+            "`def pipeline_predict(self, output, batch, batch_idx)` to turn that output into what predict_step "
+            "returns (it runs on the last stage's rank; defining it also silences this warning)")
 
 
 def _apply_hook(module, output, batch, step_args: tuple) -> tuple[Exception | None, Any]:

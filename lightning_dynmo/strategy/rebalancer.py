@@ -215,7 +215,8 @@ class Rebalancer:
         (``speed=None`` while every rank is taken as alike)."""
         m = last_microbatches or self.options.microbatches or 4 * layout.num_stages
         return CostModel(microbatches=m, schedule=layout.spec.cost_schedule, capacity=self.options.memory_capacity,
-                         virtual_stages=layout.virtual, bandwidth=layout.boundary_bandwidth(self.options.link_bandwidth),
+                         virtual_stages=layout.virtual,
+                         bandwidth=layout.boundary_bandwidth(self.options.link_bandwidth),
                          speed=layout.stage_speed(self._active_speeds(layout)))
 
     def _active_speeds(self, layout: PipelineLayout) -> tuple[float, ...] | None:
@@ -432,7 +433,8 @@ class Rebalancer:
                 speeds = self._active_speeds(layout)
                 plan = plan_repack(
                     costs, before, self.cost_model(layout, pipe.last_microbatches), ranks_before, target, self.balancer,
-                    lambda r: choose_microbatches(o.schedule, pipe.last_batch_size, r, o.virtual_stages, o.microbatches),
+                    lambda r: choose_microbatches(o.schedule, pipe.last_batch_size, r, o.virtual_stages,
+                                                  o.microbatches),
                     layout.virtual, o.repack_tolerance, lambda r: layout.boundary_bandwidth(o.link_bandwidth, r),
                     speed=lambda r: layout.stage_speed(speeds, r),
                 )

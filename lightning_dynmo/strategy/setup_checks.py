@@ -80,8 +80,8 @@ def unsupported_callback_problems(callbacks) -> list[str]:
         name = type(c).__name__
         if isinstance(c, averaging):
             problems.append(
-                f"{name}: it keeps an averaged copy of the whole module and writes it back, but under the pipeline each "
-                "rank holds only its own layers and layers move between ranks (the copy's shapes stop matching). "
+                f"{name}: it keeps an averaged copy of the whole module and writes it back, but under the pipeline "
+                "each rank holds only its own layers and layers move between ranks (the copy's shapes stop matching). "
                 "It is not supported yet: train without it (or average saved checkpoints offline)")
         elif isinstance(c, cb.ModelPruning):
             problems.append(
@@ -139,7 +139,8 @@ def _skipped_step_calls(module, step_name: str, hook_name: str) -> set[str] | No
 
 
 def _noted_calls(calls: set[str]) -> str:
-    noted = sorted(n for n in calls if n.startswith("log") or n in ("manual_backward", "optimizers", "toggle_optimizer"))
+    hooks = ("manual_backward", "optimizers", "toggle_optimizer")
+    noted = sorted(n for n in calls if n.startswith("log") or n in hooks)
     return f" (it calls {', '.join('self.' + n for n in noted)})" if noted else ""
 
 

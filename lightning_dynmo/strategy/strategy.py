@@ -83,10 +83,11 @@ from .token_weights import TokenWeights
 class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
     """Pipeline-parallel training that keeps its stages balanced while the model changes.
 
-    The arguments other than Lightning's own are documented at :class:`~lightning_dynmo.strategy.options.PipelineOptions`,
-    which validates them before any process starts. A model built under ``trainer.init_module(empty_init=True)``
-    (the meta device) is materialised layer by layer: each rank allocates and initialises only the
-    layers it owns (see :mod:`lightning_dynmo.runtime.materialize`).
+    The arguments other than Lightning's own are documented at
+    :class:`~lightning_dynmo.strategy.options.PipelineOptions`, which validates them before any
+    process starts. A model built under ``trainer.init_module(empty_init=True)`` (the meta device)
+    is materialised layer by layer: each rank allocates and initialises only the layers it owns
+    (see :mod:`lightning_dynmo.runtime.materialize`).
     """
 
     strategy_name = "dynmo"
@@ -195,7 +196,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.ledger = CollectiveLedger(self.global_rank, self.root_device)
         self.agree(f"setup with torch {torch.__version__}")  # a job mixing torch releases fails here, naming them
         self.groups = groups_of_layout(self.layout, self.global_rank, o.timeout)
-        self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank, o.timeout)
+        self.expert_parallel = ExpertParallel.build(self.layout.topology, o.expert_parallel, self.global_rank,
+                                                    o.timeout)
 
     @override
     def teardown(self) -> None:
@@ -310,9 +312,9 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             self._token_weights.begin(targets, m, self.data_parallel_group, self.topology.dp)
             loss_fn = self._token_weights.weighted(self.lightning_module.pipeline_loss)
         inputs_fn = getattr(self.lightning_module, "pipeline_inputs", None)
-        engine = self.engines.get(placement, inputs, m, train,
-                                  pipeline_loss_fn(self.precision_plugin, self._window.scaled(loss_fn)) if train else loss_fn,
-                                  targets, inputs_fn if callable(inputs_fn) else None)
+        step_loss = pipeline_loss_fn(self.precision_plugin, self._window.scaled(loss_fn)) if train else loss_fn
+        engine = self.engines.get(placement, inputs, m, train, step_loss, targets,
+                                  inputs_fn if callable(inputs_fn) else None)
         if self.options.compile:  # placed at setup or arrived by migration (after the eager shape discovery)
             compile_local_layers(self._layers, self.local_layer_indices())
         return engine
@@ -445,7 +447,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             "dynmo", cls, description="lightning_dynmo: pipeline parallel with live rebalancing", override=True
         )
         strategy_registry.register(
-            "dynmo_spawn", cls, description="lightning_dynmo with spawned processes", start_method="spawn", override=True
+            "dynmo_spawn", cls, description="lightning_dynmo with spawned processes", start_method="spawn",
+            override=True
         )
 
 
