@@ -128,21 +128,18 @@ class LayerCosts:
         *,
         seconds_per_param: float = 1e-9,
         backward_ratio: float = 2.0,
-        bytes_per_param: float = 16.0,
+        memory: Sequence[float] | None = None,
         activation: float | Sequence[float] = 0.0,
     ) -> "LayerCosts":
-        """Estimate from parameter counts: time proportional to params (the DeepSpeed proxy),
-        memory = 16 B/param (fp32 weight + grad + two Adam moments)."""
+        """Estimate from parameter counts: time proportional to params (the DeepSpeed proxy).
+        ``memory``: each layer's bytes as the runtime counts them
+        (:func:`~lightning_dynmo.runtime.memory.layer_state_bytes`, the one rule); ``None``:
+        not known, 0 (no memory cap binds)."""
         params = tuple(int(p) for p in params)
         act = (float(activation),) * len(params) if isinstance(activation, (int, float)) else activation
         fwd = tuple(p * seconds_per_param for p in params)
-        return cls(
-            fwd,
-            tuple(f * backward_ratio for f in fwd),
-            params,
-            tuple(p * bytes_per_param for p in params),
-            tuple(act),
-        )
+        mem = tuple(float(m) for m in memory) if memory is not None else (0.0,) * len(params)
+        return cls(fwd, tuple(f * backward_ratio for f in fwd), params, mem, tuple(act))
 
     @property
     def num_layers(self) -> int:

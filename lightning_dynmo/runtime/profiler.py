@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch import nn
 
 from ..protocol.services import is_recomputing
@@ -264,33 +263,3 @@ class PipelineProfiler:
             if total > 0:
                 return times.get(i, 0.0) / total
         return 1.0 / len(rng)
-
-
-def layer_memory_bytes(layer: nn.Module, optimizers) -> int:
-    """Bytes a layer owns on this rank: parameters, gradients, buffers (masks, sparse structure),
-    optimizer state. Under ``dp_sharding="fsdp"`` a parameter, its gradient, its optimizer state
-    and a buffer cut like it (a pruning mask) are DTensor shards and count only this rank's piece
-    (what the memory cap must see)."""
-    total = 0
-    params = list(layer.parameters())
-    for p in params:
-        total += local_nbytes(p)
-        if p.grad is not None:
-            total += local_nbytes(p.grad)
-    for b in layer.buffers():
-        total += local_nbytes(b)
-    ids = {id(p) for p in params}
-    for opt in optimizers:
-        opt = getattr(opt, "_optimizer", opt)
-        for p, st in opt.state.items():
-            if id(p) in ids:
-                for v in st.values():
-                    if torch.is_tensor(v):
-                        total += local_nbytes(v)
-    return total
-
-
-def local_nbytes(t: torch.Tensor) -> int:
-    """Bytes of ``t`` on this rank (a DTensor: its local shard)."""
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()

@@ -29,14 +29,15 @@ recompute is part of its measured backward).
 For ``"auto"`` the runtime measures, once per micro-batch shape and layer, the bytes autograd
 keeps for that layer's backward (:func:`saved_activation_bytes`: a forward of one real
 micro-batch in eval mode with saved-tensor hooks, RNG and buffers restored afterwards) and the
-bytes of its parameters, gradients and optimizer state (:func:`layer_state_bytes`).
+bytes of its parameters, gradients and optimizer state (the one memory rule,
+:func:`~lightning_dynmo.runtime.memory.layer_state_bytes`).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import warnings
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -46,13 +47,11 @@ from ..plan.cost_model import CostModel, LayerCosts, choose_recompute
 from ..plan.partition import Partition
 from ..protocol.activations import as_acts, buffers_kept, call_layer
 from ..protocol.services import Recomputing
-from .profiler import local_nbytes
 
 __all__ = [
     "ActivationCheckpointing",
     "CheckpointedLayer",
     "check_activation_checkpointing",
-    "layer_state_bytes",
     "saved_activation_bytes",
 ]
 
@@ -129,32 +128,6 @@ def saved_activation_bytes(layer: nn.Module, example) -> int:
     finally:
         layer.train(was_training)
     return sum(seen.values())
-
-
-def layer_state_bytes(layer: nn.Module, optimizers: Iterable = ()) -> float:
-    """Parameters, their gradients and optimizer state of ``layer``. Before the optimizer has
-    state, a trainable parameter in an optimizer is counted with two moments (Adam's), so the
-    estimate does not change at the first step."""
-    total = 0
-    states: dict[int, dict] = {}
-    in_opt: set[int] = set()
-    for opt in optimizers:
-        opt = getattr(opt, "_optimizer", opt)
-        for group in opt.param_groups:
-            in_opt.update(id(p) for p in group["params"])
-        states.update({id(p): st for p, st in opt.state.items()})
-    for p in layer.parameters():
-        nbytes = local_nbytes(p)  # a DTensor shard (dp_sharding="fsdp"): this rank's piece
-        total += nbytes
-        if p.requires_grad:
-            total += nbytes
-        st = states.get(id(p))
-        if st:
-            total += sum(local_nbytes(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
-        elif p.requires_grad and id(p) in in_opt:
-            total += 2 * nbytes
-    total += sum(local_nbytes(b) for b in layer.buffers())  # (a sharded mask: its piece)
-    return float(total)
 
 
 class ActivationCheckpointing:

@@ -50,7 +50,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..runtime.groups import packed_groups
 from ..runtime.migration import MigrationStats, execute_migration
-from ..runtime.profiler import layer_memory_bytes
+from ..runtime.memory import layer_state_bytes
 from ..runtime.step_stats import StepStats
 from .options import PipelineOptions
 from .recorder import DecisionRecorder, write_cost_trace
@@ -240,7 +240,7 @@ class Rebalancer:
                 fresh[i] = self._window[i]
             f, b = self.known_work.get(i, (math.nan, math.nan))
             params = sum(p.numel() for p in layer.parameters())
-            local[i] = (f, b, params, layer_memory_bytes(layer, pipe.optimizers))
+            local[i] = (f, b, params, layer_state_bytes(layer, pipe.optimizers))
         events = pipe.last_step_events() if timelines else []
         parts: list = [None] * layout.topology.world_size
         dist.all_gather_object(parts, (local, fresh, events))
@@ -325,8 +325,11 @@ class Rebalancer:
         return speeds, drifted and watch.balanced_for == before
 
     def initial_partition(self, layers, layout: PipelineLayout, device: torch.device, rank: int,
-                          last_microbatches: int | None = None) -> Partition:
-        """The user's ``partition``, or the balancer's on what is known before any step (parameter counts)."""
+                          last_microbatches: int | None = None, optimizers=None, sharded_over: int = 1) -> Partition:
+        """The user's ``partition``, or the balancer's on what is known before any step: parameter
+        counts for time, and the memory rule for the cap (``optimizers``: the fit's, ``None``
+        before they are built; ``sharded_over``: the replicas FSDP will shard each layer over,
+        whose 1/dp a rank will hold)."""
         given = self.options.partition
         if given is not None:
             if given.num_layers != len(layers) or given.num_stages != layout.num_stages:
@@ -335,7 +338,8 @@ class Rebalancer:
                 )
             return given
         params = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-        problem = BalanceProblem(costs=LayerCosts.from_params(params), num_stages=layout.num_stages,
+        memory = [layer_state_bytes(layer, optimizers) / sharded_over for layer in layers]
+        problem = BalanceProblem(costs=LayerCosts.from_params(params, memory=memory), num_stages=layout.num_stages,
                                  model=self.cost_model(layout, last_microbatches), current=None)
         what = "the initial partition at setup"
         with self.agreed_failure(what, device, rank):

@@ -56,7 +56,8 @@ from ..runtime.optimizer_layout import OptimizerLayout
 from ..runtime.placement import Placement, collect_load_factors, place_local_layers
 from ..runtime.precision import check_precision, install_found_inf_agreement, pipeline_loss_fn, unscale_losses
 from ..runtime.profiler import PipelineProfiler
-from ..runtime.recompute import ActivationCheckpointing, layer_state_bytes
+from ..runtime.memory import layer_state_bytes
+from ..runtime.recompute import ActivationCheckpointing
 from ..runtime.step_stats import exchange_step_stats
 from ..runtime.tied import TiedParameters, find_tied_parameters
 from . import checkpoint, dcp_checkpoint
@@ -261,7 +262,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
                 check_expert_shard_optimizers(self.optimizers, self.root_device)
         if self.layout.partition is None:
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
-                layers, self.layout, self.root_device, self.global_rank, self.last_microbatches))
+                layers, self.layout, self.root_device, self.global_rank, self.last_microbatches,
+                self.optimizers if fitting else (), self.topology.dp if sharding else 1))
         optimizers = self.optimizers if fitting else ()
         if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
             self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,

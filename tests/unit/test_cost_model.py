@@ -24,9 +24,10 @@ def test_layer_costs_validation():
 def test_layer_costs_helpers():
     u = LayerCosts.uniform(3, forward=1.0, backward=2.0, params=5, memory=7.0, activation=3.0)
     assert u.num_layers == 3 and u.time == (3.0, 3.0, 3.0) and u.params == (5, 5, 5)
-    p = LayerCosts.from_params([10, 20], seconds_per_param=0.5, activation=4.0)
+    p = LayerCosts.from_params([10, 20], seconds_per_param=0.5, activation=4.0, memory=[160, 320])
     assert p.forward == (5.0, 10.0) and p.backward == (10.0, 20.0)
     assert p.memory == (160.0, 320.0) and p.activation == (4.0, 4.0)
+    assert LayerCosts.from_params([10, 20]).memory == (0.0, 0.0)  # not known: no cap binds
     assert p.stage_params(Partition((0, 1, 2))) == [10, 20]
 
 
