@@ -20,6 +20,16 @@ DEFAULT_SECONDS_PER_PARAM = 3e-9
 LayerReport = tuple[float, float, int, float]  # forward s, backward s, params, memory bytes
 
 
+class KnownWork(dict):
+    """This rank's one cache of per-layer cost: ``{layer: (forward, backward)}`` seconds per
+    micro-batch at speed 1.0, as its last closed profile measured them. The rebalancer writes it
+    (what it reports in the cost gather) and activation checkpointing reads it (which local layers
+    are cheapest to recompute); the strategy hands the same object to both."""
+
+    def forward(self) -> dict[int, float]:
+        return {i: f for i, (f, _) in self.items()}
+
+
 def _max_measured(a: float, b: float) -> float:
     if math.isnan(a):
         return b

@@ -134,8 +134,9 @@ class ActivationCheckpointing:
     """Which local layers a stage recomputes (see the module docstring).
 
     ``state_bytes(i)``: bytes of layer ``i``'s parameters, gradients and optimizer state;
-    ``forward_seconds()``: last profiled ``{layer: seconds per micro-batch}`` (a layer without a
-    profile counts its parameter count as its cost, which orders transformer layers alike).
+    ``forward_seconds()``: last profiled ``{layer: seconds per micro-batch}`` (the rebalancer's
+    :class:`~lightning_dynmo.plan.measurements.KnownWork`; a layer without a profile counts its
+    parameter count as its cost, which orders transformer layers alike).
     """
 
     def __init__(self, mode: bool | str, capacity: float | None, state_bytes: Callable[[int], float],

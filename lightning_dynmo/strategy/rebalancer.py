@@ -38,7 +38,7 @@ from ..plan.balancers import BalanceProblem, BalancerResultError, get_balancer
 from ..plan.cost_model import CostModel, LayerCosts
 from ..plan.controller import RebalanceController
 from ..plan.layout import PipelineLayout
-from ..plan.measurements import merge_layer_costs, scale_by_load
+from ..plan.measurements import KnownWork, merge_layer_costs, scale_by_load
 from ..plan.migration_plan import MigrationPlan
 from ..plan.partition import Partition
 from ..plan.decision import Decision
@@ -72,13 +72,13 @@ class Rebalancer:
     profiles, decides, migrates, records, and charges what each of those cost (seconds agreed by
     every rank) to its overhead budget."""
 
-    def __init__(self, options: PipelineOptions) -> None:
+    def __init__(self, options: PipelineOptions, known_work: KnownWork | None = None) -> None:
         self.options = options
         self.controller = RebalanceController(options.policy(), options.budget(), options.repack)
         self.recorder = DecisionRecorder(options.plot, options.plot_interval)
         self._warned_never = False
-        self.known_costs: dict[int, tuple[float, float]] = {}  # layer -> (fwd, bwd) s per micro-batch
-        self.known_work: dict[int, tuple[float, float]] = {}  # the same as work: x this rank's speed when timed
+        # layer -> (fwd, bwd) s per micro-batch as work: x this rank's speed when timed
+        self.known_work = known_work if known_work is not None else KnownWork()
         self._window: dict[int, tuple[float, float]] = {}  # this profile window's times, not yet work
         self._reference: tuple[LayerCosts, list[float | None]] | None = None  # last profile's work, its loads
         self._rank_work: tuple | None = None  # (work costs, layout key, per-rank work) without loads
@@ -161,9 +161,7 @@ class Rebalancer:
     def after_step(self, step: int, stats: StepStats, pipe: RankPipeline) -> None:
         c = self.controller
         if c.profiling:
-            times = pipe.profiler.layer_times()
-            self.known_costs.update(times)
-            self._window.update(times)
+            self._window.update(pipe.profiler.layer_times())
         # (not the step after a migration either: the ranks that received layers rebuilt their stages in it)
         work = None if stats.profiled or self._migrated or not self.options.rank_speeds \
             else self.rank_work(pipe.layout, stats.layer_load)

@@ -41,6 +41,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..plan.layout import PipelineLayout
+from ..plan.measurements import KnownWork
 from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
@@ -103,7 +104,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.options = PipelineOptions.from_kwargs(options)  # every option but Lightning's own, checked once
-        self.rebalancer = Rebalancer(self.options)
+        self.known_work = KnownWork()  # per-layer work: the rebalancer measures it, recomputation reads it
+        self.rebalancer = Rebalancer(self.options, self.known_work)
         # this rank's pipeline (setup_environment / setup); only this class assigns these fields
         self.layout: PipelineLayout | None = None  # replaced (never changed in place) when layers move
         self.groups = PipelineGroups()
@@ -286,7 +288,7 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(
             self.options.activation_checkpointing, self.options.memory_capacity,
             lambda i: layer_state_bytes(self._layers[i], self.optimizers),
-            lambda: {i: fb[0] for i, fb in self.rebalancer.known_costs.items()}),
+            self.known_work.forward),
             wrap_stage=self.sharded_layers.wrap_stage if self.sharded_layers is not None else None)
         self.setup_precision_plugin()
         self._signals = defer_signal_handlers(trainer)  # acted on at a training batch boundary (strategy/signals.py)
