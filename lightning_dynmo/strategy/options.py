@@ -101,7 +101,8 @@ class PipelineOptions:
     ``auto`` then moves layers off a rank that slows down and back when it recovers (see
     docs/dynamism.md, Stragglers; it profiles once at step 1 for the work speeds are measured
     against, when nothing else profiled first). Off by default: ranks that share CPU cores or a
-    device measure each other's load, not their own speed, and every rank then counts as alike."""
+    device measure each other's load, not their own speed, and every rank then counts as alike.
+    On CPU ranks whose threads outnumber the host's cores it is turned off at setup, with a warning."""
     overhead_budget: float = 0.01
     """Under ``auto``, the share of the training time that the profiling and decisions the policy
     starts by itself may cost over the last ``max(100, rebalance_horizon)`` steps (more when the

@@ -4,8 +4,10 @@ differs from one process) instead of a failure deep inside a step on one rank.""
 from __future__ import annotations
 
 import dis
+import os
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ..protocol import PipelineProtocolError, RemoteLayer, pipeline_layers_of
@@ -182,3 +184,19 @@ def skipped_training_step_warning(module) -> str | None:
         "self.log(...) into `def on_pipeline_train_loss(self, loss, batch, batch_idx)`, which the strategy calls "
         "on every rank with the step's loss (defining it also silences this warning)."
     )
+
+
+def shared_cores_message(device: torch.device, local_ranks: int, threads: int | None = None,
+                         cores: int | None = None) -> str | None:
+    """Why ``rank_speeds=True`` cannot measure speeds here (None: it can): CPU ranks whose threads
+    outnumber the host's cores share them, so each measures its peers' load as its own speed. Once
+    a move balances two such ranks, the former bottleneck competes with its peer for the CPU it had
+    alone while the peer waited, and reads about half speed: a phantom straggler."""
+    cores = cores if cores is not None else os.cpu_count() or 1
+    threads = threads if threads is not None else torch.get_num_threads()
+    if device.type != "cpu" or local_ranks * threads <= cores:
+        return None
+    return (f"rank_speeds=True is turned off: {local_ranks} ranks x {threads} thread(s) share {cores} CPU core(s) on "
+            "this host, so each rank's busy time measures its peers' load, not its own speed (a rank would read "
+            "slow as soon as a move balanced it). Give each rank its own cores (fewer ranks, or fewer threads with "
+            "torch.set_num_threads / OMP_NUM_THREADS) to measure rank speeds.")

@@ -23,6 +23,7 @@ class adopts.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -36,7 +37,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -74,7 +75,7 @@ from .partial_batch import BatchSizes
 from .predict import predict_batch
 from .rebalancer import Rebalancer
 from .recorder import dynmo_summary_text, log_step, notify_released
-from .setup_checks import check_fit, check_module, warn_skipped_eval_steps
+from .setup_checks import check_fit, check_module, shared_cores_message, warn_skipped_eval_steps
 from .signals import act_at_batch_boundary, defer_signal_handlers
 from .signature import expose_options
 from .state import Relayout
@@ -262,6 +263,12 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             check_closure_optimizers(self.optimizers, self.global_rank)
             if sharding and self.expert_parallel is not None:
                 check_expert_shard_optimizers(self.optimizers, self.root_device)
+        if fitting and self.options.rank_speeds:  # measured only where ranks have cores of their own
+            why = shared_cores_message(self.root_device, self.num_processes)
+            if self.agree("setup: can every rank measure its speed", float(why is not None)):
+                rank_zero_warn(why or "rank_speeds=True is turned off: ranks on another node share CPU cores")
+                self.options = dataclasses.replace(self.options, rank_speeds=False)
+                self.rebalancer.options = self.options
         if self.layout.partition is None:
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
                 layers, self.layout, self.root_device, self.global_rank, self.last_microbatches,

@@ -285,3 +285,21 @@ def test_rank_speeds_profile_once_for_a_reference_even_when_nothing_else_asks(ra
     assert not any(r._needs_reference(5) for r in job.ranks)
     assert rb.controller.plan(5, False, reference=rb._needs_reference(5)).profile is None
     assert rb.rank_work(lay, [None] * L) is not None  # busy times now have work to be measured against
+
+
+@pytest.mark.parametrize("device, ranks, threads, cores, off", [
+    ("cpu", 4, 1, 2, True),  # CI's 4-rank jobs on 2 cores: phantom stragglers
+    ("cpu", 2, 2, 2, True),
+    ("cpu", 2, 1, 2, False),  # each rank its own core (the straggler benchmark)
+    ("cpu", 8, 2, 16, False),
+    ("cuda", 8, 4, 2, False),  # a device per rank: the host's cores do not set its speed
+])
+def test_rank_speeds_are_turned_off_where_ranks_share_cores(device, ranks, threads, cores, off):
+    import torch
+
+    from lightning_dynmo.strategy.setup_checks import shared_cores_message
+
+    message = shared_cores_message(torch.device(device), ranks, threads=threads, cores=cores)
+    assert (message is not None) == off
+    if off:
+        assert f"{ranks} ranks x {threads} thread(s) share {cores} CPU core(s)" in message
