@@ -128,7 +128,7 @@ def worker(args) -> None:
 
 def state_bytes(module, optimizers) -> tuple[int, int, int]:
     """This rank's (parameter, gradient, optimizer-state) bytes; a DTensor counts its local shard."""
-    from lightning_dynmo.runtime.profiler import local_nbytes
+    from lightning_dynmo.runtime.memory import local_nbytes
 
     params = list(module.parameters())
     grads = sum(local_nbytes(p.grad) for p in params if p.grad is not None)
