@@ -60,7 +60,7 @@ from ..runtime.profiler import PipelineProfiler
 from ..runtime.recompute import ActivationCheckpointing, layer_state_bytes
 from ..runtime.step_stats import exchange_step_stats
 from ..runtime.tied import TiedParameters, find_tied_parameters
-from . import checkpoint, dcp_checkpoint
+from . import checkpoint
 from .checkpoint_hooks import CheckpointHooks
 from .accumulation import AccumulationWindow
 from .api import PipelineAPI
@@ -237,8 +237,6 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         check_module(module, trainer.accumulate_grad_batches, self.layout.num_stages, self.pipeline_parallel,
                      self.options.virtual_stages, self.options.activation_checkpointing, self.options.expert_parallel)
         check_precision(self.precision_plugin)
-        if self._dcp:
-            dcp_checkpoint.check_model_supported(module)
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
         self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))
