@@ -10,7 +10,8 @@ per piece, or per DTensor shard of a piece (offsets shifted by the piece's first
 back the same way into the pieces of another split; every other value goes through DCP's default
 planners unchanged. Nothing is concatenated or gathered, so the
 checkpoint holds one tensor under the merged name whatever the split, and DCP's deduplication
-(replicas of a piece) and coverage check (every row written once) apply as to any tensor.
+(replicas of a piece) and coverage check (every row written once) apply as to any tensor. The
+helpers at the end turn a model's ``checkpoint_merges()`` pieces into :class:`RowPieces` and back.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-__all__ = ["RowPieces", "RowPiecesSavePlanner", "RowPiecesLoadPlanner"]
+from ..protocol.merges import Merges, piece_rows
+
+__all__ = ["RowPieces", "RowPiecesSavePlanner", "RowPiecesLoadPlanner", "merged_row_pieces", "merged_optimizer_rows",
+           "pieces_by_name"]
 
 
 @dataclass
@@ -110,3 +114,62 @@ class RowPiecesLoadPlanner(DefaultLoadPlanner):
         if index.offset is not None and (index.fqn, tuple(index.offset)) in self._chunks:
             return self._chunks[(index.fqn, tuple(index.offset))]
         return super().lookup_tensor(index)
+
+
+# ------------------------------------------------- checkpoint_merges() pieces <-> RowPieces
+def merged_row_pieces(entries: dict[str, Any], merges: Merges) -> dict[str, Any]:
+    """``entries`` (by state-dict key) with the local pieces of each merged parameter as one
+    :class:`RowPieces` under the merged name: its rows, written where they live."""
+    rows = piece_rows(merges)
+    out: dict[str, Any] = {}
+    for key, v in entries.items():
+        if key not in rows:
+            out[key] = v
+            continue
+        merged, start, total = rows[key]
+        if not isinstance(out.get(merged), RowPieces):
+            out[merged] = RowPieces(torch.Size((total, *v.shape[1:])), [])
+        out[merged].pieces.append((start, v))
+    return out
+
+
+def merged_optimizer_rows(state: dict[str, dict], merges: Merges) -> dict[str, dict]:
+    """Per-parameter optimizer ``state`` in the merged naming: a piece's per-row tensors (Adam's
+    moments) as :class:`RowPieces` of the merged entry, the rest (Adam's ``step``) the first piece's,
+    as :func:`~lightning_dynmo.protocol.merges.merge_optimizer_state` has it."""
+    rows = piece_rows(merges)
+    out: dict[str, dict] = {}
+    for key, st in state.items():
+        if key not in rows:
+            out[key] = st
+            continue
+        merged, start, total = rows[key]
+        piece = dict(merges[merged])[key]
+        into = out.setdefault(merged, {})
+        for entry, v in st.items():
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == piece:
+                if not isinstance(into.get(entry), RowPieces):
+                    into[entry] = RowPieces(torch.Size((total, *v.shape[1:])), [])
+                into[entry].pieces.append((start, v))
+            elif start == 0:
+                into[entry] = v
+    return out
+
+
+def pieces_by_name(rows: Mapping[str, RowPieces], merges: Merges, prefix: str) -> dict[str, Any]:
+    """The pieces read into ``rows`` (by flat DCP key: ``<prefix><merged>`` for the model,
+    ``optimizer_<o>.state.<merged>.<entry>``), by piece name: ``{"state_dict": {piece: tensor},
+    "optimizer_states": {o: {piece: {entry: tensor}}}}``."""
+    piece_at = {(merged, start): name for name, (merged, start, _) in piece_rows(merges).items()}
+    model: dict[str, Any] = {}
+    optim: dict[int, dict[str, dict]] = {}
+    for k, v in rows.items():
+        if k.startswith(prefix):
+            model.update({piece_at[(k[len(prefix):], start)]: t for start, t in v.pieces})
+            continue
+        head, _, rest = k.partition(".")
+        merged, _, entry = rest[len("state."):].rpartition(".")
+        per = optim.setdefault(int(head[len("optimizer_"):]), {})
+        for start, t in v.pieces:
+            per.setdefault(piece_at[(merged, start)], {})[entry] = t
+    return {"state_dict": model, "optimizer_states": optim}

@@ -49,8 +49,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from ..protocol import state_dict_key
-from ..protocol.merges import merged_indices, merged_names, merges_of, piece_rows, state_in_pieces
-from ..runtime.dcp_rows import RowPieces, RowPiecesLoadPlanner, RowPiecesSavePlanner
+from ..protocol.merges import merged_indices, merged_names, merges_of, state_in_pieces
+from ..runtime.dcp_rows import (RowPieces, RowPiecesLoadPlanner, RowPiecesSavePlanner, merged_optimizer_rows,
+                                merged_row_pieces, pieces_by_name)
 from ..runtime.optimizer_layout import OptimizerLayout
 from .checkpoint import (LOCAL_PIECES, CheckpointError, _keys_by_index, _listed, _nonfinite, _whole_experts,
                          check_archive, check_model_state)
@@ -78,46 +79,7 @@ def local_model_state(pipe: RankPipeline) -> dict[str, Any]:
     module = pipe.module
     with state_in_pieces(module):
         state = {k: v.detach() for k, v in module.state_dict().items()}
-    return _as_row_pieces(_whole_experts(pipe, state), merges_of(module))
-
-
-def _as_row_pieces(entries: dict[str, Any], merges) -> dict[str, Any]:
-    """``entries`` (by state-dict key) with the local pieces of each merged parameter as one
-    :class:`RowPieces` under the merged name: its rows, written where they live."""
-    rows = piece_rows(merges)
-    out: dict[str, Any] = {}
-    for key, v in entries.items():
-        if key not in rows:
-            out[key] = v
-            continue
-        merged, start, total = rows[key]
-        if not isinstance(out.get(merged), RowPieces):
-            out[merged] = RowPieces(torch.Size((total, *v.shape[1:])), [])
-        out[merged].pieces.append((start, v))
-    return out
-
-
-def _merged_optimizer_state(state: dict[str, dict], merges) -> dict[str, dict]:
-    """Per-parameter optimizer ``state`` in the merged naming: a piece's per-row tensors (Adam's
-    moments) as :class:`RowPieces` of the merged entry, the rest (Adam's ``step``) the first piece's,
-    as :func:`~lightning_dynmo.protocol.merges.merge_optimizer_state` has it."""
-    rows = piece_rows(merges)
-    out: dict[str, dict] = {}
-    for key, st in state.items():
-        if key not in rows:
-            out[key] = st
-            continue
-        merged, start, total = rows[key]
-        piece = dict(merges[merged])[key]
-        into = out.setdefault(merged, {})
-        for entry, v in st.items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == piece:
-                if not isinstance(into.get(entry), RowPieces):
-                    into[entry] = RowPieces(torch.Size((total, *v.shape[1:])), [])
-                into[entry].pieces.append((start, v))
-            elif start == 0:
-                into[entry] = v
-    return out
+    return merged_row_pieces(_whole_experts(pipe, state), merges_of(module))
 
 
 def local_optimizer_state(pipe: RankPipeline, optimizer) -> dict[str, Any]:
@@ -144,7 +106,7 @@ def local_optimizer_state(pipe: RankPipeline, optimizer) -> dict[str, Any]:
     groups = [{**{k: v for k, v in group.items() if k != "params"},
                "params": merged_names([names[i] for i in layout.group_indices[o][g]], merges)}
               for g, group in enumerate(opt.param_groups)]
-    return {"state": _merged_optimizer_state(state, merges), "param_groups": groups}
+    return {"state": merged_optimizer_rows(state, merges), "param_groups": groups}
 
 
 def _crc32(path: Path) -> int:
@@ -318,26 +280,8 @@ def load(pipe: RankPipeline, path, weights_only: bool | None, strict: bool) -> d
     if optimizers and opt_keys:
         ckpt["optimizer_states"] = [_native_optimizer_state(pipe, o, md, request) for o in range(len(opt_keys))]
     if rows:  # the merged entries stay meta above; the loaders take this rank's pieces from here
-        ckpt[LOCAL_PIECES] = _local_pieces(rows, merges, prefix)
+        ckpt[LOCAL_PIECES] = pieces_by_name(rows, merges, prefix)
     return ckpt
-
-
-def _local_pieces(rows: Mapping[str, RowPieces], merges, prefix: str) -> dict[str, Any]:
-    """The pieces read, by piece name: ``{"state_dict": {piece: tensor}, "optimizer_states":
-    {o: {piece: {entry: tensor}}}}``."""
-    piece_at = {(merged, start): name for name, (merged, start, _) in piece_rows(merges).items()}
-    model: dict[str, Any] = {}
-    optim: dict[int, dict[str, dict]] = {}
-    for k, v in rows.items():
-        if k.startswith(prefix):
-            model.update({piece_at[(k[len(prefix):], start)]: t for start, t in v.pieces})
-            continue
-        head, _, rest = k.partition(".")
-        merged, _, entry = rest[len("state."):].rpartition(".")
-        per = optim.setdefault(int(head[len("optimizer_"):]), {})
-        for start, t in v.pieces:
-            per.setdefault(piece_at[(merged, start)], {})[entry] = t
-    return {"state_dict": model, "optimizer_states": optim}
 
 
 def _native_optimizer_state(pipe: RankPipeline, o: int, md: Mapping[str, Any], request: Mapping[str, Any]) -> dict:
