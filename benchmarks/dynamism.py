@@ -2,13 +2,16 @@
 
     python benchmarks/dynamism.py --case none|freezing|early_exit|pruning|mod|moe|sparse_attention [--quick]
     python benchmarks/dynamism.py --case moe --expert-parallel 2 [--quick]
+    python benchmarks/dynamism.py --case pruning --data-parallel 2 --dp-sharding fsdp [--quick]
     python benchmarks/dynamism.py --case sparse_attention --sweep [--quick]
     python benchmarks/dynamism.py --smoke [--case C]    # seconds: 6 steps, 1 round (default case none)
 
 Launches itself with torchrun (2 ranks = 2 pipeline stages by default, ``--stages S`` for more,
 gloo, 1 thread each, so it needs S free cores; with
 ``--expert-parallel N``, S x N ranks: N data-parallel replicas of the pipeline whose stages split
-their experts N ways, for cases whose module sets ``EXPERT_PARALLEL = True``) and trains the
+their experts N ways, for cases whose module sets ``EXPERT_PARALLEL = True``; with
+``--data-parallel D``, S x D ranks: D replicas, each stage sharded over them with
+``--dp-sharding fsdp``, or replicated) and trains the
 same model, data and dynamism callback three times in one job:
 
 * ``uniform``  static: equal layer counts (Megatron), ``rebalance="never"``;
@@ -83,6 +86,10 @@ def _args(argv=None):
                     help="a few steps, one round: checks that the script runs (its figures mean nothing)")
     ap.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                     help="N data-parallel replicas, each stage's experts split over them (MoE cases)")
+    ap.add_argument("--data-parallel", type=int, default=None, metavar="D",
+                    help="D data-parallel replicas of the pipeline (default: --expert-parallel's N)")
+    ap.add_argument("--dp-sharding", choices=("replicate", "fsdp"), default="replicate",
+                    help="how each stage is held over the replicas (DynMoStrategy's dp_sharding)")
     ap.add_argument("--sweep", nargs="?", const="all", default=None, metavar="K,K,...",
                     help="also run fixed 2-stage boundaries (all, or the listed first layers of stage 1; "
                          "rebalance never) and report the best one chosen in hindsight")
@@ -139,10 +146,11 @@ def _worker(args) -> None:
     else:
         plan["rounds"], target, max_rounds = max(plan["rounds"], FULL_ROUNDS), TARGET_RESOLUTION, MAX_ROUNDS
     plan["stages"] = args.stages
-    ep = args.expert_parallel  # = the data-parallel replicas
+    ep = args.expert_parallel
+    dp = args.data_parallel or ep  # the data-parallel replicas
     cfg = GPTConfig(**plan["model"])
     g = torch.Generator().manual_seed(0)
-    n = plan["batch"] * plan["steps"] * ep
+    n = plan["batch"] * plan["steps"] * dp
     # a case may bring its own sequences (e.g. the text its warm-up phase trained on); else random tokens
     data = case.data(cfg, n) if hasattr(case, "data") else torch.randint(0, cfg.vocab_size, (n, cfg.block_size + 1),
                                                                          generator=g)
@@ -203,8 +211,8 @@ def _worker(args) -> None:
         logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")  # cost_trace / rebalance_history: not the cwd
         options = dict(dict(rebalance_cooldown=1), **options)
         strategy = DynMoStrategy(pipeline_parallel=args.stages, microbatches=plan["microbatches"], plot=False,
-                                 timeout=300, expert_parallel=ep, **options)
-        trainer = L.Trainer(accelerator="cpu", devices=args.stages * ep, strategy=strategy, max_steps=plan["steps"],
+                                 timeout=300, expert_parallel=ep, dp_sharding=args.dp_sharding, **options)
+        trainer = L.Trainer(accelerator="cpu", devices=args.stages * dp, strategy=strategy, max_steps=plan["steps"],
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, meter],
                             default_root_dir=logs.name)
@@ -225,7 +233,7 @@ def _worker(args) -> None:
             rec["fixed_partition"] = list(options["partition"])
         if err is None and len(meter.t) >= b:
             secs = meter.t[b - 1] - meter.t[a - 1]
-            tokens = plan["batch"] * ep * cfg.block_size * (b - a)
+            tokens = plan["batch"] * dp * cfg.block_size * (b - a)
             idle = [x for x in meter.idle[a:b] if x == x]
             per_rank = [r for r in meter.rank_idle[a:b] if r]
             rec.update(
@@ -288,7 +296,8 @@ def _median_round(recs: list[dict]) -> dict:
     return med
 
 
-def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, stages: int = 2) -> dict:
+def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, stages: int = 2,
+               data_parallel: int | None = None, dp_sharding: str = "replicate") -> dict:
     runs = {k: _median_round(v) for k, v in rounds.items() if v}
     ok = {k: v for k, v in runs.items() if v.get("tokens_per_sec")}
     control = ok.pop("control", None)
@@ -300,8 +309,9 @@ def _summarise(case: str, quick: bool, rounds: dict, expert_parallel: int = 1, s
         "case": case,
         "quick": quick,
         "stages": stages,
-        "data_parallel": expert_parallel,
+        "data_parallel": data_parallel or expert_parallel,
         "expert_parallel": expert_parallel,
+        "dp_sharding": dp_sharding,
         "threads_per_rank": 1,
         "rounds": len(next(iter(rounds.values()))),
         "tokens_per_sec": {k: round(v["tokens_per_sec"], 1) for k, v in ok.items()},
@@ -434,14 +444,20 @@ def main(argv=None) -> None:
         sys.exit("--sweep enumerates the boundary of a 2-stage pipeline; use it with --stages 2")
     if args.expert_parallel < 1 or (args.expert_parallel > 1 and not has_experts):
         sys.exit(f"--expert-parallel {args.expert_parallel}: must be >= 1, and > 1 only for a case with experts (moe)")
+    dp = args.data_parallel or args.expert_parallel
+    if dp < 1 or dp % args.expert_parallel:
+        sys.exit(f"--data-parallel {dp}: must be >= 1 and a multiple of --expert-parallel {args.expert_parallel}")
+    if args.dp_sharding == "fsdp" and dp < 2:
+        sys.exit("--dp-sharding fsdp shards each stage over its replicas: pass --data-parallel 2 (or more)")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "runs.json")
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(args.stages * args.expert_parallel),
+               str(args.stages * dp),
                "--standalone", os.path.abspath(__file__), "--case", args.case, "--out", out,
-               "--expert-parallel", str(args.expert_parallel), "--stages", str(args.stages)]
+               "--expert-parallel", str(args.expert_parallel), "--stages", str(args.stages),
+               "--data-parallel", str(dp), "--dp-sharding", args.dp_sharding]
         if args.quick:
             cmd.append("--quick")
         if args.smoke:
@@ -463,7 +479,7 @@ def main(argv=None) -> None:
             else:
                 print(f"{name:8s} {r['tokens_per_sec']:9.1f} tok/s  step {r['step_ms']:7.1f} ms  "
                       f"idle {r['idle_fraction']:.3f}  partition {r['partition_initial']} -> {r['partition_final']}")
-    summary = _summarise(args.case, args.quick, runs, args.expert_parallel, args.stages)
+    summary = _summarise(args.case, args.quick, runs, args.expert_parallel, args.stages, dp, args.dp_sharding)
     summary["smoke"] = args.smoke
     if args.plot:
         plot_sweep(summary, args.plot)

@@ -37,7 +37,7 @@ from torch import nn
 
 from ..protocol.activations import run_layers
 from ..protocol.granularity import check_head_chunks
-from ..protocol.merges import merge_state, split_state
+from ..protocol.merges import merge_state, merging_state, split_state
 
 __all__ = ["IGNORE_INDEX", "HeadChunk", "StreamingCrossEntropy", "chunk_bounds", "head_chunk_layers", "head_logits",
            "head_merges", "logits_through", "merge_head_hook", "split_head_hook", "streaming_nll_mean"]
@@ -190,7 +190,10 @@ def _prefixed(module: nn.Module, prefix: str) -> dict:
 
 
 def merge_head_hook(module, state_dict, prefix, local_metadata):
-    """``state_dict`` hook (``module._register_state_dict_hook``): the chunks' rows as one matrix."""
+    """``state_dict`` hook (``module._register_state_dict_hook``): the chunks' rows as one matrix
+    (not inside ``protocol.merges.state_in_pieces``)."""
+    if not merging_state(module):
+        return
     merged = merge_state(state_dict, _prefixed(module, prefix))
     if merged is not state_dict:
         state_dict.clear()

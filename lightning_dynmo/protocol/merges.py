@@ -12,22 +12,68 @@ model state dicts (:func:`merge_state`, :func:`split_state`) and single-process 
 dicts (:func:`merge_optimizer_state`, :func:`split_optimizer_state`: per-parameter tensors shaped
 like the parameter are cut or joined by rows, the rest, such as Adam's ``step``, is the first
 piece's; parameter indices are renumbered as if the pieces were one parameter).
+
+A model's own ``state_dict()`` names a complete set of pieces by its merged name (a state-dict
+hook); :func:`state_in_pieces` asks it for the pieces under their own names instead, for sharded
+checkpoints that write each piece where it lives (``strategy/dcp_checkpoint.py``).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import torch
 
 Merges = Mapping[str, list[tuple[str, int]]]
 State = dict[Any, Any]  # a state dict, or an optimizer's
 
-__all__ = ["merges_of", "merge_state", "split_state", "merge_optimizer_state", "split_optimizer_state"]
+__all__ = ["merges_of", "merge_state", "split_state", "merge_optimizer_state", "split_optimizer_state",
+           "state_in_pieces", "merging_state", "piece_rows", "merged_names", "merged_indices"]
+_IN_PIECES = "_dynmo_state_in_pieces"
 
 
 def merges_of(module: object) -> dict[str, list[tuple[str, int]]]:
     fn = getattr(module, "checkpoint_merges", None)
     return dict(fn()) if callable(fn) else {}
+
+
+@contextmanager
+def state_in_pieces(module: object) -> Iterator[None]:
+    """Within: ``module.state_dict()`` keeps the pieces under their own names (no merge)."""
+    object.__setattr__(module, _IN_PIECES, True)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, _IN_PIECES, False)
+
+
+def merging_state(module: object) -> bool:
+    """Whether a model's merge hook should merge now (not inside :func:`state_in_pieces`)."""
+    return not getattr(module, _IN_PIECES, False)
+
+
+def piece_rows(merges: Merges) -> dict[str, tuple[str, int, int]]:
+    """``{piece: (merged name, first row, merged rows)}``."""
+    out = {}
+    for merged, pieces in merges.items():
+        start, total = 0, sum(r for _, r in pieces)
+        for name, rows in pieces:
+            out[name] = (merged, start, total)
+            start += rows
+    return out
+
+
+def merged_names(names: list[str], merges: Merges) -> list[str]:
+    """``names`` (a param group's, in order) in the merged naming: each set of pieces once, as its merged name."""
+    return list(dict.fromkeys(_merged_name(n, merges) for n in names))
+
+
+def merged_indices(fqn_of_index: Mapping[int, str], merges: Merges) -> dict[str, int]:
+    """``{name: index}`` of a single-process optimizer state dict in the merged naming (what
+    :func:`split_optimizer_state` takes); without merges, ``fqn_of_index`` inverted."""
+    if not merges:
+        return {n: i for i, n in fqn_of_index.items()}
+    return _canonical_order(fqn_of_index, merges)[0]
 
 
 def merge_state(state: State, merges: Merges) -> State:

@@ -47,6 +47,7 @@ from .collectives import explain_timeout
 from .state import RankPipeline
 
 _MAX_LISTED = 30
+LOCAL_PIECES = "dynmo_local_pieces"  # a DCP load's pieces of merged parameters, by piece name (dcp_checkpoint.py)
 SAVE_ON_EVERY_RANK = (
     "Saving gathers every pipeline rank's layers onto rank 0, and a rank did not join (if none stopped, see "
     "its log): trainer.save_checkpoint (and the strategy's "
@@ -294,6 +295,7 @@ def load_local_model_state(pipe: RankPipeline, checkpoint: dict, strict: bool = 
     merges = merges_of(module)  # parameters kept in pieces (e.g. a chunked LM head) load from their merged entry
     own = set(split_state(module.state_dict(), merges))
     state = _own_shards(pipe, {k: v for k, v in split_state(checkpoint["state_dict"], merges).items() if k in own})
+    state.update(checkpoint.get(LOCAL_PIECES, {}).get("state_dict", {}))  # read as pieces (DCP): not cut from a whole
     current = module.state_dict()  # dp_sharding="fsdp": each whole tensor cut to this rank's shard
     state = {k: (shard_like(v, current[k]) if is_sharded(current.get(k)) else v) for k, v in state.items()}
     module.load_state_dict(state, strict=False)
@@ -334,6 +336,10 @@ def load_local_optimizer_state(pipe: RankPipeline, checkpoint: dict) -> None:
         states = [split_optimizer_state(sd, _keys_by_index(pipe, o), layout.group_indices[o], merges)
                   if isinstance(sd, dict) and "param_groups" in sd else sd for o, sd in enumerate(states)]
         problems = [p for o, sd in enumerate(states) for p in layout.problems(o, sd, shapes)]
+        for o, pieces in checkpoint.get(LOCAL_PIECES, {}).get("optimizer_states", {}).items():
+            index = {n: i for i, n in _keys_by_index(pipe, o).items()}  # read as pieces (DCP): not cut from a whole
+            for name, entries in pieces.items():
+                states[o]["state"].setdefault(index[name], {}).update(entries)
     if problems:
         raise CheckpointError(
             "the checkpoint's optimizer state does not fit the module's optimizer: " + "; ".join(problems[:_MAX_LISTED])

@@ -22,6 +22,12 @@ damaged or missing shard. The loaded entries are handed to the single-format loa
 :mod:`.checkpoint` (the rest of the model appears there as meta tensors with the saved shapes),
 so expert-parallel slicing and the optimizer checks are the same code for both formats.
 
+A parameter kept in pieces on several layers (``checkpoint_merges()``, a vocabulary-chunked head)
+is written under its merged name, each rank's pieces as row chunks of the one tensor
+(:mod:`~lightning_dynmo.runtime.dcp_rows`), and read back as this rank's pieces' rows, whatever
+chunk count and layout saved it; the loaders take those pieces as they are
+(:data:`.checkpoint.LOCAL_PIECES`), the merged entry staying a meta tensor for the checks.
+
 :func:`consolidate_checkpoint` turns such a directory into one single-process Lightning file
 (the format of ``checkpoint_format="single"``), for plain Lightning or HF ``save_pretrained``.
 """
@@ -37,15 +43,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from ..protocol import state_dict_key
-from ..protocol.merges import merges_of
+from ..protocol.merges import merged_indices, merged_names, merges_of, state_in_pieces
+from ..runtime.dcp_rows import (RowPieces, RowPiecesLoadPlanner, RowPiecesSavePlanner, merged_optimizer_rows,
+                                merged_row_pieces, pieces_by_name)
 from ..runtime.optimizer_layout import OptimizerLayout
-from .checkpoint import (CheckpointError, _keys_by_index, _listed, _nonfinite, _whole_experts, check_archive,
-                         check_model_state)
+from .checkpoint import (LOCAL_PIECES, CheckpointError, _keys_by_index, _listed, _nonfinite, _whole_experts,
+                         check_archive, check_model_state)
 from .state import RankPipeline
 
 META = _METADATA_FILENAME  # "meta.pt", as Lightning's ModelParallelStrategy names it
@@ -62,21 +71,15 @@ def is_dcp_checkpoint(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and Path(path).is_dir() and (Path(path) / META).is_file()
 
 
-def check_model_supported(module) -> None:
-    """Refuse what this format cannot write yet, at setup (before any step)."""
-    if merges_of(module):
-        raise ValueError(
-            f"checkpoint_format='dcp' does not support {type(module).__name__} yet: it keeps a parameter in pieces "
-            "on several pipeline layers (checkpoint_merges(), e.g. a vocabulary-chunked LM head), which DCP would "
-            "have to write as slices of one tensor. Use checkpoint_format='single'")
-
-
 # ---------------------------------------------------------------------------------------- save
 def local_model_state(pipe: RankPipeline) -> dict[str, Any]:
     """This rank's layers' state under single-process names (no copies; expert shards made whole
-    over their peers, a collective)."""
-    check_model_supported(pipe.module)
-    return _whole_experts(pipe, {k: v.detach() for k, v in pipe.module.state_dict().items()})
+    over their peers, a collective; the pieces of a ``checkpoint_merges()`` parameter as the
+    merged name's :class:`RowPieces`)."""
+    module = pipe.module
+    with state_in_pieces(module):
+        state = {k: v.detach() for k, v in module.state_dict().items()}
+    return merged_row_pieces(_whole_experts(pipe, state), merges_of(module))
 
 
 def local_optimizer_state(pipe: RankPipeline, optimizer) -> dict[str, Any]:
@@ -99,10 +102,11 @@ def local_optimizer_state(pipe: RankPipeline, optimizer) -> dict[str, Any]:
                   for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
         for (key, k), v in ep.gather(shards, pipe.device).items():
             state[key] = {**state[key], k: v}
-    names = _keys_by_index(pipe, o)
+    names, merges = _keys_by_index(pipe, o), merges_of(module)
     groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [names[i] for i in layout.group_indices[o][g]]} for g, group in enumerate(opt.param_groups)]
-    return {"state": state, "param_groups": groups}
+               "params": merged_names([names[i] for i in layout.group_indices[o][g]], merges)}
+              for g, group in enumerate(opt.param_groups)]
+    return {"state": merged_optimizer_rows(state, merges), "param_groups": groups}
 
 
 def _crc32(path: Path) -> int:
@@ -126,7 +130,7 @@ def save(checkpoint: dict[str, Any], path, global_rank: int) -> None:
     dist.barrier()
     state = {MODEL: checkpoint.pop("state_dict")}
     state.update({f"optimizer_{o}": sd for o, sd in enumerate(checkpoint.pop("optimizer_states", []))})
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1), planner=RowPiecesSavePlanner())
     del state
     own = {f.name: _crc32(f) for f in sorted(path.glob(f"__{global_rank}_*.distcp"))}
     if global_rank == 0:
@@ -190,14 +194,24 @@ def _meta_tensor(md: TensorStorageMetadata) -> torch.Tensor:
     return torch.empty(md.size, dtype=md.properties.dtype, device="meta")
 
 
-def _read_target(md: TensorStorageMetadata, like: torch.Tensor | None = None) -> torch.Tensor:
-    """What ``dcp.load`` reads the saved tensor ``md`` into: a DTensor laid out as ``like`` when
-    ``like`` is one of the same global shape (``dp_sharding="fsdp"``: DCP reads only this rank's
-    rows of whatever chunks were saved), else a whole tensor."""
-    if isinstance(like, DTensor) and tuple(like.shape) == tuple(md.size):
-        return dtensor_empty(tuple(md.size), dtype=md.properties.dtype, device_mesh=like.device_mesh,
-                             placements=like.placements)
-    return torch.empty(md.size, dtype=md.properties.dtype)
+def _read_target(md: TensorStorageMetadata, like: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+    """What ``dcp.load`` reads the saved tensor ``md`` (or ``rows`` of its rows: a piece) into: a
+    DTensor laid out as ``like`` when ``like`` is one of that global shape (``dp_sharding="fsdp"``:
+    DCP reads only this rank's rows of whatever chunks were saved), else a whole tensor."""
+    size = tuple(md.size) if rows is None else (rows, *md.size[1:])
+    if isinstance(like, DTensor) and tuple(like.shape) == size:
+        return dtensor_empty(size, dtype=md.properties.dtype, device_mesh=like.device_mesh, placements=like.placements)
+    return torch.empty(size, dtype=md.properties.dtype)
+
+
+def _pieces_target(md: TensorStorageMetadata, local: Mapping[str, torch.Tensor], merges, merged: str) -> RowPieces | None:
+    """This rank's pieces of the merged tensor ``md`` (``local``: its pieces by name), or None if it holds none."""
+    start, pieces = 0, []
+    for name, rows in merges[merged]:
+        if name in local:
+            pieces.append((start, _read_target(md, local[name], rows)))
+        start += rows
+    return RowPieces(md.size, pieces) if pieces else None
 
 
 def load(pipe: RankPipeline, path, weights_only: bool | None, strict: bool) -> dict[str, Any]:
@@ -219,10 +233,16 @@ def load(pipe: RankPipeline, path, weights_only: bool | None, strict: bool) -> d
              and isinstance(v, TensorStorageMetadata)}
     module = pipe.module
     check_model_state(pipe.full_state_shapes, saved, strict, type(module).__name__)  # the whole model, every rank
-    current = module.state_dict()
+    merges = merges_of(module)  # a merged parameter is read as this rank's pieces' rows
+    with state_in_pieces(module):
+        current = module.state_dict()
     request: dict[str, Any] = {}  # flat DCP keys -> what to read them into
-    for key in current.keys() & saved.keys():  # whole tensors or fsdp shards (expert shards: cut later)
+    rows: dict[str, RowPieces] = {}  # flat DCP keys -> this rank's pieces of a merged tensor
+    for key in current.keys() & saved.keys() - merges.keys():  # whole tensors or fsdp shards (expert: cut later)
         request[prefix + key] = _read_target(md[prefix + key], current[key])
+    for merged in merges.keys() & saved.keys():
+        if (pieces := _pieces_target(md[prefix + merged], current, merges, merged)) is not None:
+            rows[prefix + merged] = pieces
     optimizers = pipe.optimizers
     opt_keys = sorted({k.split(".", 1)[0] for k in md if k.startswith("optimizer_")})
     if optimizers and opt_keys:
@@ -235,19 +255,32 @@ def load(pipe: RankPipeline, path, weights_only: bool | None, strict: bool) -> d
                 continue
             # param groups: small values every rank reads (hyper-parameters, parameter names)
             name = rest[len("state."):].rsplit(".", 1)[0] if rest.startswith("state.") else None
+            if name in merges:  # per-row tensors as this rank's pieces' rows; the rest (step) whole
+                per_row = isinstance(m, TensorStorageMetadata) and len(m.size) > 0 and \
+                    m.size[0] == sum(r for _, r in merges[name])
+                pieces = _pieces_target(m, local_params, merges, name) if per_row else None
+                if pieces is not None:
+                    rows[k] = pieces
+                elif not per_row and any(n in local_params for n, _ in merges[name]):
+                    request[k] = torch.empty(m.size, dtype=m.properties.dtype) \
+                        if isinstance(m, TensorStorageMetadata) else None
+                continue
             if rest.startswith("param_groups.") or name in local_params:  # moments of an fsdp shard: shards too
                 request[k] = _read_target(m, local_params.get(name)) if isinstance(m, TensorStorageMetadata) else None
     try:
-        dcp.load(request, storage_reader=dcp.FileSystemReader(path))
-    except Exception as err:  # noqa: BLE001 - DCP gathers every rank's read errors: the same on every rank
+        dcp.load(request, storage_reader=dcp.FileSystemReader(path), planner=RowPiecesLoadPlanner(rows))
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP gathers every rank's read errors
         raise CheckpointError(f"{path} cannot be loaded: reading its shards failed ({type(err).__name__}: "
                               f"{str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
     bad = [k for k, v in request.items() if _nonfinite(v)]
+    bad += [k for k, v in rows.items() if any(_nonfinite(t) for _, t in v.pieces)]
     _agree([f"{k!r}" for k in bad], f"{path} holds non-finite values (NaN or Inf), so training from it would only "
            "produce NaN losses; resume from an earlier checkpoint. Tensors")
     ckpt["state_dict"] = {**saved, **{k[len(prefix):]: v for k, v in request.items() if k.startswith(prefix)}}
     if optimizers and opt_keys:
         ckpt["optimizer_states"] = [_native_optimizer_state(pipe, o, md, request) for o in range(len(opt_keys))]
+    if rows:  # the merged entries stay meta above; the loaders take this rank's pieces from here
+        ckpt[LOCAL_PIECES] = pieces_by_name(rows, merges, prefix)
     return ckpt
 
 
@@ -274,8 +307,8 @@ def _native_optimizer_state(pipe: RankPipeline, o: int, md: Mapping[str, Any], r
     if unknown:
         raise CheckpointError(f"optimizer_{o} of the checkpoint has state for parameters its param groups do not "
                               f"list: {_listed(unknown)}")
-    names = _keys_by_index(pipe, o)  # the module's single-process index of each name
-    want = {n: i for i, n in names.items()}
+    names = _keys_by_index(pipe, o)  # the module's single-process index of each name (merged: split by the loader)
+    want = merged_indices(names, merges_of(pipe.module))
     missing = [n for n in index_of if n not in want]
     if missing:
         raise CheckpointError(f"optimizer_{o} of the checkpoint optimizes parameters the module's optimizer does not "

@@ -62,7 +62,7 @@ from ..runtime.memory import layer_state_bytes
 from ..runtime.recompute import ActivationCheckpointing
 from ..runtime.step_stats import exchange_step_stats
 from ..runtime.tied import TiedParameters, find_tied_parameters
-from . import checkpoint, dcp_checkpoint
+from . import checkpoint
 from .accumulation import AccumulationWindow
 from .api import PipelineAPI
 from .checkpoint_hooks import CheckpointHooks
@@ -240,8 +240,6 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         check_module(module, self.layout.num_stages, self.pipeline_parallel,
                      self.options.virtual_stages, self.options.activation_checkpointing, self.options.expert_parallel)
         check_precision(self.precision_plugin)
-        if self._dcp:
-            dcp_checkpoint.check_model_supported(module)
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
         self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))

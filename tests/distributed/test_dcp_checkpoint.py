@@ -4,8 +4,10 @@ resumes on 4 stages, that one on 2 stages (through ``ckpt_path="last"``), and th
 ``consolidate_checkpoint``, in plain single-process Lightning: the losses stay on the curve of an
 uninterrupted run. The same chain starts from ``dp_sharding="fsdp"`` (the same tied model, each
 end sharded over its stage's replicas): each replica writes its DTensor shards, and a sharded run
-reads back only its shards. Bad checkpoints fail on every rank with the same message; rank 0's memory while saving
-does not grow with the model."""
+reads back only its shards. A GPT with a vocabulary-chunked head (``checkpoint_merges()``) takes a chain
+of its own, changing the chunk count at every leg: each rank writes its chunks' rows of the one head matrix.
+Bad checkpoints fail on every rank with the same message; rank 0's memory while saving does not grow with
+the model."""
 from __future__ import annotations
 
 import os
@@ -30,6 +32,14 @@ BASE = {"n_samples": 48, "batch": 8, "tied": True}
 STEPS = (3, 6, 9, 12)  # saved by pp2 x dp2, pp4 x dp1, pp2 x dp1; plain Lightning trains to 12
 FSDP = dict(BASE, fsdp=True)  # checkpoint_format left to its default: dcp under fsdp
 REL = 1e-5
+# the head in 3 chunks (all on the last stage), then 4 over 4 stages (the first chunk on stage 2, the others
+# on stage 3), then 16 over 2 sharded stages (4 on the first): rows of one [64, 32] head matrix throughout
+CHUNKED = {"n_samples": 48, "batch": 8}
+HEAD_CHUNKS = (3, 4, 16)
+
+
+def _chunks(k: int) -> dict:
+    return dict(CHUNKED, gpt={"head_chunks": k})
 
 
 def _on_curve(full: list[float], part: list[float], first: int) -> None:
@@ -51,6 +61,13 @@ def chain(tmp_path_factory):
         dict(FSDP, fsdp=False, pp=4, steps=STEPS[1], ckpt_dir=str(tmp / "fb"), resume=str(tmp / "fa" / "last.ckpt")),
         dict(FSDP, pp=2, steps=STEPS[2], resume=str(tmp / "fb" / "last.ckpt"), probe_load=True),  # whole -> shards
         dict(FSDP, pp=2, steps=STEPS[0], ckpt_dir=str(tmp / "fs"), format="single"),
+        # 9-12: the chunked head's chain: pp2 x dp2 fsdp -> pp4 x dp1 -> pp2 x dp2 fsdp (consolidated: below)
+        dict(_chunks(HEAD_CHUNKS[0]), fsdp=True, pp=2, steps=STEPS[3]),  # uninterrupted
+        dict(_chunks(HEAD_CHUNKS[0]), fsdp=True, pp=2, steps=STEPS[0], ckpt_dir=str(tmp / "ca")),
+        dict(_chunks(HEAD_CHUNKS[1]), pp=4, steps=STEPS[1], ckpt_dir=str(tmp / "cb"),
+             resume=str(tmp / "ca" / "last.ckpt")),
+        dict(_chunks(HEAD_CHUNKS[2]), fsdp=True, pp=2, steps=STEPS[2], ckpt_dir=str(tmp / "cc"),
+             resume=str(tmp / "cb" / "last.ckpt")),
     ], worker=WORKER)
     b = four[2]["ckpt"]
     two = run_worker(tmp / "two", 2, [
@@ -182,6 +199,40 @@ def test_single_format_still_works_under_fsdp(chain):
     assert saved["errors"] == [None] * 4 and os.path.isfile(saved["ckpt"]), saved
     assert resumed["errors"] == [None, None], resumed["errors"]
     _on_curve(four[4]["losses"], resumed["losses"], 3)
+
+
+def test_chunked_head_resumes_on_the_curve_under_other_layouts_and_chunk_counts(chain, tmp_path):
+    """pp2 x dp2 fsdp with 3 chunks saves -> pp4 x dp1 with 4 resumes and saves -> pp2 x dp2 fsdp with 16
+    resumes and saves -> consolidated, an unchunked GPT in plain Lightning trains on: all on the curve."""
+    _, four, _ = chain
+    full, a, b, c = four[9:13]
+    for run in (full, a, b, c):
+        assert run["errors"] == [None] * len(run["errors"]), run["errors"]
+    assert (a["dp"], b["dp"], c["dp"]) == (2, 1, 2)
+    assert b["partition"] == "0-2|3-5|6-8|9-11" and c["partition"] == "0-11|12-23", (b, c)  # chunks on two stages
+    assert a["losses"] == full["losses"][:3]
+    _on_curve(full["losses"], b["losses"], 3)
+    _on_curve(full["losses"], c["losses"], 6)
+    _on_curve(full["losses"], _plain_lightning_losses(c["ckpt"], CHUNKED, tmp_path), 9)
+
+
+def test_chunked_head_is_one_matrix_in_the_checkpoint_whatever_the_chunks(chain):
+    """Every save holds the head as one [64, 32] tensor (weights and moments; Adam's step once), as
+    the unchunked model names it, in one chunk per head chunk and replica shard; the keys do not
+    depend on the chunk count."""
+    _, four, _ = chain
+    head = "layers.8.lm_head.weight"  # 6 blocks: embedding, blocks 1-6, final norm, head
+    keys = []
+    for run, k, dp in zip(four[10:13], HEAD_CHUNKS, (2, 1, 2)):
+        md = dcp.FileSystemReader(run["ckpt"]).read_metadata().state_dict_metadata
+        keys.append(set(md))
+        heads = {key: m for key, m in md.items() if "lm_head" in key}
+        assert set(heads) == {f"state_dict.{head}", *(f"optimizer_0.state.{head}.{e}"
+                                                      for e in ("exp_avg", "exp_avg_sq", "step"))}, heads
+        for key, m in heads.items():
+            want = ((), 1) if key.endswith(".step") else ((64, 32), k * dp)
+            assert (tuple(m.size), len(m.chunks)) == want, (key, m)
+    assert keys[0] == keys[1] == keys[2]
 
 
 BAD = {  # run index in the two-rank job -> what every rank's error must say

@@ -157,18 +157,6 @@ def test_checkpoint_format_is_single_or_dcp_by_dp_sharding_and_reaches_the_hydra
     assert structured_config()().checkpoint_format is None  # resolved by dp_sharding
 
 
-def test_dcp_refuses_a_model_that_keeps_a_parameter_in_pieces():
-    from lightning_dynmo.strategy.dcp_checkpoint import check_model_supported
-
-    class Chunked:
-        def checkpoint_merges(self):
-            return {"layers.4.lm_head.weight": [("layers.4.lm_head.weight", 32), ("layers.5.lm_head.weight", 32)]}
-
-    with pytest.raises(ValueError,
-                       match="checkpoint_format='dcp' does not support Chunked yet.*checkpoint_format='single'"):
-        check_model_supported(Chunked())
-
-
 class _EveryOtherStep(WeightAveraging):
     """A user's own averaging (the pattern Lightning's docs show): refused like Lightning's."""
 

@@ -186,3 +186,34 @@ def test_the_chunks_are_separate_layers_with_their_own_rows():
     assert len(model.pipeline_layers()) == 2 + 2 + 3 and all(isinstance(c, HeadChunk) for c in chunks)
     assert [c.lm_head.weight.shape[0] for c in chunks] == [10, 10, 10]
     assert [(c.first, c.last) for c in chunks] == [(True, False), (False, False), (False, True)]
+
+
+def test_dcp_writes_pieces_as_rows_of_one_tensor_and_reads_them_into_another_split(tmp_path):
+    """``runtime/dcp_rows.py`` in one process: a 3-way split saved (with an ordinary entry and a
+    nested optimizer-like entry), read back into a 2-way split, and consolidated by DCP's own
+    loader as whole tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from lightning_dynmo.runtime.dcp_rows import RowPieces, RowPiecesLoadPlanner, RowPiecesSavePlanner
+
+    w, m = torch.randn(10, 3), torch.randn(10, 3)
+    state = {"model": {"a": torch.ones(2), "w": RowPieces(w.shape, [(0, w[:4]), (4, w[4:7]), (7, w[7:])])},
+             "opt": {"state": {"w": {"exp_avg": RowPieces(m.shape, [(7, m[7:]), (0, m[:7])]),
+                                     "step": torch.tensor(3.0)}}}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), planner=RowPiecesSavePlanner())
+    md = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+    assert (tuple(md["model.w"].size), len(md["model.w"].chunks)) == ((10, 3), 3)
+    whole: dict = {}
+    _load_state_dict(whole, storage_reader=dcp.FileSystemReader(tmp_path), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    assert torch.equal(whole["model"]["w"], w) and torch.equal(whole["opt"]["state"]["w"]["exp_avg"], m)
+    pieces, a = [torch.zeros(6, 3), torch.zeros(4, 3)], torch.zeros(2)
+    rows = {"model.w": RowPieces(w.shape, [(0, pieces[0]), (6, pieces[1])])}
+    dcp.load({"model.a": a}, storage_reader=dcp.FileSystemReader(tmp_path), planner=RowPiecesLoadPlanner(rows))
+    assert torch.equal(torch.cat(pieces), w) and torch.equal(a, torch.ones(2))
+    with pytest.raises(CheckpointException, match=r"the pieces are rows of \[12, 3\]"):  # wraps the ValueError
+        dcp.load({}, storage_reader=dcp.FileSystemReader(tmp_path),
+                 planner=RowPiecesLoadPlanner({"model.w": RowPieces(torch.Size([12, 3]), [(0, pieces[0])])}))
