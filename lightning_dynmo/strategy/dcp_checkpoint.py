@@ -204,7 +204,8 @@ def _read_target(md: TensorStorageMetadata, like: torch.Tensor | None = None, ro
     return torch.empty(size, dtype=md.properties.dtype)
 
 
-def _pieces_target(md: TensorStorageMetadata, local: Mapping[str, torch.Tensor], merges, merged: str) -> RowPieces | None:
+def _pieces_target(md: TensorStorageMetadata, local: Mapping[str, torch.Tensor], merges,
+                   merged: str) -> RowPieces | None:
     """This rank's pieces of the merged tensor ``md`` (``local``: its pieces by name), or None if it holds none."""
     start, pieces = 0, []
     for name, rows in merges[merged]:
