@@ -62,7 +62,8 @@ def shards_over_replicas(trainer) -> bool:
     """True when each data-parallel replica holds a different shard of its layers
     (``dp_sharding="fsdp"`` over more than one replica): per-layer counts then sum over the
     replicas too, not only over the pipeline."""
-    return is_pipeline_strategy(trainer.strategy) and getattr(trainer.strategy, "sharded_layers", None) is not None
+    held = getattr(trainer.strategy, "dp_sharding", None)
+    return is_pipeline_strategy(trainer.strategy) and getattr(held, "sharded_layers", None) is not None
 
 
 def model_reduce_groups(trainer) -> tuple[bool, list]:

@@ -63,7 +63,7 @@ class PipelineAPI:
         return RankPipeline(self.lightning_module, self._layers, self._layers_attr, self.optimizers,
                             self.optimizer_layout, self.tied, self.profiler, self.engines, self.expert_parallel,
                             self.full_state_shapes, self.layout, self.groups, self.root_device, self.global_rank,
-                            self.last_batch_size, self.last_microbatches, self._window.k, self.sharded_layers)
+                            self.last_batch_size, self.last_microbatches, self._window.k, self.dp_sharding)
 
     def _world_topology(self) -> Topology:
         topo = Topology(self.num_nodes * self.num_processes, self.pipeline_parallel,

@@ -481,14 +481,12 @@ class Rebalancer:
         pipe.profiler.stop_layer_profiling()  # hooks must not travel with the layers
         pipe.engines.clear_engines()  # release stage references to layers that may leave
         rank = pipe.layout.pp_rank
-        if pipe.sharded is not None:  # dp_sharding="fsdp": leaving layers made whole first (runtime/fsdp.py)
-            pipe.sharded.gather([m.layer for m in plan.moves if m.src == rank], pipe.device,
-                                arriving=[m.layer for m in plan.moves if m.dst == rank])  # (their tied partners)
+        arriving = [m.layer for m in plan.moves if m.dst == rank]
+        pipe.dp_sharding.before_moves([m.layer for m in plan.moves if m.src == rank], pipe.device, arriving)
         stats = execute_migration(plan, pipe.module, pipe.layers, pipe.layers_attr, pipe.optimizers,
                                   pipe.optimizer_layout, pipe.layout.pp_rank, pipe.groups.pipeline, pipe.device,
                                   pipe.tied)
-        if pipe.sharded is not None:  # arrived whole on every replica of the stage: sharded again
-            pipe.sharded.shard([m.layer for m in plan.moves if m.dst == rank])
+        pipe.dp_sharding.shard(arriving)  # (fsdp: arrived whole on every replica of the stage)
         log.debug("rank %d migrated: %s", pipe.global_rank, plan.describe())
         return stats
 

@@ -6,7 +6,7 @@ what a migration or a re-pack hands back, for the strategy to adopt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 from ..plan.layout import PipelineLayout
 from ..runtime.engine import EngineCache
 from ..runtime.expert_parallel import ExpertParallel
-from ..runtime.fsdp import ShardedLayers
+from ..runtime.dp_sharding import Replicate
 from ..runtime.groups import PipelineGroups
 from ..runtime.migration import MigrationStats
 from ..runtime.optimizer_layout import OptimizerLayout
@@ -63,7 +63,7 @@ class RankPipeline:
     last_batch_size: int | None = None
     last_microbatches: int | None = None
     runs_per_step: int = 1  # pipeline runs per optimizer step (accumulate_grad_batches)
-    sharded: ShardedLayers | None = None  # dp_sharding="fsdp": this rank's layers as FSDP units
+    dp_sharding: Replicate = field(default_factory=Replicate)  # how stages are held over their replicas
 
     def adopted(self, change: Relayout | None) -> "RankPipeline":
         """This pipeline after ``change`` (for the rest of a call that migrated)."""

@@ -46,12 +46,12 @@ from ..plan.measurements import KnownWork
 from ..protocol import layers_attribute_name, pipeline_layers_of, split_batch
 from ..runtime.compile import compile_local_layers
 from ..runtime.engine import EngineCache, raise_step_problem
+from ..runtime.dp_sharding import Fsdp, Replicate
 from ..runtime.expert_parallel import ExpertParallel
 from ..runtime.fsdp import ShardedLayers, check_expert_shard_optimizers, check_fsdp_composition, dp_mesh
 from ..runtime.fault import install as install_failure_board, step_region
 from ..runtime.ledger import CollectiveLedger
-from ..runtime.gradients import (HeldGradients, average_expert_shards, average_over_replicas,
-                                 install_global_norm_clipping)
+from ..runtime.gradients import HeldGradients, install_global_norm_clipping
 from ..runtime.groups import PipelineGroups, groups_of_layout
 from ..runtime.materialize import meta_init_context
 from ..runtime.optimizer_layout import OptimizerLayout
@@ -124,7 +124,7 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.tied = TiedParameters([])  # parameters shared by several layers (set in setup)
         self.full_state_shapes: dict[str, tuple[int, ...]] = {}  # the whole model's state-dict shapes
         self.expert_parallel: ExpertParallel | None = None  # this rank's expert shard (expert_parallel > 1)
-        self.sharded_layers: ShardedLayers | None = None  # dp_sharding="fsdp" over more than one replica
+        self.dp_sharding: Replicate = Replicate()  # how stages are held over their replicas (set at setup)
         self._agreed_in_epoch_loop = False  # the ledger's per-batch agreement runs in Lightning's loop
         self._signals = None  # the cluster signals this rank received (strategy/signals.py)
 
@@ -243,8 +243,8 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         layers = pipeline_layers_of(module)
         self._layers, self._layers_attr = layers, layers_attribute_name(module, layers)
         self.tied = TiedParameters(find_tied_parameters(layers, self._layers_attr))
-        sharding = self.options.dp_sharding is DpSharding.FSDP and self.topology.dp > 1
-        if sharding:  # what FSDP units cannot hold yet, refused on every rank before anything moves
+        fsdp = self.options.dp_sharding is DpSharding.FSDP and self.topology.dp > 1  # (one replica: nothing to shard)
+        if fsdp:  # what FSDP units cannot hold yet, refused on every rank before anything moves
             check_fsdp_composition(precision=str(self.precision_plugin.precision))
         self.model = self.precision_plugin.convert_module(self.model)
         self.full_state_shapes = checkpoint.whole_model_state_shapes(module)
@@ -259,7 +259,7 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
             self.optimizer_layout = OptimizerLayout.record(module, self.optimizers, self.tied.aliases)
             check_precision(self.precision_plugin, self.optimizers)
             check_closure_optimizers(self.optimizers, self.global_rank)
-            if sharding and self.expert_parallel is not None:
+            if fsdp and self.expert_parallel is not None:
                 check_expert_shard_optimizers(self.optimizers, self.root_device)
         if fitting and self.options.rank_speeds:  # measured only where ranks have cores of their own
             why = shared_cores_message(self.root_device, self.num_processes)
@@ -270,31 +270,30 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         if self.layout.partition is None:
             self.layout = self.layout.with_partition(self.rebalancer.initial_partition(
                 layers, self.layout, self.root_device, self.global_rank, self.last_microbatches,
-                self.optimizers if fitting else (), self.topology.dp if sharding else 1))
+                self.optimizers if fitting else (), self.topology.dp if fsdp else 1))
         optimizers = self.optimizers if fitting else ()
-        if sharding:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
-            self.sharded_layers = ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
-                                                self._layers_attr, module, optimizers, self.optimizer_layout,
-                                                expert_parallel=self.expert_parallel, tied=self.tied)
+        if fsdp:  # each local layer an FSDP unit over this stage's replicas (runtime/fsdp.py)
+            self.dp_sharding = Fsdp(ShardedLayers(dp_mesh(self.data_parallel_group, self.root_device), layers,
+                                                  self._layers_attr, module, optimizers, self.optimizer_layout,
+                                                  expert_parallel=self.expert_parallel, tied=self.tied))
         # built on the meta device: each layer is sharded as soon as it is allocated (never the whole stage)
-        shard_each = (lambda i: self.sharded_layers.shard([i])) if sharding else None
         place_local_layers(module, layers, self.layout, self.global_rank, self.tied, self.options.timeout, optimizers,
-                           self.optimizer_layout, self.expert_parallel, after_materialize=shard_each)
+                           self.optimizer_layout, self.expert_parallel,
+                           after_materialize=lambda i: self.dp_sharding.shard([i]))
         if self.topology.dp == 1:
             # One replica: every rank already loads the same batches; Lightning's injected
             # DistributedSampler would reshuffle a shuffle=False loader (it forces shuffle=True).
             trainer._accelerator_connector.use_distributed_sampler = False
         self.model_to_device()
         self.tied.align(layers, optimizers)  # tied copies: one object per rank, equal values
-        if sharding:  # layers built whole (not on the meta device) are sharded here, on their device
-            self.sharded_layers.shard(self.local_layer_indices())
+        self.dp_sharding.shard(self.local_layer_indices())  # (fsdp: layers built whole are sharded on their device)
         self.profiler = PipelineProfiler(self.root_device)
         self._token_weights = TokenWeights.of(module)
         self.engines = EngineCache(self.profiler, ActivationCheckpointing(
             self.options.activation_checkpointing, self.options.memory_capacity,
             lambda i: layer_state_bytes(self._layers[i], self.optimizers),
             self.known_work.forward),
-            wrap_stage=self.sharded_layers.wrap_stage if self.sharded_layers is not None else None)
+            wrap_stage=self.dp_sharding.wrap_stage)
         self.setup_precision_plugin()
         self._signals = defer_signal_handlers(trainer)  # acted on at a training batch boundary (strategy/signals.py)
         if fitting:
@@ -400,19 +399,16 @@ class DynMoStrategy(PipelineAPI, CheckpointHooks, WorldStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._held_grads.restore()
-        if self.sharded_layers is not None and not self.released:  # FSDP's zeros for what no replica used
-            self.sharded_layers.drop_never_graded(self.data_parallel_group)  # (this batch's, before the window's sum)
+        if not self.released:  # (this batch's gradients, before the window's sum)
+            self.dp_sharding.after_batch(self.data_parallel_group)
         exchange = self._window.last and self._window.apply
         if not self.released:  # at the exchange, tied gradients cross the data-parallel group once (runtime/tied.py)
-            self.tied.sync_gradients(self._layers,  # (fsdp: each shard, already averaged, once per batch)
-                                     replicated=exchange and self.topology.dp > 1 and self.sharded_layers is None)
+            self.tied.sync_gradients(self._layers,
+                                     replicated=exchange and self.dp_sharding.tied_replicated(self.topology.dp))
         self._window.add_batch()
-        if exchange and self.sharded_layers is None:  # (fsdp: each layer's reduce-scatter already averaged)
-            average_over_replicas(self.tied.averaged_once(module.parameters()), self.data_parallel_group,
-                                  self.topology.dp, self.expert_shards())
-        elif exchange:  # fsdp: expert shards are not the units' (runtime/fsdp.py)
-            average_expert_shards(module.parameters(), self.topology.dp, self.expert_shards())
         if exchange:
+            self.dp_sharding.exchange(module.parameters(), self.tied, self.data_parallel_group, self.topology.dp,
+                                      self.expert_shards())
             self.tied.share_gradients()
         elif self._window.last:  # on_nonfinite="skip": no gradients, so the optimizer leaves every parameter as it is
             for p in module.parameters():
