@@ -129,7 +129,7 @@ class BusyProbe(L.Callback):
 
 def count_replica_averages() -> list[int]:
     """Count the strategy's data-parallel gradient averages (the real function, called through)."""
-    from lightning_dynmo.strategy import strategy as module
+    from lightning_dynmo.runtime import dp_sharding as module
 
     calls, real = [0], module.average_over_replicas
 
