@@ -38,6 +38,7 @@ class _Clock:
         self.row = 0
         self.strategy = None  # the running DynMoStrategy (its partition says where chunks start)
         self.deadline = 0.0  # end of the last wait: this rank's emulated device is busy until then
+        self.slowdown: list[float] | None = None  # per row, how many times this rank's waits last (a straggler)
 
     def set(self, forward: list[list[float]], backward: list[list[float]], reference: list[float]) -> None:
         self.forward, self.backward, self.reference, self.row = forward, backward, reference, 0
@@ -55,6 +56,8 @@ class _Clock:
         the strategy profiles layers, every layer sleeps its own cost, so that its hooks time each
         layer as they would time a real one. A chunk's first layer starts when the chunk starts:
         messages and the schedule's work between chunks are never hidden."""
+        if self.slowdown is not None:
+            seconds *= self.slowdown[self.row]
         now = time.perf_counter()
         start = now if starts_chunk else max(self.deadline, now - CHAIN_SLACK)
         self.deadline = start + seconds

@@ -3,6 +3,7 @@
     python benchmarks/emulated_scale.py --quick              # 8 and 16 stages (~6 min on 2 loaded cores)
     python benchmarks/emulated_scale.py                      # 8, 16 and 24 stages, 3 steps per row
     python benchmarks/emulated_scale.py --cases moe,mod      # the per-iteration cases (not yet run)
+    python benchmarks/emulated_scale.py --quick --stages 8 --cases straggler   # one emulated rank at 0.5x
     python benchmarks/emulated_scale.py --smoke              # seconds: 2 stages, freezing, 2 rows of 2 steps
 
 The model is the paper's GPT at 48 blocks (``[embedding] + 48 blocks + [final norm, head]``)
@@ -33,7 +34,11 @@ prefix per row: ``requires_grad=False``, no optimizer state, no backward; the ca
 the strategy then profiles the next step with its normal layer profiler (it times the waits) and
 balances on what it measured (``rebalance="on_event"``, ``partition_time``). The per-iteration
 cases (MoE, MoD) change every step: their layers report load factors (``ReportsLoad``) and
-``rebalance="auto"`` decides from those counters.
+``rebalance="auto"`` decides from those counters. The ``straggler`` case keeps the dense costs and
+makes the middle pipeline rank's waits last twice as long in the middle third of its rows (the rank
+is slow, not its layers); dynmo runs ``rebalance="auto"`` with ``rank_speeds=True`` and learns of it
+from busy times and profiles only, and the simulator's side slows that rank's compute
+(``rank_slowdown``; its projection is :mod:`lightning_dynmo.sim.scenarios.straggler`'s).
 
 **Measured vs simulated.** A step's time is rank 0's wall time from the start of the pipeline
 schedule to the end of the optimizer step (the profiled first step of each row, the engine
@@ -70,6 +75,11 @@ ROOT = os.path.dirname(HERE)
 LAYERS = 48
 EVENT_CASES = ("freezing", "early_exit", "pruning")
 PER_ITERATION_CASES = ("moe", "mod")
+#: the dense model with pipeline rank ``stages // 2``'s waits lasting ``STRAGGLER_SLOWDOWN`` times as long
+#: in the middle third of the rows (``STRAGGLER_PER_ROW`` steps each at least: the reaction happens inside a row)
+STRAGGLER_CASES = ("straggler",)
+STRAGGLER_SLOWDOWN = 2.0
+STRAGGLER_PER_ROW = 8
 WARMUP = 2  # steps before row 0 is measured (the dynamic run profiles the second one)
 #: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
 RESULT_KEYS = ("benchmark", "layers", "per_row", "microbatches", "runs", "errors", "max_sim_error",
@@ -111,9 +121,11 @@ def _args(argv=None):
 
 # ------------------------------------------------------------------------------ the plan (launcher)
 def _trajectory(case: str, snapshots: int, iterations: int):
-    from lightning_dynmo.sim.scenarios import CASES, load_profile
+    from lightning_dynmo.sim.scenarios import CASES, dense, load_profile
 
     p = load_profile()
+    if case in STRAGGLER_CASES:
+        return dense(LAYERS, p) * snapshots
     if case == "pruning":
         return CASES[case](LAYERS, p)
     if case in PER_ITERATION_CASES:
@@ -145,16 +157,32 @@ def build_plan(args, cases: list[str], per_row: int) -> dict:
         per_it = case in PER_ITERATION_CASES
         varies = [len({round(r[i], 12) for r in fwd}) > 1 for i in range(len(fwd[0]))]
         frozen = [next((i for i, b in enumerate(r) if b > 0), len(r)) for r in bwd] if case == "freezing" else None
+        n = len(traj)
+        slow = [STRAGGLER_SLOWDOWN if n // 3 <= r < n - n // 3 else 1.0 for r in range(n)]
         plan["cases"][case] = dict(
             forward=fwd, backward=bwd, reference=fwd[0], params=[int(p) for p in traj[0].costs.params],
-            weights=[s.iterations for s in traj], labels=[s.label for s in traj], frozen=frozen,
+            weights=[1.0] * n if case in STRAGGLER_CASES else [s.iterations for s in traj],
+            labels=[s.label for s in traj], frozen=frozen,
             per_iteration=per_it, reports_load=varies if per_it else [False] * len(varies),
+            slow_rows=slow if case in STRAGGLER_CASES else None,
+            per_row=max(per_row, STRAGGLER_PER_ROW) if case in STRAGGLER_CASES else per_row,
         )
     return plan
 
 
 # ------------------------------------------------------------------------------ worker
+def _slowdown(case_plan: dict, row: int, stages: int) -> list[float] | None:
+    """Per pipeline rank, how many times its waits last in ``row`` (None: all as asked)."""
+    if not case_plan.get("slow_rows"):
+        return None
+    return [case_plan["slow_rows"][row] if r == stages // 2 else 1.0 for r in range(stages)]
+
+
 def _configs(case_plan: dict) -> list[tuple[str, dict]]:
+    if case_plan.get("slow_rows"):
+        return [("uniform", dict(balancer="uniform", rebalance="never")),
+                ("param", dict(balancer="param", rebalance="never")),
+                ("dynmo", dict(balancer="partition_time", rebalance="auto", rank_speeds=True))]
     dyn = (dict(balancer="partition_time", rebalance="auto", imbalance_threshold=0.05, rebalance_cooldown=1,
                 rebalance_horizon=50) if case_plan["per_iteration"]
            else dict(balancer="partition_time", rebalance="on_event", profile_steps=1))
@@ -205,7 +233,10 @@ def _worker(args) -> None:
     for case in args.cases.split(","):
         c = plan["cases"][case]
         CLOCK.set(c["forward"], c["backward"], c["reference"])
-        per = 1 if c["per_iteration"] else per_row
+        slow = _slowdown(c, 0, S)
+        CLOCK.slowdown = [_slowdown(c, r, S)[int(os.environ["RANK"])] for r in range(len(c["forward"]))] \
+            if slow else None
+        per = 1 if c["per_iteration"] else c.get("per_row", per_row)
         rows = rows_of_steps(WARMUP, len(c["forward"]), per)
         g = torch.Generator().manual_seed(0)
         data = torch.randint(0, 1 << 15, (len(rows) * m * MICRO_BATCH, SEQ + 1), generator=g)
@@ -215,7 +246,8 @@ def _worker(args) -> None:
             CLOCK.row = 0
             dynamic = name == "dynmo"
             rec = Record(timelines=name == "uniform" and case == args.cases.split(",")[0])
-            callbacks = [ScenarioClock(rows, requests=dynamic and case != "freezing" and not c["per_iteration"],
+            requests = dynamic and case != "freezing" and not c["per_iteration"] and not c.get("slow_rows")
+            callbacks = [ScenarioClock(rows, requests=requests,
                                        first_request=WARMUP - 1 if dynamic else None), rec]
             if c["frozen"]:
                 sched = {WARMUP + r * per: n for r, n in enumerate(c["frozen"]) if n > 0}
@@ -279,17 +311,19 @@ def _sim_step(case_plan: dict, row: int, boundaries: list[int], m: int, cal: dic
     from lightning_dynmo.sim import Link, simulate
 
     costs, part = _costs(case_plan, row), Partition(tuple(boundaries))
+    slow = _slowdown(case_plan, row, part.num_stages)
     if cal is None:
-        return simulate(costs, part, "1f1b", m).step_time
+        return simulate(costs, part, "1f1b", m, rank_slowdown=slow).step_time
     link = Link(cal["latency"], None, cal["send"], cal["recv"])
-    return simulate(costs, part, "1f1b", m, link=link, action_overhead=cal["alpha"]).step_time + cal["beta"]
+    return simulate(costs, part, "1f1b", m, link=link, action_overhead=cal["alpha"],
+                    rank_slowdown=slow).step_time + cal["beta"]
 
 
 def _run_summary(case_plan: dict, run: dict, m: int, per_row: int, cal: dict) -> dict:
     """Iteration-weighted measured and simulated step time of one run."""
     from _emulated_model import measured_steps
 
-    per = 1 if case_plan["per_iteration"] else per_row
+    per = 1 if case_plan["per_iteration"] else case_plan.get("per_row", per_row)
     n_rows = len(case_plan["forward"])
     by_step = {s["step"]: s for s in run["steps"]}
     if per == 1:
@@ -337,6 +371,14 @@ def _projection(case_plan: dict, S: int, m: int) -> float:
     from lightning_dynmo.sim.scenarios import Snapshot, compare
 
     p = case_plan["params"]
+    if case_plan.get("slow_rows"):
+        from lightning_dynmo.sim.scenarios.straggler import Phase, project
+
+        n = len(case_plan["forward"])
+        phases = [Phase(case_plan["per_row"], tuple(1.0 / x for x in _slowdown(case_plan, r, S))) for r in range(n)]
+        snap = Snapshot(_costs(case_plan, 0), 1.0, tuple([0.0] * len(p)))
+        r = project(snap, phases, "1f1b", m, static=("uniform", "param", "static_time"), react_steps=1)
+        return round(min(r.seconds["uniform"], r.seconds["param"]) / r.seconds["dynmo"], 4)
     traj = [Snapshot(LayerCosts(f, b, p, [16.0 * x for x in p], [0.0] * len(p)), w, tuple([0.0] * len(p)))
             for f, b, w in zip(case_plan["forward"], case_plan["backward"], case_plan["weights"])]
     c = compare(traj, S, "1f1b", m, static=("uniform", "param"), dynamic=("partition_time",))
@@ -401,9 +443,10 @@ def main(argv=None) -> None:
         return
     stages = [int(s) for s in (args.stages or ("8,16" if args.quick else "8,16,24")).split(",")]
     cases = (args.cases or ",".join(EVENT_CASES)).split(",")
-    bad = [c for c in cases if c not in EVENT_CASES + PER_ITERATION_CASES]
+    known = EVENT_CASES + PER_ITERATION_CASES + STRAGGLER_CASES
+    bad = [c for c in cases if c not in known]
     if bad or any(s < 2 for s in stages):
-        sys.exit(f"cases must be among {EVENT_CASES + PER_ITERATION_CASES}, stages >= 2; got {cases}, {stages}")
+        sys.exit(f"cases must be among {known}, stages >= 2; got {cases}, {stages}")
     per_row = args.per_row or (2 if args.quick else 3)
     if per_row < 2:
         sys.exit("--per-row must be >= 2 (a row's first step is profiled and not measured)")

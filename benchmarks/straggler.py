@@ -28,7 +28,14 @@ one round. Windows (steps): ``pre`` = [start / 2, start), ``slow`` = [start + se
 * ``steps_to_react``: the first step after ``start`` where dynmo's partition changed (worst round);
 * ``speed_after_recovery``: dynmo's step time in ``pre`` over its own in ``post`` (1.0: fully back);
 * ``migrations_per_episode``: dynmo's applied moves from ``start`` to the end (worst round);
-* ``noise_floor``: |1 - control / param| in ``slow``, with ``noise_floor_ci95`` (bootstrap over rounds).
+* ``noise_floor``: |1 - control / param| in ``slow``, with ``noise_floor_ci95`` (bootstrap over rounds);
+* ``sim_oracle_speedup``: the same ratio as ``oracle_speedup`` from the simulator
+  (:func:`lightning_dynmo.sim.simulate.simulate`, 1F1B, free links, no per-chunk overhead: nothing
+  calibrated) on the data the oracle came from: dynmo's profiled work, the ``param`` and oracle
+  splits, each rank's compute slowed by its measured busy ratio (during over before); ``sim_error``
+  is its relative difference to the measured one, ``sim_step_ms`` the simulated step times beside
+  the measured ones (their gap is what profiling per layer does not see: the schedule loop, sends
+  and receives, the loss).
 
 The last line of output is one JSON object.
 """
@@ -49,7 +56,8 @@ from _harness import bootstrap_ratio, paired_ratio, resolution, rotated  # noqa:
 #: keys the last JSON line always has (tests/unit/test_benchmarks_smoke.py checks them on ``--smoke``)
 RESULT_KEYS = ("benchmark", "heavy", "speedup_under_straggler", "fraction_of_oracle", "oracle_speedup",
                "steps_to_react", "speed_after_recovery", "migrations_per_episode", "noise_floor", "noise_floor_ci95",
-               "measured_speeds", "oracle_partition", "step_ms", "targets", "errors")
+               "measured_speeds", "oracle_partition", "step_ms", "targets", "errors", "sim_oracle_speedup", "sim_error",
+               "sim_step_ms")
 
 #: the issue's targets on 2 stages (reported beside the figures; judge them against ``noise_floor``)
 TARGETS = {"fraction_of_oracle": 0.9, "steps_to_react": 20, "speed_after_recovery": 0.97, "migrations_per_episode": 3}
@@ -192,12 +200,13 @@ def _worker(args) -> None:
         return rec, meter
 
     out: dict[str, list] = {name: [] for name in CONFIGS}
-    oracle, speeds, no_oracle, meters = None, None, None, {}  # (meters: round 1's, what the oracle is computed from)
+    # (meters: round 1's, what the oracle is computed from)
+    oracle, speeds, no_oracle, sim, meters = None, None, None, None, {}
     for r in range(plan["rounds"]):
         order = list(CONFIGS) if r == 0 else rotated(list(CONFIGS), r)
         for name in order:
             if name == "oracle" and oracle is None:
-                oracle, speeds, no_oracle = _agreed_oracle(out, meters, plan, dist)
+                oracle, speeds, no_oracle, sim = _agreed_oracle(out, meters, plan, dist)
             options = {"param": dict(balancer="param", rebalance="never"),
                        "control": dict(balancer="param", rebalance="never"),
                        "dynmo": dict(balancer="partition_time", rebalance="auto", rank_speeds=True)}.get(name)
@@ -211,6 +220,7 @@ def _worker(args) -> None:
                 meters[name] = meter
             out[name].append(rec)
     out["oracle_partition"], out["measured_speeds"] = oracle, speeds
+    out["sim"] = sim
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(out, fh, default=str)
@@ -230,15 +240,15 @@ def _reaction(partitions: list[str], history: list[dict], plan: dict) -> dict:
 
 
 def _agreed_oracle(out: dict, meters: dict, plan: dict,
-                   dist) -> tuple[list[int] | None, list[float] | None, str | None]:
+                   dist) -> tuple[list[int] | None, list[float] | None, str | None, dict | None]:
     """The oracle split (rank 0 computes it, every rank gets it): speed-aware ``partition_time``
     on dynmo's work profiled before the co-tenant, at the speeds the ``param`` run's busy times
     show while the co-tenant ran (its median busy seconds per rank before, over those during);
-    and, when there is none, why."""
+    and, when there is none, why; and the simulated step times of both splits (:func:`_simulated`)."""
     why = next((f"the {n} run of round 1 failed" for n in ("param", "dynmo") if out[n][0]["error"]), None) or (
         None if meters["dynmo"].work is not None else
         f"the dynmo run profiled no layer work before the co-tenant came (step {plan['start']})")
-    choice: list = [None, None, why]
+    choice: list = [None, None, why, None]
     if int(os.environ["RANK"]) == 0 and why is None:
         from lightning_dynmo.plan.balancers import BalanceProblem, get_balancer
         from lightning_dynmo.plan.cost_model import CostModel
@@ -250,10 +260,28 @@ def _agreed_oracle(out: dict, meters: dict, plan: dict,
         during = [statistics.median([s[k] for s in busy[c:d] if len(s) == 2]) for k in range(2)]
         speeds = normalise_speeds([x / y for x, y in zip(before, during)])
         problem = BalanceProblem(meters["dynmo"].work, 2, CostModel(microbatches=plan["microbatches"], speed=speeds))
-        choice = [list(get_balancer("partition_time")(problem).partition.boundaries), [round(v, 4) for v in speeds],
-                  None]
+        split = get_balancer("partition_time")(problem).partition
+        param = meters["param"].partition[plan["start"]]
+        choice = [list(split.boundaries), [round(v, 4) for v in speeds], None,
+                  _simulated(meters["dynmo"].work, param, split, [y / x for x, y in zip(before, during)], plan)]
     dist.broadcast_object_list(choice, src=0)
-    return choice[0], choice[1], choice[2]
+    return choice[0], choice[1], choice[2], choice[3]
+
+
+def _simulated(work, param: str, oracle, slowdown: list[float], plan: dict) -> dict:
+    """Simulated step milliseconds of the ``param`` split (``"0-5|6-15"``, as measured before and
+    while the co-tenant ran) and of the oracle split (while it ran), at each rank's measured
+    slowdown; the raw simulator, nothing calibrated."""
+    from lightning_dynmo.plan.partition import Partition
+    from lightning_dynmo.sim.simulate import simulate
+
+    part = Partition.from_sizes([int(r.split("-")[1]) - int(r.split("-")[0]) + 1 for r in param.split("|")])
+
+    def ms(p, slow=None):
+        return round(1e3 * simulate(work, p, "1f1b", plan["microbatches"], rank_slowdown=slow).step_time, 2)
+
+    return {"param_pre": ms(part), "param_slow": ms(part, slowdown), "oracle_slow": ms(oracle, slowdown),
+            "slowdown": [round(v, 4) for v in slowdown]}
 
 
 # ------------------------------------------------------------------------------ launcher side
@@ -265,6 +293,11 @@ def _ratio(runs: dict, num: str, den: str, key: str) -> float | None:
     """Median over rounds of ``num``'s ``key`` over ``den``'s (step times: > 1, ``den`` is faster)."""
     r = paired_ratio(_per_round(runs, num, key), _per_round(runs, den, key))
     return None if r is None else round(r, 4)
+
+
+def _median(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 2) if known else None
 
 
 def _worst(values: list, higher_is_worse: bool = True):
@@ -279,6 +312,12 @@ def summarise(runs: dict, plan: dict, heavy: bool) -> dict:
     speed_after = [round(r["pre_ms"] / r["post_ms"], 4) for r in dyn if r.get("pre_ms") and r.get("post_ms")]
     noise = resolution(_per_round(runs, "control", "slow_ms"), _per_round(runs, "param", "slow_ms"))
     ci = bootstrap_ratio(_per_round(runs, "control", "slow_ms"), [_per_round(runs, "param", "slow_ms")])
+    sim = runs.get("sim")
+    oracle_speedup = _ratio(runs, "param", "oracle", "slow_ms")
+    sim_speedup = None if not sim else round(sim["param_slow"] / sim["oracle_slow"], 4)
+    measured = {"param_pre": _median(_per_round(runs, "param", "pre_ms")),
+                "param_slow": _median(_per_round(runs, "param", "slow_ms")),
+                "oracle_slow": _median(_per_round(runs, "oracle", "slow_ms"))}
     res = {
         "benchmark": "straggler",
         "heavy": heavy,
@@ -286,7 +325,11 @@ def summarise(runs: dict, plan: dict, heavy: bool) -> dict:
         "plan": {k: plan[k] for k in ("steps", "start", "stop", "windows", "batch", "microbatches", "model")},
         "speedup_under_straggler": _ratio(runs, "param", "dynmo", "slow_ms"),
         "fraction_of_oracle": _ratio(runs, "oracle", "dynmo", "slow_ms"),
-        "oracle_speedup": _ratio(runs, "param", "oracle", "slow_ms"),
+        "oracle_speedup": oracle_speedup,
+        "sim_oracle_speedup": sim_speedup,
+        "sim_error": None if sim_speedup is None or not oracle_speedup else round(sim_speedup / oracle_speedup - 1, 4),
+        "sim_step_ms": None if not sim else {k: {"sim": sim[k], "measured": measured[k]} for k in measured},
+        "sim_slowdown": None if not sim else sim["slowdown"],
         "steps_to_react": _worst([r.get("steps_to_react") for r in dyn]) if dyn else None,
         "speed_after_recovery": statistics.median(speed_after) if speed_after else None,
         "migrations_per_episode": _worst([r.get("migrations_episode") for r in dyn]) if dyn else None,
