@@ -57,7 +57,7 @@ def by_hand(layers: nn.ModuleList, inputs, targets) -> list[torch.Tensor]:
     return losses
 
 
-def batch():
+def inputs_and_targets():
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
 
@@ -68,7 +68,7 @@ def test_chunks_equal_a_hand_run_forward_and_backward(world_of_one, schedule):
     reference = copy.deepcopy(layers)  # (deepcopy keeps the tie)
     place = placement(layers, schedule)
     profiler = PipelineProfiler(CPU)
-    inputs, targets = batch()
+    inputs, targets = inputs_and_targets()
     engine = EngineCache(profiler).get(place, inputs, M, True, mse, targets)
     losses = engine.run(inputs, targets)
     expected = by_hand(reference, inputs, targets)
@@ -89,7 +89,7 @@ def test_chunks_equal_a_hand_run_forward_and_backward(world_of_one, schedule):
 def test_evaluation_and_predict_leave_no_gradient_and_equal_the_forward(world_of_one):
     layers = tied_layers()
     place = placement(layers, "1f1b")
-    inputs, targets = batch()
+    inputs, targets = inputs_and_targets()
     cache = EngineCache(PipelineProfiler(CPU))
     with torch.no_grad():
         outputs = [layers[3](layers[2](layers[1](layers[0](x)))) for x in inputs.chunk(M)]
@@ -107,7 +107,7 @@ def test_engines_are_cached_by_shape_and_the_specs_survive_dropping_them(world_o
     layers = tied_layers()
     place = placement(layers, "gpipe")
     cache = EngineCache(PipelineProfiler(CPU))
-    inputs, targets = batch()
+    inputs, targets = inputs_and_targets()
     first = cache.get(place, inputs, M, True, mse, targets)
     assert cache.get(place, inputs, M, True, mse, targets) is first
     assert cache.get(place, inputs, 2, True, mse, targets) is not first  # another micro-batch count
@@ -138,7 +138,7 @@ def test_a_layer_that_breaks_its_spec_is_reported_not_run_on(world_of_one):
     torch.manual_seed(0)
     layers = nn.ModuleList([nn.Linear(6, 6), Widens(), nn.Linear(6, 6)])
     place = Placement(layers, Partition.from_sizes([3]), get_schedule("gpipe"), 0, 1, None, CPU)
-    inputs, targets = batch()
+    inputs, targets = inputs_and_targets()
     engine = EngineCache(PipelineProfiler(CPU)).get(place, inputs, M, True, mse, targets)
     engine.run(inputs, targets)
     assert engine.problem is not None and "1" in engine.problem and "Widens" in engine.problem
@@ -148,6 +148,6 @@ def test_a_layer_that_breaks_its_spec_is_reported_not_run_on(world_of_one):
 def test_a_loss_that_is_not_a_scalar_is_refused_before_any_step(world_of_one):
     layers = tied_layers()
     place = placement(layers, "1f1b")
-    inputs, targets = batch()
+    inputs, targets = inputs_and_targets()
     with pytest.raises(PipelineProtocolError, match="scalar"):
         EngineCache(PipelineProfiler(CPU)).get(place, inputs, M, True, lambda o, t: (o - t) ** 2, targets)

@@ -98,7 +98,7 @@ def migrate_in_place(model, opts, keep=frozenset()):
     return meta, flat
 
 
-def assert_same_state(model, opts, reference, ref_opts):
+def assert_state_equal(model, opts, reference, ref_opts):
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         r = ref_params[name]
@@ -137,7 +137,7 @@ def test_every_kind_of_state_survives_the_round_trip_and_training_goes_on_bitwis
     kinds = {kind for kind, *_ in meta["entries"]}
     assert kinds == {"param", "grad", "state", "buffer"}
     assert meta["extras"]["lin.weight"] == {"note": {"pruned_at": 1}}
-    assert_same_state(model, opts, reference, ref_opts)
+    assert_state_equal(model, opts, reference, ref_opts)
     assert all(p.device == CPU for p in model.parameters())
     for _ in range(2):  # the gradient accumulated before the move is part of the next step
         for m, o in ((model, opts), (reference, ref_opts)):
@@ -145,7 +145,7 @@ def test_every_kind_of_state_survives_the_round_trip_and_training_goes_on_bitwis
                 opt.step()
                 opt.zero_grad()
             step(m, o, x, optimize=False)
-    assert_same_state(model, opts, reference, ref_opts)
+    assert_state_equal(model, opts, reference, ref_opts)
     assert moved <= {n for n, _ in model.named_parameters()}
 
 

@@ -71,7 +71,7 @@ class Module:
         self.logged[name] = value
 
 
-def layout_of(partition: Partition) -> PipelineLayout:
+def pp2_layout(partition: Partition) -> PipelineLayout:
     return PipelineLayout(Topology(2, 2), get_schedule("1f1b"), 1, 0, partition)
 
 
@@ -79,7 +79,7 @@ def fake_pipeline(tmp_path, partition: Partition = START) -> RankPipeline:
     names = ("layers", "optimizers", "optimizer_layout", "profiler", "engines", "expert_parallel", "groups",
              "sharded")
     return RankPipeline(module=Module(tmp_path), layers_attr="layers", tied=TiedLog(), full_state_shapes={},
-                        layout=layout_of(partition), device=torch.device("cpu"), global_rank=0,
+                        layout=pp2_layout(partition), device=torch.device("cpu"), global_rank=0,
                         last_batch_size=16, last_microbatches=8, **{n: Untouchable(n) for n in names})
 
 
