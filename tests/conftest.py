@@ -13,6 +13,8 @@ from hypothesis import settings
 
 _DISTRIBUTED = Path(__file__).parent / "distributed"
 
+pytest_plugins = ["tests.support.worlds"]  # fixtures shared by test files (world_of_one)
+
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("explore", deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -36,13 +36,13 @@ class CollectiveLedger:
         tuple of the element-wise largest for a tuple of flags."""
         check_not_failed(name)
         flags = tuple(float(f) for f in flag) if isinstance(flag, tuple) else (float(flag),)
+        if len(flags) > self.MAX_FLAGS:  # (on one rank too: the same call fails on every world size)
+            raise ValueError(f"the ledger carries at most {self.MAX_FLAGS} flags, got {len(flags)}")
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return flags if isinstance(flag, tuple) else flags[0]
         self.count += 1
         call = f"{name}#{self.count}"
         h = float(zlib.crc32(call.encode()))
-        if len(flags) > self.MAX_FLAGS:
-            raise ValueError(f"the ledger carries at most {self.MAX_FLAGS} flags, got {len(flags)}")
         # one size for every call: a rank agreeing on another call with fewer flags must meet this
         # all-reduce (and see the mismatch), not hang in one of another size
         padded = flags + (0.0,) * (self.MAX_FLAGS - len(flags))

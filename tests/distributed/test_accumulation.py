@@ -16,9 +16,9 @@ import lightning as L
 import pytest
 import torch
 
-from tests.distributed.test_equivalence import BACKWARD_ORDER, CLIP, RTOL, _Losses, assert_close, migrations
-from tests.support.multiproc import run_worker
-from tests.support.workers.common import make_loader, make_model, reference_batches
+from tests.distributed.test_equivalence import BACKWARD_ORDER, CLIP, RTOL, assert_close, migrations
+from tests.support.multiproc import run_named_pairs
+from tests.support.workers.common import LossRecorder, make_loader, make_model, reference_batches
 
 from lightning_dynmo import GradualPruning
 from lightning_dynmo.protocol.activations import run_layers
@@ -34,7 +34,7 @@ def lightning_losses(cfg: dict, dp: int) -> list[float]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rec = _Losses()
+        rec = LossRecorder()
         pruning = [GradualPruning(**cfg["pruning"])] if cfg.get("pruning") else []
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -188,16 +188,12 @@ FOUR_RANK_RUNS = {
 
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
-    names = list(TWO_RANK_RUNS)
-    results = run_worker(tmp_path_factory.mktemp("acc2"), 2, [TWO_RANK_RUNS[n] for n in names])
-    return {n: (TWO_RANK_RUNS[n], r) for n, r in zip(names, results)}
+    return run_named_pairs(tmp_path_factory.mktemp("acc2"), 2, TWO_RANK_RUNS)
 
 
 @pytest.fixture(scope="module")
 def four_rank(tmp_path_factory):
-    names = list(FOUR_RANK_RUNS)
-    results = run_worker(tmp_path_factory.mktemp("acc4"), 4, [FOUR_RANK_RUNS[n] for n in names])
-    return {n: (FOUR_RANK_RUNS[n], r) for n, r in zip(names, results)}
+    return run_named_pairs(tmp_path_factory.mktemp("acc4"), 4, FOUR_RANK_RUNS)
 
 
 def test_accumulation_with_rebalancing_matches_single_process(two_rank):

@@ -10,9 +10,9 @@ import lightning as L
 import pytest
 import torch
 
-from tests.distributed.test_equivalence import CLIP, _Losses, assert_close, microbatched_reference
+from tests.distributed.test_equivalence import CLIP, assert_close, microbatched_reference
 from tests.support.multiproc import run_worker
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import LossRecorder, make_loader, make_model
 
 pytestmark = pytest.mark.slow
 # 24 samples / batch 8 = 3 steps per epoch: the checkpoint at step 3 closes epoch 0, so a resumed
@@ -82,7 +82,7 @@ def test_checkpoint_resumes_in_plain_single_process_lightning(saved, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rec = _Losses()
+        rec = LossRecorder()
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                             gradient_clip_val=CLIP, callbacks=[rec], default_root_dir=tmp_path)

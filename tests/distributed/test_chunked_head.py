@@ -11,7 +11,7 @@ import torch
 from lightning_dynmo import available_schedules
 from tests.distributed.test_checkpoint import BASE, _continuation
 from tests.distributed.test_equivalence import base, check_against_reference, migrations
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_worker, run_named_pairs
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 SCHEDULES = available_schedules()
@@ -24,9 +24,7 @@ RUNS["chunks_checkpointed"] = base(schedule="1f1b", rebalance="every_n", balance
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    out = run_worker(tmp_path_factory.mktemp("chunks"), 2, [RUNS[n] for n in names])
-    return {n: (RUNS[n], r) for n, r in zip(names, out)}
+    return run_named_pairs(tmp_path_factory.mktemp("chunks"), 2, RUNS)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.multiproc import worker_env
+from tests.support.multiproc import user_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "recipes" / "cli_gpt.py"
@@ -26,9 +26,7 @@ PIPELINE = ["--trainer.devices=2", "--trainer.strategy=lightning_dynmo.DynMoStra
 
 
 def _fit(args: list[str], save_dir: Path) -> tuple[list[float], Path]:
-    env = worker_env()
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
-        env.pop(k, None)  # never look like a launched child rank
+    env = user_env()
     proc = subprocess.run([sys.executable, str(SCRIPT), "fit", *COMMON, *args, f"--trainer.logger.save_dir={save_dir}"],
                           cwd=save_dir.parent, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr

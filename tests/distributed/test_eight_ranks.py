@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.test_equivalence import base, check_against_reference, migrations
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_named
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 LAYERS = {"n_layer": 8, "mlp_ratios": [1, 4, 2, 8, 1, 3, 2, 4]}  # heterogeneous blocks: 11 pipeline layers
@@ -23,9 +23,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    out = run_worker(tmp_path_factory.mktemp("eight"), 8, [RUNS[n] for n in names], timeout=900)
-    return dict(zip(names, out))
+    return run_named(tmp_path_factory.mktemp("eight"), 8, RUNS, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

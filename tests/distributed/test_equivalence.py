@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.support.evaluation import GPTWithTest, eval_loader
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import LossRecorder, make_loader, make_model
 from tests.support.multiproc import run_worker
 
 from lightning_dynmo import available_balancers, available_schedules
@@ -36,14 +36,6 @@ STEPS = 5
 CLIP = 0.3  # below every pre-clip gradient norm of these runs: clipping triggers on every step
 # absolute slack of the element-wise comparison, per quantity (values at or below it are noise)
 ATOL = {"weight": 1e-8, "exp_avg": 1e-10, "exp_avg_sq": 1e-14, "momentum_buffer": 1e-10}
-
-
-class _Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
 
 _REF_CACHE: dict = {}
@@ -67,7 +59,7 @@ def lightning_reference_losses(cfg: dict, dp: int) -> list[float]:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            rec = _Losses()
+            rec = LossRecorder()
             trainer = L.Trainer(
                 accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

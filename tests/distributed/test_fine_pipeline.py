@@ -11,7 +11,7 @@ import pytest
 from tests.distributed.test_checkpoint import BASE as CKPT
 from tests.distributed.test_equivalence import SCHEDULES, STEPS, base, check_against_reference, migrations
 from tests.distributed.test_sublayer_pipeline import _resumed_equals_uninterrupted, block_model
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_worker, run_named_pairs
 
 pytestmark = pytest.mark.slow
 FINE = {"pipeline_granularity": "fine"}
@@ -25,9 +25,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    out = run_worker(tmp_path_factory.mktemp("fine"), 2, [RUNS[n] for n in names])
-    return {n: (RUNS[n], r) for n, r in zip(names, out)}
+    return run_named_pairs(tmp_path_factory.mktemp("fine"), 2, RUNS)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

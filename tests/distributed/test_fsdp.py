@@ -31,7 +31,8 @@ import torch
 from tests.distributed.test_accumulation import (MOVES, RTOL, accumulated_reference, assert_close_tied, base,
                                                   check_accumulation, lightning_losses, migrations)
 from tests.distributed.test_equivalence import assert_close
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_named_pairs
+from tests.support.optim import state_index
 from tests.support.workers.common import make_model
 
 pytestmark = pytest.mark.slow
@@ -90,8 +91,7 @@ def four_rank(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp4")
     runs = dict(RUNS, **TIED_RUNS)
     runs["tied_resumed"] = _tied_resume(tmp, list(runs).index("tied_repack"))
-    results = run_worker(tmp, 4, list(runs.values()))
-    return {n: (runs[n], r) for n, r in zip(runs, results)}
+    return run_named_pairs(tmp, 4, runs)
 
 
 @pytest.mark.parametrize("schedule", ACCUMULATING)
@@ -122,14 +122,6 @@ def test_each_replica_holds_its_shard_only(four_rank):
         assert abs(a - b) <= 0.1 * (a + b), local
 
 
-def _optimizer_index(cfg: dict) -> dict[str, int]:
-    """Parameter name -> its key in the optimizer's state dict (the single-process numbering)."""
-    model = make_model(cfg)
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [p for g in model.configure_optimizers()["optimizer"].param_groups for p in g["params"]]
-    return {names[id(p)]: i for i, p in enumerate(order)}
-
-
 @pytest.mark.parametrize("schedule", [n for n in RUNS if RUNS[n].get("unused")])
 def test_parameters_no_forward_uses_are_left_alone(four_rank, schedule):
     """As in one process: no weight decay (the 2-D one), no Adam state or step count (both), after
@@ -139,7 +131,7 @@ def test_parameters_no_forward_uses_are_left_alone(four_rank, schedule):
     cfg, res = four_rank[schedule]
     state, init = torch.load(res["state"]), make_model(cfg).state_dict()
     optim = torch.load(res["optim"], weights_only=False)["state"]
-    index = _optimizer_index(cfg)
+    index = state_index(make_model(cfg))
     for layer, _ in cfg["unused"]:
         name = f"layers.{layer}.unused"
         assert torch.equal(state[name], init[name]), name
@@ -154,7 +146,7 @@ def test_layers_past_an_early_exit_train_as_in_one_process(four_rank):
     check_accumulation(res, cfg, replica_averages=0, close=assert_close)
     state, init = torch.load(res["state"]), make_model(cfg).state_dict()
     optim = torch.load(res["optim"], weights_only=False)["state"]
-    index = _optimizer_index(cfg)
+    index = state_index(make_model(cfg))
     deep = [n for n in index if n.split(".")[1] in {"3", "4", "5", "6"}]  # blocks 2-5 (layer 0: the embedding)
     assert len(deep) > 4
     for name in deep:

@@ -27,6 +27,7 @@ import torch
 
 from tests.distributed.test_accumulation import assert_close_tied
 from tests.distributed.test_moe_pipeline import MOE, PIPELINE, RTOL, _launch
+from tests.support.optim import state_index
 from tests.support.workers.moe_worker import build_model
 
 pytestmark = pytest.mark.slow
@@ -55,14 +56,6 @@ def results(tmp_path_factory):
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     """test_moe_pipeline.py's tolerance (see the module docstring)."""
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
-
-
-def _optimizer_index(cfg: dict) -> dict[str, int]:
-    """Parameter name -> its key in the optimizer's state dict (the single-process numbering)."""
-    model = build_model(cfg)
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [p for g in model.configure_optimizers()["optimizer"].param_groups for p in g["params"]]
-    return {names[id(p)]: i for i, p in enumerate(order)}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -104,7 +97,7 @@ def test_the_blocked_expert_missed_steps_in_one_process(results, name):
     """The case is there: in one process the blocked expert's weights count fewer Adam steps than
     the others (and the pipeline's equal them, above)."""
     cfg, _, ref, _ = results[name]
-    index = _optimizer_index(cfg)
+    index = state_index(build_model(cfg))
     state = torch.load(ref["optim"], weights_only=False)["state"]
     for param, i in index.items():
         blocked = any(param.endswith(f"experts.{w}.{BLOCKED_EXPERT}") for w in ("w1", "w2", "w3"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.multiproc import ROOT, run_worker
+from tests.support.multiproc import ROOT, run_named
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "attribution_worker.py"
@@ -28,9 +28,8 @@ RUNS = {  # the last stage on rank 1 (one and two stages per rank) and on rank 0
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    runs = [dict(RUNS[n], steps=2, batch=8, microbatches=4, loss_delay=DELAY) for n in names]
-    return dict(zip(names, run_worker(tmp_path_factory.mktemp("attrib"), 2, runs, worker=WORKER)))
+    runs = {n: dict(run, steps=2, batch=8, microbatches=4, loss_delay=DELAY) for n, run in RUNS.items()}
+    return run_named(tmp_path_factory.mktemp("attrib"), 2, runs, worker=WORKER)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

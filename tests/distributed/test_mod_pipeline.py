@@ -4,7 +4,6 @@ the MixtureOfDepths callback, which also asks the pipeline to rebalance as the l
 with MoE MLPs in the MoD blocks (MoD + MoE)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from lightning_dynmo.models.mod import ROUTING_MODES
 from tests.support.multiproc import ROOT, run_worker
 
 WORKER = ROOT / "tests" / "support" / "workers" / "mod_worker.py"
+JOB = dict(timeout=300, worker=WORKER)
 STEPS = 5
 CALLBACK = {"capacity": 1.0, "final_capacity": 0.25, "anneal_steps": 3, "drift": 0.1}
 RUNS = [
@@ -35,16 +35,12 @@ MOD_MOE_EP = dict(MOD_MOE, mod=dict(RUNS[0]["mod"]), n_samples=16)
 ZBV = dict(PIPELINE, schedule="zbv")
 
 
-def _launch(tmp: Path, runs: list[dict], nproc: int | None) -> list[dict]:
-    return run_worker(tmp, nproc, runs, timeout=300, worker=WORKER)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mod")
-    pipe = _launch(tmp / "pp2", [dict(r, **PIPELINE) for r in RUNS] + [dict(RUNS[1], **ZBV), dict(MOD_MOE, **PIPELINE)],
-                   nproc=2)
-    return pipe, _launch(tmp / "ref", RUNS + [MOD_MOE], nproc=None)
+    pipe = run_worker(tmp / "pp2", 2, [dict(r, **PIPELINE) for r in RUNS] + [dict(RUNS[1], **ZBV),
+                                                                             dict(MOD_MOE, **PIPELINE)], **JOB)
+    return pipe, run_worker(tmp / "ref", None, RUNS + [MOD_MOE], **JOB)
 
 
 def check_same_training(p: dict, r: dict) -> None:
@@ -100,8 +96,8 @@ def test_mod_with_moe_pp2_with_migrations_equals_single_process(results):
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mod_moe_ep")
-    return [_launch(tmp / "ep2", [dict(MOD_MOE_EP, **PIPELINE, expert_parallel=2)], nproc=4)[0],
-            _launch(tmp / "ref", [dict(MOD_MOE_EP, dp=2)], nproc=None)[0]]
+    return [run_worker(tmp / "ep2", 4, [dict(MOD_MOE_EP, **PIPELINE, expert_parallel=2)], **JOB)[0],
+            run_worker(tmp / "ref", None, [dict(MOD_MOE_EP, dp=2)], **JOB)[0]]
 
 
 def test_mod_with_moe_under_expert_parallelism_equals_single_process(ep_results):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.support.evaluation import eval_loader
-from tests.support.multiproc import ROOT, run_worker
+from tests.support.multiproc import ROOT, run_named_pairs
 from tests.support.prediction import GPTLogits, GPTPredict, predict_loader
 from tests.support.workers.common import make_model
 
@@ -78,16 +78,12 @@ def every_row(prediction, rows):
 
 @pytest.fixture(scope="module")
 def two_rank(tmp_path_factory):
-    names = list(TWO_RANK_RUNS)
-    results = run_worker(tmp_path_factory.mktemp("predict2"), 2, [TWO_RANK_RUNS[n] for n in names], worker=WORKER)
-    return {n: (TWO_RANK_RUNS[n], r) for n, r in zip(names, results)}
+    return run_named_pairs(tmp_path_factory.mktemp("predict2"), 2, TWO_RANK_RUNS, worker=WORKER)
 
 
 @pytest.fixture(scope="module")
 def four_rank(tmp_path_factory):
-    names = list(FOUR_RANK_RUNS)
-    results = run_worker(tmp_path_factory.mktemp("predict4"), 4, [FOUR_RANK_RUNS[n] for n in names], worker=WORKER)
-    return {n: (FOUR_RANK_RUNS[n], r) for n, r in zip(names, results)}
+    return run_named_pairs(tmp_path_factory.mktemp("predict4"), 4, FOUR_RANK_RUNS, worker=WORKER)
 
 
 @pytest.mark.parametrize("name", list(TWO_RANK_RUNS))

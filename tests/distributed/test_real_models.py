@@ -20,7 +20,7 @@ import lightning as L
 import pytest
 import torch
 
-from tests.support.multiproc import ROOT, run, torchrun, worker_env, run_worker
+from tests.support.multiproc import ROOT, run, torchrun, worker_env, run_named_pairs
 from tests.support.workers.common import LossRecorder, make_loader, make_model
 from tests.support.workers.real_models_worker import InfGradient, ScaleRecorder, build_model, precision_kwargs
 
@@ -124,9 +124,7 @@ def results(tmp_path_factory):
         runs["hf_qwen2"] = base(hf=tiny_qwen2(tmp_path_factory.mktemp("qwen2")), meta=True, padded=True, **MIGRATE)
         runs["hf_phi3"] = base(hf=tiny_phi3(tmp_path_factory.mktemp("phi3")), meta=True, **MIGRATE)
         runs["hf_gemma3"] = base(hf=tiny_gemma3(tmp_path_factory.mktemp("gemma3")), meta=True, **MIGRATE)
-    names = list(runs)
-    out = run_worker(tmp_path_factory.mktemp("real"), 2, [runs[n] for n in names], worker=WORKER)
-    return {n: (runs[n], r) for n, r in zip(names, out)}
+    return run_named_pairs(tmp_path_factory.mktemp("real"), 2, runs, worker=WORKER)
 
 
 def _has_transformers() -> bool:

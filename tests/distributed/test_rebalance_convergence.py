@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.multiproc import run_worker
+from tests.support.history import boundary
+from tests.support.multiproc import run_named
 
 pytestmark = pytest.mark.slow
 RATIOS = [16, 1, 1, 1, 1, 1]  # block 0 is ~6x the work of the others
@@ -31,11 +32,6 @@ def best_max_load(loads: list[float], stages: int) -> float:
         b = (0, *cuts, L)
         best = min(best, max(sum(loads[b[i]:b[i + 1]]) for i in range(stages)))
     return best
-
-
-def boundary(partition: str) -> int:
-    """The first layer of stage 1 of a 2-stage partition ``"0-2|3-8"``."""
-    return int(partition.split("|")[1].split("-")[0])
 
 
 def flop_optimal_boundary(loads: list[float]) -> int:
@@ -65,8 +61,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    return dict(zip(names, run_worker(tmp_path_factory.mktemp("wide"), 2, [RUNS[n] for n in names])))
+    return run_named(tmp_path_factory.mktemp("wide"), 2, RUNS)
 
 
 @pytest.mark.parametrize("mode", ["auto", "every_n"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.multiproc import worker_env
+from tests.support.multiproc import user_env
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "recipes" / "train_gpt.py"
@@ -30,18 +30,11 @@ TINY = [
 ]
 
 
-def _env() -> dict:
-    env = worker_env(HYDRA_FULL_ERROR="1")  # this checkout's lightning_dynmo, as `pip install -e .` gives a user
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
-        env.pop(k, None)  # never look like a launched child rank
-    return env
-
-
 def _run(args: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         cwd=cwd,
-        env=_env(),
+        env=user_env(HYDRA_FULL_ERROR="1"),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.multiproc import worker_env
+from tests.support.multiproc import user_env
 
 REPO = Path(__file__).resolve().parents[2]
 CASES = {  # case -> (model class in the log line, callback, metric prefix the callback logs)
@@ -32,20 +32,13 @@ TINY = [
 ]
 
 
-def _env() -> dict:
-    env = worker_env(HYDRA_FULL_ERROR="1")  # this checkout's lightning_dynmo, as `pip install -e .` gives a user
-    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.mark.compat  # early exit's recipe failed on torch 2.11 (issue 31): every case runs on the lowest torch too
 def test_every_dynamism_case_in_one_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
         [sys.executable, str(REPO / "recipes" / "train_gpt.py"), "-m", f"dynamism={','.join(CASES)}", *TINY,
          f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=user_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=600,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -63,7 +56,7 @@ def test_every_dynamism_case_in_one_multirun(tmp_path):
         assert (job / "train_ddp_process_1.log").exists()  # this job's own second rank
 
     cmp = subprocess.run([sys.executable, str(REPO / "recipes" / "compare_sweep.py"), str(sweep)], cwd=tmp_path,
-                         env=_env(), capture_output=True, text=True, timeout=120)
+                         env=user_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=120)
     assert cmp.returncode == 0, cmp.stderr[-3000:]
     result = json.loads(cmp.stdout.strip().splitlines()[-1])
     assert result["varying"] == ["dynamism"] and [r["dynamism"] for r in result["rows"]] == list(CASES)

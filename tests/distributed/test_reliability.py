@@ -24,7 +24,7 @@ from lightning_dynmo import available_schedules
 from lightning_dynmo.plan.schedules import get_schedule
 from tests.support import multiproc
 from tests.support.multiproc import ROOT, Finished, alive, run, run_worker, torchrun, worker_env, write_spec
-from tests.support.workers.common import FreezeThenUnfreeze, make_loader, make_model
+from tests.support.workers.common import FreezeThenUnfreeze, LossRecorder, make_loader, make_model
 
 pytestmark = pytest.mark.slow
 WORKER = ROOT / "tests" / "support" / "workers" / "reliability_worker.py"
@@ -49,14 +49,7 @@ def _single_process_losses(cfg: dict, steps: int, ckpt_path: str | None = None, 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        class Losses(L.Callback):
-            def __init__(self):
-                self.losses = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.losses.append(float(outputs["loss"]))
-
-        rec = Losses()
+        rec = LossRecorder()
         L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                   gradient_clip_val=cfg.get("clip", 1.0), callbacks=[rec, *callbacks]).fit(
@@ -407,14 +400,7 @@ def _tied_reference(cfg: dict, dp: int):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        class Losses(L.Callback):
-            losses: list = []
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                self.losses.append(float(outputs["loss"]))
-
-        rec = Losses()
-        rec.losses = []
+        rec = LossRecorder()
         L.Trainer(accelerator="cpu", devices=1, max_steps=cfg["steps"], logger=False, enable_checkpointing=False,
                   enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                   gradient_clip_val=cfg.get("clip"), callbacks=[rec]).fit(

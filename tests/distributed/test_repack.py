@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.workers.common import make_model
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_worker, run_named_pairs
 from tests.distributed.test_equivalence import base, check_against_reference, lightning_reference_losses, \
     total_static_bytes
 
@@ -44,9 +44,7 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("repack")
-    names = list(RUNS)
-    results = run_worker(tmp / "four", 4, [RUNS[n] for n in names])
-    return tmp, {n: (RUNS[n], r) for n, r in zip(names, results)}
+    return tmp, run_named_pairs(tmp / "four", 4, RUNS)
 
 
 def packs(res: dict) -> list[dict]:

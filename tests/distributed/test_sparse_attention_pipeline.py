@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.distributed.test_equivalence import base, check_against_reference, migrations
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_named
 from lightning_dynmo import SparseAttentionMonitor
 from tests.support.workers.common import LossRecorder, make_loader, make_model
 
@@ -30,9 +30,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    out = run_worker(tmp_path_factory.mktemp("sparse_pp2"), 2, [RUNS[n] for n in names])
-    return dict(zip(names, out))
+    return run_named(tmp_path_factory.mktemp("sparse_pp2"), 2, RUNS)
 
 
 def lightning_reference(cfg: dict) -> tuple[list[float], dict, SparseAttentionMonitor]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_equivalence import base, check_against_reference
+from tests.support.history import boundary
 from tests.support.multiproc import run_worker
 
 from lightning_dynmo.strategy.recorder import dynmo_summary_text
@@ -31,10 +32,6 @@ SLOWER_THAN = 1 / 1.3  # rank 1 is balanced for a speed beyond the watch's toler
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     return run_worker(tmp_path_factory.mktemp("straggler"), 2, [CFG], timeout=400)[0]
-
-
-def boundary(partition: str) -> int:
-    return int(partition.split("|")[1].split("-")[0])
 
 
 def test_a_slow_rank_gets_less_work_in_proportion_and_gets_it_back_when_it_recovers(result):

@@ -12,7 +12,7 @@ import torch
 from tests.distributed.test_checkpoint import BASE as CKPT
 from tests.distributed.test_equivalence import SCHEDULES, STEPS, assert_close, base, check_against_reference, \
     lightning_reference_losses, microbatched_reference, migrations
-from tests.support.multiproc import run_worker
+from tests.support.multiproc import run_worker, run_named_pairs
 
 pytestmark = pytest.mark.slow
 SUB = {"pipeline_granularity": "sublayer"}
@@ -36,9 +36,7 @@ def block_model(cfg: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    out = run_worker(tmp_path_factory.mktemp("sublayer"), 2, [RUNS[n] for n in names])
-    return {n: (RUNS[n], r) for n, r in zip(names, out)}
+    return run_named_pairs(tmp_path_factory.mktemp("sublayer"), 2, RUNS)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_dynmo import available_schedules
-from tests.support.multiproc import ROOT, run_worker
+from tests.support.multiproc import ROOT, run_named
 from tests.support.two_stream import TwoStreamLM
 from tests.support.workers.common import LossRecorder, two_stream_loader
 
@@ -33,9 +33,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    names = list(RUNS)
-    out = run_worker(tmp_path_factory.mktemp("tuple"), 2, [RUNS[n] for n in names], worker=WORKER)
-    return dict(zip(names, out))
+    return run_named(tmp_path_factory.mktemp("tuple"), 2, RUNS, worker=WORKER)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -38,6 +38,15 @@ def worker_env(**extra: str) -> dict:
     return env
 
 
+def user_env(**extra: str) -> dict:
+    """:func:`worker_env` as a user's shell has it: this checkout's lightning_dynmo (as `pip install -e .`
+    gives a user), nothing that makes a process look like a launched child rank."""
+    env = worker_env(**extra)
+    for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
+        env.pop(k, None)
+    return env
+
+
 @dataclass
 class Finished:
     returncode: int
@@ -243,6 +252,17 @@ def run_worker(tmp: Path, nproc: int, runs: list[dict], timeout: int = 600, work
     if proc.returncode != 0:
         raise _failure(proc, tmp / "worker.log")
     return json.loads(out.read_text())["runs"]
+
+
+def run_named(tmp: Path, nproc: int | None, runs: dict[str, dict], **kwargs) -> dict[str, dict]:
+    """:func:`run_worker` on named runs, in one job: rank 0's result of each run by its name."""
+    names = list(runs)
+    return dict(zip(names, run_worker(tmp, nproc, [runs[n] for n in names], **kwargs)))
+
+
+def run_named_pairs(tmp: Path, nproc: int | None, runs: dict[str, dict], **kwargs) -> dict[str, tuple[dict, dict]]:
+    """:func:`run_named`, each result beside its run's configuration: ``{name: (config, result)}``."""
+    return {n: (runs[n], r) for n, r in run_named(tmp, nproc, runs, **kwargs).items()}
 
 
 def run_two_agents(tmp: Path, runs: list[dict], timeout: int = 300, worker: Path = WORKER) -> list[dict]:

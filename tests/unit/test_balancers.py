@@ -22,6 +22,7 @@ from lightning_dynmo.plan.balancers import (
 from lightning_dynmo.plan.balancers.diffusion import diffuse
 from lightning_dynmo.plan.cost_model import SCHEDULES, CostModel, LayerCosts
 from lightning_dynmo.plan.partition import Partition
+from tests.support.balancing import fits
 
 BUILTIN = ["diffusion_param", "diffusion_time", "param", "partition_param", "partition_time", "uniform"]
 FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -36,11 +37,6 @@ def loads(problem, part, kind):
     if kind == "time":
         return problem.model.stage_times(problem.costs, part)
     return problem.costs.stage_params(part)
-
-
-def fits(problem, part):
-    cap = problem.model.capacity
-    return cap is None or max(problem.model.stage_memory(problem.costs, part)) <= cap
 
 
 def brute(problem, kind):

@@ -11,6 +11,7 @@ from lightning_dynmo.plan.balancers.diffusion import diffuse
 from lightning_dynmo.plan.balancers.exact import min_peak_memory
 from lightning_dynmo.plan.cost_model import CostModel, LayerCosts
 from lightning_dynmo.plan.partition import Partition
+from tests.support.balancing import fits
 
 SCALE = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -46,11 +47,6 @@ def staircases(draw, max_layers=64, max_stages=16):
     else:
         current = Partition((0, *sorted(draw(st.sets(st.integers(1, L - 1), min_size=S - 1, max_size=S - 1))), L))
     return BalanceProblem(costs, S, model, current)
-
-
-def fits(problem, part):
-    cap = problem.model.capacity
-    return cap is None or max(problem.model.stage_memory(problem.costs, part)) <= cap
 
 
 def textbook_optimum(problem, load):

@@ -7,13 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dynmo.models import FINE_PIECES, GPT, EarlyExitGPT, GPTConfig, MoDGPT, MoEGPT
+from lightning_dynmo.models import FINE_PIECES, GPT, EarlyExitGPT, MoDGPT, MoEGPT
 from lightning_dynmo.protocol import state_dict_key
-from tests.unit.test_granularity import BASE, data
-
-
-def config(granularity: str, **kw) -> GPTConfig:
-    return GPTConfig(**{**BASE, **kw}, pipeline_granularity=granularity)
+from tests.unit.test_granularity import BASE, config, data
 
 
 @pytest.mark.parametrize("head_chunks", [1, 3])

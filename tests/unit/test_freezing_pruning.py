@@ -16,6 +16,7 @@ from lightning_dynmo.dynamic.freezing import plasticity, snapshot_layer
 from lightning_dynmo.models import GPT
 from lightning_dynmo.runtime.migration import pack_layer, unpack_layer
 from lightning_dynmo.runtime.optimizer_layout import OptimizerLayout, replace_param
+from tests.support.workers.common import LossRecorder
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 KERNELS = [False, True] if sparse_kernels_available() else [False]
@@ -146,18 +147,10 @@ def loader(batches: int = 6, batch: int = 8):
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch, shuffle=False)
 
 
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def fit(tmp_path, steps, callbacks, ckpt=None, seed=0):
     """``steps`` optimizer steps over epochs of 6 batches (a resume at step 6 starts epoch 1)."""
     model = GPT(CFG, seed=seed, warmup_steps=1, max_steps=12)
-    rec = Losses()
+    rec = LossRecorder()
     tr = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                    default_root_dir=tmp_path, callbacks=[rec, *callbacks])

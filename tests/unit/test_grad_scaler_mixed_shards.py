@@ -2,7 +2,7 @@
 shards (``dp_sharding="fsdp"`` with ``expert_parallel > 1``): torch's unscale kernel refuses the
 mix in one call, so the scaler unscales the gradients' local tensors, in place, and still finds an
 inf in either kind. One process with a one-rank gloo group (the multi-rank agreement is tested in
-tests/distributed/test_moe_expert_parallel.py)."""
+tests/distributed/test_moe_expert_parallel.py; the group: tests/support/worlds.py)."""
 from __future__ import annotations
 
 import pytest
@@ -15,13 +15,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_dynmo.runtime.precision import install_found_inf_agreement
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class _Layer(nn.Module):

@@ -19,6 +19,7 @@ from lightning_dynmo.models import (AttentionHalf, Block, EarlyExitGPT, FinalNor
                                     MoDGPT, MoEGPT, MoEHalf, SparseAttentionHalf)
 from lightning_dynmo.protocol import state_dict_key
 from lightning_dynmo.runtime.materialize import materialize_pipeline
+from tests.support.workers.common import LossRecorder
 
 BASE = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, mlp_ratios=(1, 4, 2))
 
@@ -269,11 +270,11 @@ def test_pruned_sublayer_gpt_trains_and_checkpoints_as_the_block_gpt(tmp_path):
         model = GPT(config(g), seed=0, warmup_steps=1, max_steps=12)
         cb = GradualPruning(final_sparsity=0.9, start_step=1, n_steps=2, frequency=2, storage_density=0.5,
                             sparse_kernels=False)
-        losses = _Losses()
+        losses = LossRecorder()
         trainer = _fit(model, [cb, losses], steps=6)
         assert all(m.compressed for m in model.modules() if isinstance(m, PrunableLinear))
         trainer.save_checkpoint(tmp_path / f"{g}.ckpt")
-        out[g] = (losses.values, torch.load(tmp_path / f"{g}.ckpt", weights_only=False), cb.sparsity)
+        out[g] = (losses.losses, torch.load(tmp_path / f"{g}.ckpt", weights_only=False), cb.sparsity)
     (la, ca, sa), (lb, cb_, sb) = out["block"], out["sublayer"]
     assert la == lb and sa == sb == pytest.approx(0.9, abs=5e-3)
     assert list(ca["state_dict"]) == list(cb_["state_dict"])
@@ -287,12 +288,6 @@ def test_pruned_sublayer_gpt_trains_and_checkpoints_as_the_block_gpt(tmp_path):
             assert torch.equal(v, ob["state"][i][k]), (i, k)
 
 
-class _Losses(L.Callback):
-    def __init__(self):
-        self.values = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.values.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
 
 
 def test_load_monitors_watch_the_halves_that_do_the_work():

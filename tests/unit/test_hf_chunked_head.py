@@ -6,7 +6,6 @@ model), and an unsupported tied head is refused by name. Tiny random models, no 
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from lightning_dynmo.models.vocab_head import HeadChunk  # noqa: E402
 from lightning_dynmo.protocol import RemoteLayer  # noqa: E402
 from lightning_dynmo.runtime.materialize import materialize_pipeline  # noqa: E402
 from lightning_dynmo.protocol.merges import merge_state  # noqa: E402
-from tests.unit.test_hf import configs  # noqa: E402
+from tests.unit.test_hf import configs, load  # noqa: E402
 
 V = 64  # the tiny configs' vocabulary: 3 chunks of it are 22, 21, 21 rows
 
@@ -36,12 +35,6 @@ def saved(tmp_path, arch: str, **overrides):
     path = tmp_path / arch
     model.save_pretrained(path)
     return model, path
-
-
-def load(path, **kw) -> HFCausalLM:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return HFCausalLM.from_pretrained(path, **kw)
 
 
 def batch(seed: int = 0, ignored: bool = True):

@@ -18,14 +18,11 @@ from lightning_dynmo.models.mod import MoDBlock, MoDGPT
 from lightning_dynmo.models.moe import load_balancing_loss, router_z_loss
 
 from tests.support.grads import param_grads
+from tests.support.tokens import tokens
 
 GPT_CFG = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32, bias=True)
 MOE_CFG = dict(num_experts=4, top_k=2, aux_loss_coeff=0.1, z_loss_coeff=0.01, shared_expert=True)
 MOD_CFG = dict(routing="predictor", capacity=0.5, every=2, predictor_loss_coeff=0.1)
-
-
-def tokens(rows: int, seed: int = 0, t: int = 16) -> torch.Tensor:
-    return torch.randint(0, 64, (rows, t), generator=torch.Generator().manual_seed(seed))
 
 
 def _masked_case():

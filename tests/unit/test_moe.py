@@ -20,14 +20,11 @@ from lightning_dynmo.models.moe import TopKRouter, load_balancing_loss, router_z
 from lightning_dynmo.protocol import PipelineControl, ReportsLoad
 
 from tests.support.grads import param_grads
+from tests.support.tokens import tokens
 
 GPT_CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 MOE_CFG = dict(num_experts=4, top_k=2, capacity_factor=1.0, aux_loss_coeff=0.1, z_loss_coeff=0.01,
                shared_expert=True)
-
-
-def tokens(rows: int, seed: int = 0, t: int = 16) -> torch.Tensor:
-    return torch.randint(0, 64, (rows, t), generator=torch.Generator().manual_seed(seed))
 
 
 def router_with_logits(num_experts: int, top_k: int, **kw) -> TopKRouter:

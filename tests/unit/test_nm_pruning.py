@@ -19,6 +19,7 @@ from lightning_dynmo.models import GPT
 from lightning_dynmo.models.gpt import Block
 from lightning_dynmo.sparse.dispatch import choose_linear_kernel, linear_kernel_candidates
 from lightning_dynmo.sparse.semi_structured import is_2to4, semi_structured_unavailable
+from tests.support.workers.common import LossRecorder
 
 NM = st.sampled_from([(1, 2), (2, 4), (1, 4), (3, 4), (2, 8), (4, 8)])
 
@@ -129,14 +130,6 @@ def batches():
     return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8, shuffle=False)
 
 
-class Losses(L.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-
-
 def hand_written_masked_dense() -> tuple[list[float], dict]:
     """The schedule written out by hand: plain PyTorch, masks from a sort (not the pairwise rule),
     threshold from ``kthvalue`` over all weights, forward on ``weight * mask``."""
@@ -185,7 +178,7 @@ def hand_written_masked_dense() -> tuple[list[float], dict]:
 
 
 def test_two_four_training_equals_hand_written_masked_dense(tmp_path):
-    rec, cb = Losses(), GradualPruning(pattern="2:4", sparse_kernels="auto", **PRUNE)
+    rec, cb = LossRecorder(), GradualPruning(pattern="2:4", sparse_kernels="auto", **PRUNE)
     model = GPT(CFG, seed=0, warmup_steps=1, max_steps=12)
     tr = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

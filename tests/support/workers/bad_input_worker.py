@@ -15,7 +15,6 @@ Usage: torchrun --nproc-per-node 2 bad_input_worker.py CASES OUT
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -32,21 +31,9 @@ import lightning as L
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
 
 from lightning_dynmo import DynMoStrategy
-from tests.support.workers.common import make_loader, make_model
+from tests.support.workers.common import NoProtocol, make_loader, make_model, record_errors
 
 CFG = {"steps": 4, "n_layer": 2}  # 5 pipeline layers: embedding, 2 blocks, final norm, head
-
-
-class NoProtocol(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Linear(4, 4)
-
-    def training_step(self, batch, batch_idx):
-        return self.net(batch[0].float()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def manual_optimisation_model():
@@ -209,7 +196,7 @@ def damaged_checkpoint(out_dir: str, how: str) -> str:
 CASES = {
     "too_many_stages": lambda out: fit(schedule="interleaved_1f1b", virtual_stages=3),  # 6 stages > 5 layers
     "batch_not_divisible": lambda out: fit(batch=6),
-    "no_protocol": lambda out: fit(model=NoProtocol()),
+    "no_protocol": lambda out: fit(model=NoProtocol(4, 4)),
     "partition_does_not_fit": lambda out: fit(partition=[0, 2, 4]),  # covers 4 of the 5 layers
     "predict_hook_raises": lambda out: predict_raising(),
     "eval_hook_raises": lambda out: validate_eval_step("raises"),
@@ -240,20 +227,7 @@ CASES = {
 
 
 def run_cases(names: list[str], out: str) -> None:
-    import torch.distributed as dist
-
-    errors = {}
-    for name in names:
-        try:
-            CASES[name](os.path.dirname(out))
-            errors[name] = None
-        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-            errors[name] = f"{type(exc).__name__}: {exc}"
-    with open(f"{out}.rank{int(os.environ['RANK'])}.json", "w") as fh:
-        json.dump(errors, fh)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    record_errors(lambda name: CASES[name](os.path.dirname(out)), names, out)
 
 
 class OnRankOne(nn.Module):

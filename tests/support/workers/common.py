@@ -207,6 +207,41 @@ def run_spec(run_one) -> None:
         dist.destroy_process_group()
 
 
+def record_errors(run_case, names: list[str], out: str) -> None:
+    """Worker entry point for cases expected to fail: ``run_case(name)`` for each name, each one's
+    error (``"Type: message"``; None: it passed) in ``<out>.rank<RANK>.json``, then the process group
+    torn down as :func:`run_spec` does."""
+    import torch.distributed as dist
+
+    errors = {}
+    for name in names:
+        try:
+            run_case(name)
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    with open(f"{out}.rank{int(os.environ['RANK'])}.json", "w") as fh:
+        json.dump(errors, fh)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class NoProtocol(L.LightningModule):
+    """A LightningModule without the pipeline protocol (no ``pipeline_layers``): one linear layer
+    over the token ids as floats (``width_in``: the loader's sequence length)."""
+
+    def __init__(self, width_in: int, width_out: int):
+        super().__init__()
+        self.net = torch.nn.Linear(width_in, width_out)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0].float()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def two_stream_loader(batch: int) -> DataLoader:
     """Data of the two-stream toy model (tests/support/two_stream.py)."""
     data = torch.randint(0, 32, (64, 13), generator=torch.Generator().manual_seed(7))

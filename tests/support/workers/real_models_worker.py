@@ -9,7 +9,6 @@ Usage: torchrun --nproc-per-node N real_models_worker.py SPEC.json
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -19,7 +18,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_dynmo import DynMoStrategy
 
-from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.common import LossRecorder, NoProtocol, make_loader, make_model, record_errors, run_spec
 
 
 def build_model(cfg: dict):
@@ -132,18 +131,6 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
 
 
 # ------------------------------------------------------------------ bad input
-class NoProtocol(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(16, 64)
-
-    def training_step(self, batch, batch_idx):
-        return self.net(batch[0].float()).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _fit(model_fn, **kw) -> None:
     cfg = {"steps": 2, "batch": 8, "n_layer": 2, **kw.pop("cfg", {})}
     cfg.update(kw)
@@ -163,26 +150,13 @@ BAD = {
     "hf_unknown_architecture": lambda: _fit(_hf("DYNMO_TEST_HF_UNKNOWN")),
     "hf_shape_mismatch": lambda: _fit(_hf("DYNMO_TEST_HF_MISMATCH")),
     "precision_unsupported": lambda: _fit(make_model, precision="fsdp-bf16-mixed"),
-    "checkpointing_without_protocol": lambda: _fit(lambda cfg: NoProtocol(), checkpointing=True),
+    "checkpointing_without_protocol": lambda: _fit(lambda cfg: NoProtocol(16, 64), checkpointing=True),
     "checkpointing_auto_without_capacity": lambda: _fit(make_model, checkpointing="auto"),
 }
 
 
 def run_bad(names: list[str], out: str) -> None:
-    import torch.distributed as dist
-
-    errors = {}
-    for name in names:
-        try:
-            BAD[name]()
-            errors[name] = None
-        except Exception as exc:  # noqa: BLE001 - the message is what the test checks
-            errors[name] = f"{type(exc).__name__}: {exc}"
-    with open(f"{out}.rank{int(os.environ['RANK'])}.json", "w") as fh:
-        json.dump(errors, fh)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    record_errors(lambda name: BAD[name](), names, out)
 
 
 if __name__ == "__main__":
