@@ -77,7 +77,7 @@ def pp2_layout(partition: Partition) -> PipelineLayout:
 
 def fake_pipeline(tmp_path, partition: Partition = START) -> RankPipeline:
     names = ("layers", "optimizers", "optimizer_layout", "profiler", "engines", "expert_parallel", "groups",
-             "sharded")
+             "dp_sharding")
     return RankPipeline(module=Module(tmp_path), layers_attr="layers", tied=TiedLog(), full_state_shapes={},
                         layout=pp2_layout(partition), device=torch.device("cpu"), global_rank=0,
                         last_batch_size=16, last_microbatches=8, **{n: Untouchable(n) for n in names})
