@@ -26,6 +26,13 @@
    ``fsdp_state_ratio_dp2``: the largest per-rank parameter + gradient + Adam-state bytes after the
    step (a DTensor counts its local shard), fsdp over replicate (target <= 0.55). Also the peak RSS
    above the pre-build baseline of setup and of the step (HWM reset between them), per mode.
+   The same pair on two more models (built on real tensors: neither has a meta-device init):
+   ``fsdp_state_ratio_dp2_pruned``, the GPT pruned to 90 % at the measured step by ``GradualPruning``
+   (replicate CSR-stores the layers below 50 % density, fsdp keeps masked dense shards, so this is
+   about 1/dp of the dense state over replicate's shrunken one, well above 0.55); and an MoE GPT
+   (``MOE``) with ``expert_parallel=2``: ``fsdp_dense_state_ratio_moe_ep2`` for the non-expert
+   parameters (target <= 0.55) and ``fsdp_expert_state_ratio_moe_ep2`` for the experts, which fsdp
+   leaves to expert parallelism (about 1.0).
 
 Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
        python benchmarks/memory.py --smoke      (seconds: width 64, parts 1-3 on pp1 and pp2 only;
@@ -126,28 +133,62 @@ def worker(args) -> None:
     write_result(args.out, {"ranks": per_rank, "hwm_reset": stop.reset})
 
 
-def state_bytes(module, optimizers) -> tuple[int, int, int]:
-    """This rank's (parameter, gradient, optimizer-state) bytes; a DTensor counts its local shard."""
+def state_bytes(module, optimizers, keep=None) -> tuple[int, int, int]:
+    """This rank's (parameter, gradient, optimizer-state) bytes of the parameters ``keep(p)``
+    selects (default: all); a DTensor counts its local shard."""
     from lightning_dynmo.runtime.memory import local_nbytes
 
-    params = list(module.parameters())
+    params = [p for p in module.parameters() if keep is None or keep(p)]
     grads = sum(local_nbytes(p.grad) for p in params if p.grad is not None)
-    optim = sum(local_nbytes(v) for opt in optimizers for st in opt.state.values() for v in st.values()
+    optim = sum(local_nbytes(v) for opt in optimizers for p in params for v in opt.state.get(p, {}).values()
                 if torch.is_tensor(v))
     return sum(local_nbytes(p) for p in params), grads, optim
 
 
+#: part 4's MoE GPT: every second block MoE (4 experts, top-2), experts split by expert_parallel=2
+MOE = dict(num_experts=4, top_k=2, moe_every=2)
+
+
+def variant_callbacks(variant: str) -> list:
+    """Part 4's callbacks: ``pruned`` prunes to 90 % at the measured step (initial = final
+    sparsity: step 0 prunes straight there and trains the new masks); below 50 % density a layer is
+    CSR-stored where the mode allows it. Kernels stay dense: the bytes do not depend on them."""
+    from lightning_dynmo.callbacks import GradualPruning
+
+    if variant != "pruned":
+        return []
+    return [GradualPruning(final_sparsity=0.9, initial_sparsity=0.9, start_step=0, n_steps=1, frequency=1,
+                           sparse_kernels=False, storage_density=0.5)]
+
+
+def variant_model(variant: str, width: int, trainer):
+    """Part 4's model: the GPT on the meta device (``dense``); on real tensors the pruned GPT (the
+    pruning masks and CSR buffers have no meta-device init) and the MoE GPT (nor have its experts)."""
+    from lightning_dynmo.models import GPT, MoEGPT
+
+    if variant == "moe":
+        return MoEGPT(model_config(width, 16), moe=MOE, seed=0)
+    if variant == "pruned":
+        return GPT(model_config(width, 16), seed=0)
+    with trainer.init_module(empty_init=True):
+        return GPT(model_config(width, 16), seed=0)
+
+
 def sharding_worker(args) -> None:
-    """One training step on pp2 x dp2 with ``dp_sharding=args.sharding``: state bytes after the
-    step, peak RSS of setup and of the step (each above the pre-build RSS)."""
+    """One training step on pp2 x dp2 with ``dp_sharding=args.sharding`` on ``args.variant``: state
+    bytes after the step (MoE: dense and expert parameters apart), peak RSS of setup and of the
+    step (each above the pre-build RSS)."""
     torch.set_num_threads(1)
     import gc
+    import warnings
 
     import lightning as L
     import torch.distributed as dist
 
     from lightning_dynmo import DynMoStrategy
-    from lightning_dynmo.models import GPT
+    from lightning_dynmo.dynamic import PrunableLinear
+    from lightning_dynmo.runtime.expert_parallel import expert_modules
+    from lightning_dynmo.runtime.memory import local_nbytes
 
     class Probe(L.Callback):
         def on_fit_start(self, trainer, pl_module):
@@ -156,27 +197,41 @@ def sharding_worker(args) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.step_kb = _rss_kb("VmHWM")
+            experts = {id(p) for _, m in expert_modules(pl_module) for p in m.parameters()}
             self.state = state_bytes(pl_module, trainer.optimizers)
+            self.dense = state_bytes(pl_module, trainer.optimizers, lambda p: id(p) not in experts)
+            self.experts = state_bytes(pl_module, trainer.optimizers, lambda p: id(p) in experts)
+            prunable = [m for m in pl_module.modules() if isinstance(m, PrunableLinear)]
+            self.prunable = len(prunable)
+            self.csr = sum(1 for m in prunable if m.compressed)
+            self.buffers = sum(local_nbytes(b) for m in prunable for b in m.buffers(recurse=False))
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     probe = Probe()
     logs = tempfile.TemporaryDirectory(prefix="dynmo_bench_")
+    ep = 2 if args.variant == "moe" else 1
+    callbacks = variant_callbacks(args.variant)
     trainer = L.Trainer(
-        strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, plot=False, timeout=600, dp_sharding=args.sharding),
+        strategy=DynMoStrategy(pipeline_parallel=2, microbatches=4, plot=False, timeout=600, dp_sharding=args.sharding,
+                               expert_parallel=ep),
         accelerator="cpu", devices=world, max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[probe],
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[*callbacks, probe],
         default_root_dir=logs.name,
     )
     gc.collect()
     baseline_kb = _rss_kb("VmRSS")
     reset = _reset_peak()
-    with trainer.init_module(empty_init=True):
-        model = GPT(model_config(args.width, 16), seed=0)
+    model = variant_model(args.variant, args.width, trainer)
     data = torch.randint(0, 256, (8 * world, 17), generator=torch.Generator().manual_seed(0))  # same on every rank
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data[:, :-1], data[:, 1:]), batch_size=8)
-    trainer.fit(model, train_dataloaders=loader)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*storage_density.*")  # fsdp keeps pruned layers dense: known
+        trainer.fit(model, train_dataloaders=loader)
     local = {"setup_kb": probe.setup_kb - baseline_kb, "step_kb": probe.step_kb - baseline_kb,
-             "param_bytes": probe.state[0], "grad_bytes": probe.state[1], "optim_bytes": probe.state[2]}
+             "param_bytes": probe.state[0], "grad_bytes": probe.state[1], "optim_bytes": probe.state[2],
+             "dense_state_bytes": sum(probe.dense), "expert_state_bytes": sum(probe.experts),
+             "prunable_layers": probe.prunable, "csr_layers": probe.csr, "mask_index_bytes": probe.buffers,
+             "sparsity": round(callbacks[0].sparsity, 4) if callbacks else 0.0}
     per_rank = [None] * world
     dist.all_gather_object(per_rank, local)
     logs.cleanup()
@@ -184,26 +239,37 @@ def sharding_worker(args) -> None:
 
 
 def sharding_runs(width: int) -> dict:
-    """Replicate, fsdp and the replicate control, each on 4 ranks; the figures and ratios."""
+    """Replicate, fsdp and the replicate control on the dense GPT, then both modes on the pruned
+    GPT and on the MoE GPT (expert_parallel=2), each on 4 ranks; the figures and ratios."""
     runs = {}
-    for name, mode in (("replicate", "replicate"), ("fsdp", "fsdp"), ("replicate_control", "replicate")):
-        res = launch(Path(__file__), 4, ["--sharding", mode, "--width", str(width)])
+    jobs = (("pruned_replicate", "replicate", "pruned"), ("pruned_fsdp", "fsdp", "pruned"),
+            ("moe_replicate", "replicate", "moe"), ("moe_fsdp", "fsdp", "moe"),
+            ("replicate", "replicate", "dense"), ("fsdp", "fsdp", "dense"), ("replicate_control", "replicate", "dense"))
+    for name, mode, variant in jobs:
+        res = launch(Path(__file__), 4, ["--sharding", mode, "--variant", variant, "--width", str(width)])
         for r in res["ranks"]:
             r["state_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
         runs[name] = res
         print(f"{name}: per-rank parameter+gradient+optimizer MiB "
               f"{[round(r['state_bytes'] / 2**20, 1) for r in res['ranks']]}, setup peak RSS MiB "
               f"{[round(r['setup_kb'] / 1024, 1) for r in res['ranks']]}, step peak RSS MiB "
-              f"{[round(r['step_kb'] / 1024, 1) for r in res['ranks']]}", flush=True)
+              f"{[round(r['step_kb'] / 1024, 1) for r in res['ranks']]}"
+              + (f", CSR-stored layers {[r['csr_layers'] for r in res['ranks']]} of "
+                 f"{[r['prunable_layers'] for r in res['ranks']]}" if variant == "pruned" else "")
+              + (f", dense / expert MiB {[round(r['dense_state_bytes'] / 2**20, 1) for r in res['ranks']]} / "
+                 f"{[round(r['expert_state_bytes'] / 2**20, 1) for r in res['ranks']]}" if variant == "moe" else ""),
+              flush=True)
 
     def worst(name: str, key: str) -> float:
         return max(r[key] for r in runs[name]["ranks"])
 
+    def mib(names, key="state_bytes"):
+        return {n: [round(r[key] / 2**20, 2) for r in runs[n]["ranks"]] for n in names}
+
     return {
         "fsdp_width": width,
         "fsdp_state_ratio_dp2": round(worst("fsdp", "state_bytes") / worst("replicate", "state_bytes"), 4),
-        "fsdp_state_mib_per_rank": {n: [round(r["state_bytes"] / 2**20, 2) for r in runs[n]["ranks"]]
-                                    for n in ("replicate", "fsdp")},
+        "fsdp_state_mib_per_rank": mib(("replicate", "fsdp")),
         "fsdp_grads_present": all(r["grad_bytes"] > 0 for n in runs for r in runs[n]["ranks"]),
         "fsdp_setup_peak_mib": {n: [round(r["setup_kb"] / 1024, 1) for r in runs[n]["ranks"]] for n in runs},
         "fsdp_step_peak_mib": {n: [round(r["step_kb"] / 1024, 1) for r in runs[n]["ranks"]] for n in runs},
@@ -214,7 +280,29 @@ def sharding_runs(width: int) -> dict:
             round(worst("replicate_control", "setup_kb") / worst("replicate", "setup_kb"), 3),
         "fsdp_control_step_peak_ratio": round(worst("replicate_control", "step_kb") / worst("replicate", "step_kb"), 3),
         "fsdp_peak_reset": all(runs[n]["hwm_reset"] for n in runs),
+        # pruned to 90 %: replicate CSR-stores the sparse layers, fsdp keeps dense shards (and masks)
+        "fsdp_state_ratio_dp2_pruned":
+            round(worst("pruned_fsdp", "state_bytes") / worst("pruned_replicate", "state_bytes"), 4),
+        "fsdp_pruned_state_mib_per_rank": mib(("pruned_replicate", "pruned_fsdp")),
+        "fsdp_pruned_mask_index_mib_per_rank": mib(("pruned_replicate", "pruned_fsdp"), "mask_index_bytes"),
+        "fsdp_pruned_csr_layers_per_rank": {n: [r["csr_layers"] for r in runs[n]["ranks"]]
+                                            for n in ("pruned_replicate", "pruned_fsdp")},
+        "fsdp_pruned_prunable_layers_per_rank": [r["prunable_layers"] for r in runs["pruned_fsdp"]["ranks"]],
+        "fsdp_pruned_sparsity": {n: runs[n]["ranks"][0]["sparsity"] for n in ("pruned_replicate", "pruned_fsdp")},
+        # MoE, expert_parallel=2: the dense parameters are sharded by fsdp, the experts by expert parallelism only
+        "fsdp_dense_state_ratio_moe_ep2":
+            round(worst("moe_fsdp", "dense_state_bytes") / worst("moe_replicate", "dense_state_bytes"), 4),
+        "fsdp_expert_state_ratio_moe_ep2":
+            round(worst("moe_fsdp", "expert_state_bytes") / worst("moe_replicate", "expert_state_bytes"), 4),
+        "fsdp_moe_dense_state_mib_per_rank": mib(("moe_replicate", "moe_fsdp"), "dense_state_bytes"),
+        "fsdp_moe_expert_state_mib_per_rank": mib(("moe_replicate", "moe_fsdp"), "expert_state_bytes"),
+        "fsdp_moe": MOE,
     }
+
+
+#: part 4's targets (the pruned one is not met as built: fsdp keeps pruned layers as dense shards)
+SHARDING_TARGETS = {"fsdp_state_ratio_dp2": 0.55, "fsdp_state_ratio_dp2_pruned": 0.55,
+                    "fsdp_dense_state_ratio_moe_ep2": 0.55}
 
 
 def activation_bytes(width: int, block: int, microbatch: int) -> tuple[int, int]:
@@ -281,6 +369,7 @@ def main() -> None:
     parser.add_argument("--meta", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=768, help=argparse.SUPPRESS)
     parser.add_argument("--sharding", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="dense", help=argparse.SUPPRESS)
     parser.add_argument("--only-sharding", action="store_true", help="only part 4 (dp_sharding replicate vs fsdp)")
     args = parser.parse_args()
     if args.worker:
@@ -289,7 +378,7 @@ def main() -> None:
     if args.only_sharding:
         sharding = sharding_runs(256 if args.quick else 512)
         print(json.dumps({"benchmark": "memory", "quick": bool(args.quick), **sharding,
-                          "targets": {"fsdp_state_ratio_dp2": 0.55}}))
+                          "targets": SHARDING_TARGETS}))
         return
     width = 64 if args.smoke else 512 if args.quick else 768
     runs = {}
@@ -323,7 +412,7 @@ def main() -> None:
         "setup_peak_mib": {name: [round(r["setup_kb"] / 1024, 1) for r in res["ranks"]] for name, res in runs.items()},
         **{f"setup_peak_rss_ratio_{k}": None if v is None else round(v, 3) for k, v in ratio.items()},
         "targets": {"setup_peak_rss_ratio_pp2": 0.65, "setup_peak_rss_ratio_pp4": 0.4, "head_activation_ratio_4": 0.35,
-                    "fsdp_state_ratio_dp2": 0.55},
+                    **SHARDING_TARGETS},
         "activation_bytes_plain": plain,
         "activation_bytes_checkpointed": ckpt,
         "activation_bytes_ratio": round(ckpt / plain, 4),
