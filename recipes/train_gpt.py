@@ -338,6 +338,7 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
         "strategy": type(strategy).__name__ if not isinstance(strategy, str) else strategy,
         "pipeline_parallel": getattr(strategy, "pipeline_parallel", 1),
         "schedule": getattr(strategy, "schedule", None),
+        "dp_sharding": _cfg_get(cfg.strategy, "dp_sharding"),
         "world_size": trainer.world_size,
         "partition": str(partition) if partition is not None else None,
         "partition_boundaries": list(partition.boundaries) if hasattr(partition, "boundaries") else None,

@@ -104,6 +104,7 @@ a DTensor shard of the same values, and ``step`` is kept.
 """
 from __future__ import annotations
 
+import copy
 from typing import Iterable
 
 import torch
@@ -164,6 +165,24 @@ def shard_buffers(layer: nn.Module) -> None:
             b, p = module.get_buffer(buf), module.get_parameter(param)
             if isinstance(p, DTensor) and not isinstance(b, DTensor):
                 module.register_buffer(buf, shard_like(b, p), persistent=buf not in module._non_persistent_buffers_set)
+
+
+#: what every nn.Module keeps in its ``__dict__`` (parameters, buffers, children, hooks): not a layer's own state
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
+
+
+def copy_attributes(src: nn.Module, dst: nn.Module) -> None:
+    """Each sub-module's plain attributes from the live layer ``src`` onto ``dst``, its copy from
+    before sharding: what callbacks and forwards changed since (an annealed MoD capacity, an
+    early-exit threshold, routing counters), which a migration under ``replicate`` carries as it
+    copies the live layer. Only attributes ``dst``'s modules have: FSDP2's own stay behind."""
+    memo: dict[int, object] = {id(p): dst.get_parameter(n) for n, p in src.named_parameters()}
+    memo.update({id(b): dst.get_buffer(n) for n, b in src.named_buffers()})
+    for name, module in src.named_modules():
+        target = vars(dst.get_submodule(name))
+        for key, value in vars(module).items():
+            if key in target and key not in _MODULE_INTERNALS:
+                target[key] = copy.deepcopy(value, memo)
 
 
 class ShardedLayers:
@@ -281,6 +300,7 @@ class ShardedLayers:
                 continue
             layer.reshard()  # a root left unsharded after an eval forward: the DTensor shards are the truth
             plain = self._plain.pop(i).to_empty(device=device)
+            copy_attributes(layer, plain)
             params = dict(plain.named_parameters())
             buffers = dict(plain.named_buffers())
             for name, b in layer.named_buffers():

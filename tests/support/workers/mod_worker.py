@@ -4,9 +4,10 @@ Usage: torchrun --nproc-per-node N tests/support/workers/mod_worker.py SPEC.json
        python tests/support/workers/mod_worker.py SPEC.json       (single process, no strategy)
 SPEC: {"out": path, "runs": [config, ...]}. A config: steps, batch, mod (MoDConfig fields),
 moe (MoEConfig fields: MoE MLPs, also in MoD blocks; or absent), callback (MixtureOfDepths kwargs
-or absent), moe_monitor (MoELoadMonitor kwargs or absent), and for a pipeline pp, schedule, microbatches,
-balancer, rebalance, rebalance_interval. Rank 0 writes {"runs": [...]} with the losses, the
-strategy's rebalance history, the callback state and the path of the final full state dict.
+or absent), moe_monitor (MoELoadMonitor kwargs or absent), precision, and for a pipeline pp, schedule,
+microbatches, balancer, partition, rebalance, rebalance_interval, expert_parallel, dp_sharding. Rank 0 writes
+{"runs": [...]} with the losses, the strategy's rebalance history, the callback state and the paths
+of the final full state dict and optimizer state (single-process format).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from lightning_dynmo.callbacks.mod import MixtureOfDepths
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models.mod import MoDGPT
 
+from lightning_dynmo.strategy.options import CheckpointFormat
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
+from tests.support.workers.real_models_worker import precision_kwargs
 
 
 def build_model(cfg: dict) -> MoDGPT:
@@ -51,13 +54,17 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
             schedule=cfg.get("schedule", "1f1b"),
             microbatches=cfg.get("microbatches", 4),
             balancer=cfg.get("balancer", "uniform"),
+            partition=cfg.get("partition"),
             rebalance=cfg.get("rebalance", "never"),
             rebalance_interval=cfg.get("rebalance_interval", 1),
             expert_parallel=cfg.get("expert_parallel", 1),
+            dp_sharding=cfg.get("dp_sharding", "replicate"),
             plot=False,
             timeout=120,
         )
         kw = dict(strategy=strategy, devices=world)
+    if cfg.get("precision"):
+        kw.update(precision_kwargs(cfg))
     rec = LossRecorder()
     cbs = build_callbacks(cfg)
     trainer = L.Trainer(
@@ -68,7 +75,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     model = build_model(cfg)
     dp = 1 if pipeline else cfg.get("dp", 1)  # a reference trains on the global batch of dp replicas
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp))
-    state = trainer.strategy.lightning_module_state_dict() if pipeline else model.state_dict()
+    if pipeline:  # the full state, gathered onto rank 0 whatever format the checkpoints have
+        object.__setattr__(trainer.strategy.options, "checkpoint_format", CheckpointFormat.SINGLE)
+        state = trainer.strategy.lightning_module_state_dict()
+        optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
+    else:
+        state, optim = model.state_dict(), trainer.optimizers[0].state_dict()
     result = {
         "losses": rec.losses,
         "history": trainer.strategy.rebalance_history if pipeline else [],
@@ -87,7 +99,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         result["expert_rows_per_rank"] = [rows]
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"mod_state{idx}.pt")
+        result["optim"] = os.path.join(out_dir, f"mod_optim{idx}.pt")
         torch.save(state, result["state"])
+        torch.save(optim, result["optim"])
     return result
 
 

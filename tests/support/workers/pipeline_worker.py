@@ -298,6 +298,12 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
 
         monitor = SparseAttentionMonitor(**cfg["sparse_monitor"])
         callbacks.append(monitor)
+    early_exit = None
+    if cfg.get("early_exit") is not None:  # EarlyExit kwargs (with an early_exit_gpt model)
+        from lightning_dynmo import EarlyExit
+
+        early_exit = EarlyExit(**cfg["early_exit"])
+        callbacks.append(early_exit)
     if cfg.get("save_ckpt"):
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_last=True,
                                                              every_n_train_steps=cfg["steps"]))
@@ -367,6 +373,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "microbatches_per_step": probe.microbatches, "metrics": metrics,
               "log_dir": trainer.log_dir, "root_dir": trainer.default_root_dir,
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
+              "early_exit": early_exit.state_dict() if early_exit else None,
               "replica_averages": averages[0], "mid_window_moves": mid_window.moves if mid_window else 0,
               "rank_busy": busy.rank_busy, "summary": trainer.strategy.dynmo_summary}
     if trainer.global_rank == 0:
