@@ -383,5 +383,5 @@ def check_fsdp_composition(*, precision: str) -> None:
     if precision not in FSDP_PRECISIONS:
         problems.append(f"precision={precision!r} (supported under fsdp: {', '.join(FSDP_PRECISIONS)})")
     if problems:
-        raise ValueError("dp_sharding='fsdp' cannot be combined with " + "; ".join(problems)
-                         + ". Use dp_sharding='replicate' for this model" + (" or torch >= 2.13" if missing else "") + ".")
+        fix = ". Use dp_sharding='replicate' for this model" + (" or torch >= 2.13" if missing else "") + "."
+        raise ValueError("dp_sharding='fsdp' cannot be combined with " + "; ".join(problems) + fix)

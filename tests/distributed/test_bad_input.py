@@ -25,10 +25,12 @@ EXPECTED = {
     "eval_metric_sync_on_step": r"ValueError: odd_metric \(MeanMetric\) has dist_sync_on_step=True",
     "manual_optimisation": r"PipelineProtocolError: .*needs automatic optimisation",
     "parameter_outside_layers": r"PipelineProtocolError: .*parameters outside pipeline_layers\(\): \['temperature'\]",
-    "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different batches \(step 0\)",
+    "different_batches": r"PipelineBatchMismatchError: rank {rank}: the ranks of one pipeline received different "
+                         r"batches \(step 0\)",
     "checkpoint_two_optimizers": r"checkpoint has 2 optimizers, the module configures 1",
     # the activation protocol (protocol/activations.py): at shape discovery, or mid-step after it
-    "layer_returns_dict": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a dict; .*tuple of tensors",
+    "layer_returns_dict": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a dict; "
+                          r".*tuple of tensors",
     "layer_returns_non_tensor": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned a tuple of 2 "
                                 r"\(\[2, 16, 32\], int\)",
     "layer_changes_arity": r"PipelineProtocolError: pipeline layer 1 \(Misbehaving\) returned 2 tensor\(s\) where "
@@ -37,7 +39,8 @@ EXPECTED = {
                                   r"shape \[2, 15, 32\] .* where the pipeline discovered \[2, 16, 32\]",
     "fsdp_half_precision": r"ValueError: dp_sharding='fsdp' cannot be combined with precision='16-true'",
     "ema_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with EMAWeightAveraging: .*not supported yet",
-    "swa_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with StochasticWeightAveraging: .*not supported",
+    "swa_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with StochasticWeightAveraging: "
+                    r".*not supported",
     "model_pruning_callback": r"ValueError: rank {rank}: DynMoStrategy cannot train with ModelPruning: .*Use "
                               r"lightning_dynmo.callbacks.GradualPruning",
     "lbfgs": r"ValueError: rank {rank}: torch.optim.LBFGS evaluates the training closure .* several times per step",

@@ -123,7 +123,8 @@ def test_consolidated_checkpoint_resumes_in_plain_single_process_lightning(chain
 
 
 def _plain_lightning_losses(directory, cfg: dict, tmp_path) -> list[float]:
-    """Consolidate the DCP ``directory`` (saved at step 9) and train on from it to step 12 in one plain Lightning process."""
+    """Consolidate the DCP ``directory`` (saved at step 9) and train on from it to step 12 in one plain
+    Lightning process."""
     out = tmp_path / "consolidated.ckpt"
     ckpt = consolidate_checkpoint(directory, out)
     assert ckpt["global_step"] == STEPS[2]

@@ -105,7 +105,8 @@ def test_early_exit_freezing_pruning_compose_under_pipeline(results):
     p, r = results["composed"]
     assert p["callbacks"]["freezing"]["n_frozen"] == 2
     requested = [q["step"] for q in p["callbacks"]["early_exit"]["requests"]]
-    assert requested and requested[0] == 5 and requested == [q["step"] for q in r["callbacks"]["early_exit"]["requests"]]
+    requests = [q["step"] for q in r["callbacks"]["early_exit"]["requests"]]
+    assert requested and requested[0] == 5 and requested == requests
     assert p["callbacks"]["early_exit"]["last_fractions"][2:7] == r["callbacks"]["early_exit"]["last_fractions"][2:7]
     # every callback's request reached the strategy and moved layers: a decision names each
     reasons = [h["reason"] for h in p["history"]]

@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowes
 LAYERS = {"n_layer": 8, "mlp_ratios": [1, 4, 2, 8, 1, 3, 2, 4]}  # heterogeneous blocks: 11 pipeline layers
 RUNS = {
     # 8 stages: boundaries shift every 2 steps, then 8 -> 4 ranks after step 3
-    "pp8": base(pp=8, steps=6, microbatches=8, **LAYERS, rebalance="every_n", rebalance_interval=2, balancer="test_shift",
-                request_repack=[3, 4]),
+    "pp8": base(pp=8, steps=6, microbatches=8, **LAYERS, rebalance="every_n", rebalance_interval=2,
+                balancer="test_shift", request_repack=[3, 4]),
     # 4 stages x 2 replicas: the same on each replica, then 4 -> 2 pipeline ranks per replica
     "pp4_dp2": base(pp=4, steps=6, **LAYERS, rebalance="every_n", rebalance_interval=2, balancer="test_shift",
                     request_repack=[3, 2]),

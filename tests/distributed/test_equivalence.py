@@ -155,7 +155,8 @@ def check_against_reference(res: dict, cfg: dict) -> None:
     for step, (a, b) in enumerate(zip(res["losses"], ref_losses)):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: pipeline loss {a} != single-process {b}"
     pinned = cfg["microbatches"] is not None
-    ref_state, ref_optim, ref_norms = microbatched_reference(cfg, res["dp"], None if pinned else res["microbatches_per_step"])
+    ref_state, ref_optim, ref_norms = microbatched_reference(cfg, res["dp"],
+                                                             None if pinned else res["microbatches_per_step"])
     if cfg.get("clip") is not None and "grad_norms" in res and not cfg.get("tied"):
         # the whole model's pre-clip norm, seen through the pipeline, is the single-process norm
         # (the worker's probe sums per-rank norms: a tied parameter, held by two ranks, would count twice)

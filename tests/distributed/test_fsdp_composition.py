@@ -100,7 +100,8 @@ def test_frozen_shards_carry_no_optimizer_state(runs):
 
 def test_repacked_fsdp_pipeline_releases_ranks_and_keeps_every_layer_sharded(runs):
     fsdp = runs["repack"]["fsdp"]
-    assert fsdp["strategy_released_ranks_per_rank"] == [[1, 3]] * 4, fsdp["strategy_released_ranks_per_rank"]  # global ranks
+    released = fsdp["strategy_released_ranks_per_rank"]
+    assert released == [[1, 3]] * 4, released  # global ranks
     local = fsdp["local_param_numel_per_rank"]  # ranks 0 and 2 (the replicas of pp rank 0) hold the model, halved
     assert local[1] == local[3] == 0 and local[0] > 0 and abs(local[0] - local[2]) <= 0.1 * local[0], local
 

@@ -33,7 +33,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     # "single": both modes' states gathered whole onto rank 0 (fsdp's default is a dcp directory)
-    specs = [base(dp_sharding=mode, checkpoint_format="single", **MIGRATE, **cfg) for cfg, _ in CASES.values() for mode in ("fsdp", "replicate")]
+    specs = [base(dp_sharding=mode, checkpoint_format="single", **MIGRATE, **cfg) for cfg, _ in CASES.values()
+             for mode in ("fsdp", "replicate")]
     results = iter(run_worker(tmp_path_factory.mktemp("fsdp_precision"), 4, specs, worker=WORKER, timeout=420))
     return {name: {mode: next(results) for mode in ("fsdp", "replicate")} for name in CASES}
 

@@ -51,7 +51,8 @@ def results(tmp_path_factory):
         AUTO_RUN,
         dict(EP_RUN, schedule="zero_bubble"),  # split dI/dW backward: expert all_to_all inside both halves
         dict(EP_RUN, checkpointing=True),  # recompute replays the dispatch all_to_all in backward
-        dict(EP_RUN, balancer="partition_param", repack=1),  # each replica packs onto one rank, keeping its expert group
+        # each replica packs onto one rank, keeping its expert group
+        dict(EP_RUN, balancer="partition_param", repack=1),
         # fp16 with a grad scaler: at step 1 an expert gradient overflows on replica 0 only
         dict(EP_RUN, precision="16-mixed", inf_at=[1, "layers.1.mlp.experts.w1"]),
         # gradient-norm freezing: a MoE layer's norm differs between replicas (each holds other experts)

@@ -270,7 +270,8 @@ def _hf_run_equals_single_process(results, name: str, what: str, init_note: str)
     state = torch.load(res["state"])
     assert set(state) == set(ref["state"])
     for k, v in ref["state"].items():
-        assert torch.allclose(state[k], v, rtol=1e-4, atol=WEIGHT_ATOL), f"{what} weight {k}: pipeline vs single process"
+        assert torch.allclose(state[k], v, rtol=1e-4, atol=WEIGHT_ATOL), \
+            f"{what} weight {k}: pipeline vs single process"
     return cfg, ref, state
 
 
@@ -297,7 +298,8 @@ def test_hugging_face_mixtral_with_router_loss_pipeline_equals_single_process(re
                                                     "each rank read and fused its own experts")
     router = "layers.1.layer.mlp.gate.weight"
     no_aux = reference({**cfg, "hf_kwargs": {"router_aux_loss": False}})["state"][router]
-    assert not torch.allclose(no_aux, v := ref["state"][router], rtol=1e-4, atol=10 * WEIGHT_ATOL), "router loss had no effect"
+    assert not torch.allclose(no_aux, v := ref["state"][router], rtol=1e-4, atol=10 * WEIGHT_ATOL), \
+        "router loss had no effect"
     assert torch.allclose(state[router], v, rtol=1e-4, atol=WEIGHT_ATOL)
 
 
@@ -321,7 +323,8 @@ def test_bad_input_fails_on_every_rank_with_a_clear_message(tmp_path):
     }
     if env:
         expected["hf_unknown_architecture"] = (r"UnsupportedArchitectureError: .*model_type='falcon'.*supported: "
-                                               r"apertus, arcee, cohere, cohere2, ernie4_5, exaone4, gemma, gemma2, gemma3_text, glm")
+                                               r"apertus, arcee, cohere, cohere2, ernie4_5, exaone4, gemma, gemma2, "
+                                               r"gemma3_text, glm")
         expected["hf_shape_mismatch"] = (r"CheckpointMismatchError: the checkpoint .* does not match its config .*"
                                          r"transformer.wte.weight: checkpoint \[64, 32\], config \[64, 48\]")
     out = tmp_path / "errors"

@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 CASES = {  # case -> (model class in the log line, callback, metric prefix the callback logs)
     "freezing": ("lightning_dynmo.models.GPT", "LayerFreezing", "freezing/"),
     "early_exit": ("lightning_dynmo.models.EarlyExitGPT", "EarlyExit", "early_exit/"),
-    "pruning": ("lightning_dynmo.models.GPT", "GradualPruning", None),  # prunes from step 90 (conf/dynamism/pruning.yaml)
+    # prunes from step 90 (conf/dynamism/pruning.yaml)
+    "pruning": ("lightning_dynmo.models.GPT", "GradualPruning", None),
     "moe": ("lightning_dynmo.models.MoEGPT", "MoELoadMonitor", "moe/"),
     "mod": ("lightning_dynmo.models.MoDGPT", "MixtureOfDepths", "mod/"),
     "mod_moe": ("lightning_dynmo.models.MoDGPT", "MixtureOfDepths", "moe/"),  # the MoE monitor inside MoD blocks

@@ -31,7 +31,8 @@ WORKER = ROOT / "tests" / "support" / "workers" / "reliability_worker.py"
 SCHEDULES = available_schedules()
 
 
-def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (), timeout: int = 300) -> tuple[Finished, list[dict] | None]:
+def launch(tmp: Path, nproc: int, runs: list[dict], extra: tuple = (),
+           timeout: int = 300) -> tuple[Finished, list[dict] | None]:
     """One job; with ``extra`` torchrun arguments (restarts) on the torchrun command line itself."""
     spec, out = write_spec(tmp, runs)
     cmd = torchrun(nproc, WORKER, str(spec))
@@ -79,7 +80,8 @@ def _flip_bytes_inside(path: Path, entry: str) -> bytes:
     data = bytearray(path.read_bytes())
     info = zipfile.ZipFile(path).getinfo(entry)
     head = info.header_offset
-    name_len, extra_len = int.from_bytes(data[head + 26:head + 28], "little"), int.from_bytes(data[head + 28:head + 30], "little")
+    name_len = int.from_bytes(data[head + 26:head + 28], "little")
+    extra_len = int.from_bytes(data[head + 28:head + 30], "little")
     start = head + 30 + name_len + extra_len + info.file_size // 2
     data[start:start + 4] = bytes(b ^ 0xFF for b in data[start:start + 4])
     return bytes(data)
@@ -94,7 +96,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
     """A valid 4-layer checkpoint and damaged variants of it."""
     tmp = tmp_path_factory.mktemp("ckpts")
     paths = {name: tmp / f"{name}.ckpt" for name in
-             ("valid", "six_layers", "other_shape", "optim_count", "optim_shape", "sgd_state", "nan_weight", "inf_optim", "random")}
+             ("valid", "six_layers", "other_shape", "optim_count", "optim_shape", "sgd_state", "nan_weight",
+              "inf_optim", "random")}
     _fit_and_save(BASE_CKPT, paths["valid"])
     _fit_and_save({"n_layer": 6}, paths["six_layers"])
     _fit_and_save({"n_layer": 4, "mlp_ratios": [1, 4, 2, 4]}, paths["other_shape"])
@@ -115,7 +118,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
     def sgd_state(ck):  # what SGD(momentum=0.9) saves for the same parameters
         opt = ck["optimizer_states"][0]
-        sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9).state_dict()["param_groups"][0]
+        sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1,
+                              momentum=0.9).state_dict()["param_groups"][0]
         opt["param_groups"] = [{**sgd, "params": g["params"]} for g in opt["param_groups"]]
         opt["state"] = {i: {"momentum_buffer": st["exp_avg"].clone()} for i, st in opt["state"].items()}
 
@@ -151,7 +155,8 @@ ZERO_BUBBLE = [s for s in SCHEDULES if get_schedule(s).cost_schedule == "zero_bu
 # 30 samples in batches of 8: the 4th batch of each epoch holds 6, which microbatches=4 does not divide
 PARTIAL = dict(n_layer=2, steps=5, n_samples=30, drop_last=False, microbatches=4)
 # the whole first stage (layers 0-1 of 7) frozen before the first step, unfrozen by hand at step 2
-UNFREEZE = dict(n_layer=4, steps=5, partition=[0, 2, 7], rebalance="never", unfreeze={"n": 2, "freeze_at": 0, "unfreeze_at": 2})
+UNFREEZE = dict(n_layer=4, steps=5, partition=[0, 2, 7], rebalance="never",
+                unfreeze={"n": 2, "freeze_at": 0, "unfreeze_at": 2})
 REPACK_RANK0 = dict(n_layer=2, steps=5, rebalance="never")
 INVALIDATE = dict(n_layer=2, steps=4, rebalance="never", invalidate={"step": 2, "rank": 1})
 RESTART = dict(case="restart", n_layer=2, steps=6, batch=8, n_samples=24, ckpt_every=3, kill_at=4, resume="last",
@@ -329,7 +334,8 @@ def test_unfreezing_a_frozen_stage_by_hand_trains_like_one_process(cases):
     torch's stage backward on one rank and hang the other."""
     res = cases["unfreeze"]
     assert _errors(res) == [None, None], _errors(res)
-    reference = _single_process_losses(UNFREEZE, UNFREEZE["steps"], callbacks=[FreezeThenUnfreeze(**UNFREEZE["unfreeze"])])
+    reference = _single_process_losses(UNFREEZE, UNFREEZE["steps"],
+                                       callbacks=[FreezeThenUnfreeze(**UNFREEZE["unfreeze"])])
     assert res["per_rank"][0]["losses"] == pytest.approx(reference, rel=1e-5)
 
 
@@ -506,7 +512,8 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
     tmp_path.mkdir(parents=True, exist_ok=True)
     spec, out = tmp_path / "spec.json", tmp_path / "result.json"
     spec.write_text(json.dumps({"out": str(out), "runs": [dict(case="crawl", n_layer=2, steps=10_000, n_samples=64)]}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(WORKER), str(spec)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(WORKER),
+           str(spec)]
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids: list[int] = []
     try:
