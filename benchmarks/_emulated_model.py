@@ -61,7 +61,7 @@ class _Clock:
         now = time.perf_counter()
         start = now if starts_chunk else max(self.deadline, now - CHAIN_SLACK)
         self.deadline = start + seconds
-        profiling = self.strategy is not None and self.strategy.profiler.layer_profiling
+        profiling = self.strategy is not None and self.strategy.pipeline.profiler.layer_profiling
         if ends_chunk or profiling:
             left = self.deadline - time.perf_counter()
             if left > 0:
@@ -98,7 +98,7 @@ class EmulatedLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         f, b = CLOCK.cost(self.index)
-        bounds = CLOCK.strategy.partition.boundaries if CLOCK.strategy is not None else (0,)
+        bounds = CLOCK.strategy.pipeline.partition.boundaries if CLOCK.strategy is not None else (0,)
         first = self.index in bounds  # a stage's backward starts at its last layer
         last = self.index + 1 in bounds
         if self.kind == "embedding":

@@ -90,7 +90,7 @@ def _callbacks() -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.ends.append(time.perf_counter())
             self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1})
-            self.busy.append(list(getattr(trainer.strategy, "rank_busy_seconds", [])))
+            self.busy.append(list(getattr(getattr(trainer.strategy, "pipeline", None), "rank_busy_seconds", [])))
 
         def seconds_per_step(self, skip: int) -> float:
             """Median step-to-step time after ``skip`` warm-up steps."""
@@ -108,7 +108,7 @@ def _callbacks() -> dict:
             self.fractions: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            prof = getattr(trainer.strategy, "profiler", None)
+            prof = getattr(getattr(trainer.strategy, "pipeline", None), "profiler", None)
             if prof is not None and prof.layer_profiling:
                 busy, attributed = prof.attribution()
                 if busy > 0:

@@ -122,14 +122,14 @@ def _worker(args) -> None:
             if rec["error"] is None and len(timer.ends) >= b:
                 secs = timer.ends[b - 1] - timer.ends[a - 1]
                 tail = [y - x for x, y in zip(timer.ends[-4:], timer.ends[-3:])]
-                costs = strategy.rebalancer.profiled_costs
+                costs = strategy.pipeline.rebalancer.profiled_costs
                 rec.update(
                     tokens_per_sec=plan["batch"] * args.dp * cfg.block_size * (b - a) / secs,
                     step_ms=1e3 * secs / (b - a), last_steps_ms=1e3 * sorted(tail)[len(tail) // 2],
-                    partition_final=list(strategy.partition.boundaries),
+                    partition_final=list(strategy.pipeline.partition.boundaries),
                     microbatches=plan["microbatches"], batch=plan["batch"],
-                    migrations=sum(1 for h in strategy.rebalance_history if h["applied"]),
-                    decisions=len(strategy.rebalance_history),
+                    migrations=sum(1 for h in strategy.pipeline.rebalance_history if h["applied"]),
+                    decisions=len(strategy.pipeline.rebalance_history),
                     profile=None if costs is None else dict(forward=list(costs.forward), backward=list(costs.backward),
                                                             params=list(costs.params)),
                 )

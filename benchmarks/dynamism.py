@@ -164,7 +164,7 @@ def _worker(args) -> None:
             self.t.append(time.perf_counter())
             m = trainer.callback_metrics.get("pipeline/idle_fraction")
             self.idle.append(float(m) if m is not None else float("nan"))
-            s = trainer.strategy
+            s = trainer.strategy.pipeline
             busy, wall = getattr(s, "rank_busy_seconds", None), getattr(s, "rank_wall_seconds", None)
             w = max(wall) if wall else 0.0
             self.rank_idle.append([1.0 - b / w for b in busy] if w > 0 else [])
@@ -244,14 +244,14 @@ def _worker(args) -> None:
                 partition_initial=meter.partition[0],
                 partition_final=meter.partition[-1],
                 rebalances=[{k: h.get(k) for k in ("step", "kind", "reason", "before", "after", "applied", "why")}
-                            for h in strategy.rebalance_history],
-                **_decision_stats(strategy.rebalance_history, 1e3 * secs / (b - a)),
+                            for h in strategy.pipeline.rebalance_history],
+                **_decision_stats(strategy.pipeline.rebalance_history, 1e3 * secs / (b - a)),
             )
             if hasattr(case, "extra"):
                 rec["extra"] = case.extra(model, callbacks, strategy)  # rank 0's view
         out[name].append(rec)
         if hasattr(strategy, "dynmo_summary") and options["rebalance"] != "never":
-            rec["dynmo_summary"] = strategy.dynmo_summary
+            rec["dynmo_summary"] = strategy.pipeline.dynmo_summary
         logs.cleanup()
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as fh:

@@ -216,7 +216,7 @@ def _worker(args) -> None:
             self.steps, self.profiles, self.timelines = [], [], timelines
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            s, step = trainer.strategy, trainer.global_step - 1  # global_step counts the finished step
+            s, step = trainer.strategy.pipeline, trainer.global_step - 1  # global_step counts the finished step
             self.steps.append(dict(step=step, row=CLOCK.row, start=s.profiler.step_start, end=time.perf_counter(),
                                    partition=list(s.partition.boundaries), busy=list(s.rank_busy_seconds),
                                    wall=max(s.rank_wall_seconds)))
@@ -270,7 +270,7 @@ def _worker(args) -> None:
             out[f"{case}/{name}"] = dict(
                 error=err, steps=rec.steps, profiles=rec.profiles, wall=time.perf_counter() - t0,
                 decisions=[{k: h.get(k) for k in ("step", "reason", "before", "after", "applied", "migration_ms",
-                                                  "moved_layers")} for h in strategy.rebalance_history])
+                                                  "moved_layers")} for h in strategy.pipeline.rebalance_history])
     if int(os.environ.get("RANK", "0")) == 0:
         json.dump(out, open(args.out, "w"))
 

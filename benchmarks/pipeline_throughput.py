@@ -79,7 +79,7 @@ def worker(args) -> None:
     result = {"tokens_per_sec": args.batch * args.block / sec, "seconds_per_step": sec,
               "losses": [m.get("train_loss") for m in timer.metrics]}
     if args.mode == "pipeline":
-        result["partition"] = str(trainer.strategy.partition)
+        result["partition"] = str(trainer.strategy.pipeline.partition)
     logs.cleanup()
     write_result(args.out, result)
 

@@ -82,7 +82,7 @@ def worker(args) -> None:
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             callbacks=[timer, attribution], limit_val_batches=0, default_root_dir=logs.name)
         trainer.fit(model, train_dataloaders=loader)
-        history = trainer.strategy.rebalance_history
+        history = trainer.strategy.pipeline.rebalance_history
         steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
         # steady state: after the last applied rebalance, excluding profiled steps
         profiled = {h["step"] - 1 for h in history}
@@ -107,7 +107,7 @@ def worker(args) -> None:
         results[name] = {
             "profiling_overhead": (median(prof) / step_s - 1) if prof else None,
             "tokens_per_sec": args.batch * args.block / step_s, "step_seconds": step_s,
-            "partition": str(trainer.strategy.partition), "rebalance_cost_ms": cost_ms,
+            "partition": str(trainer.strategy.pipeline.partition), "rebalance_cost_ms": cost_ms,
             "efficiency": median(eff), "rebalances": len(applied), "balancer": balancer,
             "unattributed_busy_fraction": max(unattributed) if unattributed else None,  # max over ranks
         }

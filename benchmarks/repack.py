@@ -62,9 +62,9 @@ def worker(args) -> None:
             step = trainer.global_step
             if step == args.exit_step:
                 pl_module.set_exit_threshold(args.threshold)  # tokens now leave after block 1
-                trainer.strategy.request_rebalance("early exit switched on")
+                trainer.strategy.pipeline.request_rebalance("early exit switched on")
             if step == repack_step:
-                trainer.strategy.request_repack("auto")
+                trainer.strategy.pipeline.request_repack("auto")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             fr = [b.active_fraction for b in pl_module.pipeline_layers() if hasattr(b, "active_fraction")]
@@ -81,7 +81,7 @@ def worker(args) -> None:
     trainer.fit(model, train_dataloaders=loader)
     logs.cleanup()
     steps = [b - a for a, b in zip(timer.starts, timer.starts[1:])]
-    hist = trainer.strategy.rebalance_history
+    hist = trainer.strategy.pipeline.rebalance_history
     packs = [h for h in hist if h.get("kind") == "repack" and h.get("applied")]
     pack_step = packs[0]["step"] if packs else None
     before = steps[args.exit_step + 3: repack_step]  # after the rebalance, before the repack request
@@ -90,7 +90,7 @@ def worker(args) -> None:
         "before_s": median(before), "after_s": median(after) if after else None,
         "stages_before": args.ranks, "stages_after": packs[0]["ranks_after"] if packs else args.ranks,
         "released": packs[0]["released"] if packs else [], "history": hist,
-        "partition": str(trainer.strategy.partition),
+        "partition": str(trainer.strategy.pipeline.partition),
     })
 
 

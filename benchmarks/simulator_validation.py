@@ -108,7 +108,7 @@ def _worker(args) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step in self.steps:
-                trainer.strategy.request_rebalance("validation: profile")
+                trainer.strategy.pipeline.request_rebalance("validation: profile")
 
     class Recorder(L.Callback):
         """Per step: its start, the pipeline ranks' schedule wall and busy seconds, whether it was
@@ -129,7 +129,7 @@ def _worker(args) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.end.append(time.perf_counter())
-            s = trainer.strategy
+            s = trainer.strategy.pipeline
             self.wall.append(max(s.rank_wall_seconds or [0.0]))
             self.busy.append(list(s.rank_busy_seconds))
             self.profiled.append(bool(s.rebalancer.profiling))

@@ -144,11 +144,11 @@ def _worker(args) -> None:
             if step == plan["stop"]:
                 self.stop_tenants()
             self.t.append(time.perf_counter())
-            self.partition.append(str(trainer.strategy.partition))
+            self.partition.append(str(trainer.strategy.pipeline.partition))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.busy.append(list(trainer.strategy.rank_busy_seconds))
-            costs = trainer.strategy.rebalancer.profiled_costs
+            self.busy.append(list(trainer.strategy.pipeline.rank_busy_seconds))
+            costs = trainer.strategy.pipeline.rebalancer.profiled_costs
             if trainer.global_step <= plan["start"] and costs is not None:
                 self.work = costs
 
@@ -196,7 +196,7 @@ def _worker(args) -> None:
             rec.update({f"{w}_ms": window_ms(meter, w) for w in plan["windows"]})
             rec["partition"] = [meter.partition[0], meter.partition[-1]]
             if name == "dynmo":
-                rec.update(_reaction(meter.partition, strategy.rebalance_history, plan))
+                rec.update(_reaction(meter.partition, strategy.pipeline.rebalance_history, plan))
         return rec, meter
 
     out: dict[str, list] = {name: [] for name in CONFIGS}

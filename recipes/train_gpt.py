@@ -250,7 +250,7 @@ class RunStats:
 
             def on_train_start(self, trainer, pl_module) -> None:
                 self.train_start = time.perf_counter()
-                p = getattr(trainer.strategy, "partition", None)
+                p = getattr(getattr(trainer.strategy, "pipeline", None), "partition", None)
                 self.initial_partition = str(p) if p is not None else None
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -315,29 +315,30 @@ def make_summary(cfg, trainer, strategy, stats, run_dir: Path, n_params: int, ck
 
     # tokens/s: the strategy's per-step log (global tokens over the step's wall time) averaged
     # over the run; without it (e.g. strategy=single) the recipe's own step timing.
+    pipeline = getattr(strategy, "pipeline", None)  # DynMoStrategy's (None: another strategy)
     tps_values = stats.tokens_per_sec or [v for _, v in csv_metrics.get("pipeline/tokens_per_sec", [])]
     tps_source = "strategy pipeline/tokens_per_sec (mean over steps)"
     if not tps_values and stats.step_times:
-        world_dp = max(1, trainer.world_size // max(1, getattr(strategy, "pipeline_parallel", 1)))
+        world_dp = max(1, trainer.world_size // max(1, getattr(pipeline, "pipeline_parallel", 1)))
         tps_values = [n * world_dp / t for n, t in zip(stats.tokens_per_step[1:], stats.step_times[1:]) if t > 0]
         tps_source = "recipe step timing (mean over steps, first step excluded)"
     tps_mean = sum(tps_values) / len(tps_values) if tps_values else None
 
-    partition = getattr(strategy, "partition", None)
-    history = getattr(strategy, "rebalance_history", None)
+    partition = getattr(pipeline, "partition", None)
+    history = getattr(pipeline, "rebalance_history", None)
     rebalance_file = None
     if history:
         log_dir = Path(trainer.log_dir or run_dir) if loggers else run_dir
         candidate = log_dir / "rebalance_history.jsonl"
         rebalance_file = str(candidate) if candidate.is_file() else None
     train_s = (stats.train_end - stats.train_start) if stats.train_start and stats.train_end else None
-    dynmo = getattr(strategy, "dynmo_summary", None)  # measured overhead and gains (None: not DynMo)
+    dynmo = getattr(pipeline, "dynmo_summary", None)  # measured overhead and gains (None: not DynMo)
     summary = {
         "model": cfg.model.get("preset") or f"hf:{Path(str(cfg.model.path)).name}",
         "parameters": n_params,
         "strategy": type(strategy).__name__ if not isinstance(strategy, str) else strategy,
-        "pipeline_parallel": getattr(strategy, "pipeline_parallel", 1),
-        "schedule": getattr(strategy, "schedule", None),
+        "pipeline_parallel": getattr(pipeline, "pipeline_parallel", 1),
+        "schedule": getattr(pipeline, "schedule", None),
         "dp_sharding": _cfg_get(cfg.strategy, "dp_sharding"),
         "world_size": trainer.world_size,
         "partition": str(partition) if partition is not None else None,

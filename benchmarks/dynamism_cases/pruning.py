@@ -165,8 +165,8 @@ def extra(model, callbacks, strategy) -> dict:
     cb = callbacks[0]
     trainer = model.trainer
     mem = cb.state_bytes(trainer, model)
-    ranks = {"0": strategy.topology.pp}
-    for h in strategy.rebalance_history:
+    ranks = {"0": strategy.pipeline.topology.pp}
+    for h in strategy.pipeline.rebalance_history:
         if h.get("kind") == "repack":
             ranks[str(h["step"])] = h.get("ranks_after") if h.get("applied") else h.get("ranks_before")
     return {
@@ -179,7 +179,7 @@ def extra(model, callbacks, strategy) -> dict:
         "csr_stored_layers_rank0": sum(1 for m in model.modules() if isinstance(m, PrunableLinear) and m.compressed),
         "sparse_kernel_layers_rank0": sum(1 for m in model.modules() if getattr(m, "sparse_kernel", False)),
         "ranks_over_time": ranks,
-        "repack_decisions": {str(h["step"]): h.get("why") for h in strategy.rebalance_history
+        "repack_decisions": {str(h["step"]): h.get("why") for h in strategy.pipeline.rebalance_history
                              if h.get("kind") == "repack"},
     }
 
@@ -223,7 +223,7 @@ def _dp_worker(out: str) -> None:
     real_all_reduce = dist.all_reduce
 
     def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if group is not None and group is strategy.data_parallel_group:
+        if group is not None and group is strategy.pipeline.data_parallel_group:
             sent[-1] += tensor.numel() * tensor.element_size()
         return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -262,7 +262,7 @@ def _dp_worker(out: str) -> None:
     trainer.fit(model, DataLoader(ds, batch_size=16, shuffle=False, drop_last=True))
     # summed over replica 0's pipeline ranks: bytes into the data-parallel all-reduce per step
     mine = torch.tensor([count.bytes, count.grads, count.pruned], dtype=torch.float64)
-    if strategy.layout.dp_rank != 0:
+    if strategy.pipeline.layout.dp_rank != 0:
         mine.zero_()
     dist.all_reduce = real_all_reduce
     dist.all_reduce(mine)

@@ -44,8 +44,8 @@ def variants(plan: dict) -> dict:
 
 def extra(model, callbacks, strategy) -> dict:
     monitor = callbacks[0] if callbacks else None
-    density = [None] * len(strategy.layer_load)
+    density = [None] * len(strategy.pipeline.layer_load)
     for i, s in (monitor.last_stats if monitor else {}).items():
         density[i] = s["density"]
-    return {"layer_load": [None if x is None else round(x, 3) for x in strategy.layer_load],
+    return {"layer_load": [None if x is None else round(x, 3) for x in strategy.pipeline.layer_load],
             "block_density": density, "monitor_requests": len(monitor.requests) if monitor else None}

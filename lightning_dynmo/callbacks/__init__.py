@@ -2,7 +2,7 @@
 
 Each works under plain single-process (or DDP) Lightning too: ``request_rebalance`` and
 ``invalidate_pipeline`` are only called when the trainer's strategy has them, and per-layer
-quantities are reduced over ``strategy.pipeline_group`` only under a pipeline strategy.
+quantities are reduced over ``strategy.pipeline.pipeline_group`` only under a pipeline strategy.
 """
 from .early_exit import EarlyExit
 from .freezing import LayerFreezing

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from ._pipeline_access import all_reduce_over_pipeline, local_layers, pipeline_layers, reduce_device
+from ._pipeline_access import (all_reduce_over_pipeline, local_layers, pipeline_layers, pipeline_of, reduce_device)
 from ..protocol import PipelineControl
 
 
@@ -81,7 +81,7 @@ class LayerLoadMonitor(Callback):
         return {i: {f: float(vec[r, i]) for r, f in enumerate(rows) if r} for i in range(n) if vec[0, i] > 0}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if getattr(trainer.strategy, "released", False):  # a released rank holds no layers and joins no pipeline
+        if getattr(pipeline_of(trainer), "released", False):  # a released rank holds no layers and joins no pipeline
             return
         if (trainer.global_step - 1) % self.check_interval != 0:  # global_step already counts this step
             return
@@ -90,7 +90,7 @@ class LayerLoadMonitor(Callback):
         if not stats:
             return
         self.log_stats(pl_module, stats)
-        if isinstance(trainer.strategy, PipelineControl):
+        if isinstance(pipeline_of(trainer), PipelineControl):
             self._maybe_request(trainer, stats)
 
     def _maybe_request(self, trainer, stats: dict[int, dict[str, float]]) -> None:
@@ -100,7 +100,7 @@ class LayerLoadMonitor(Callback):
         if abs(after - before) <= self.shift_threshold:
             return
         reason = f"{self.prefix}: {self.tracked_name} of layer {worst} moved {before:.2f} -> {after:.2f}"
-        trainer.strategy.request_rebalance(reason, reprofile=False)
+        pipeline_of(trainer).request_rebalance(reason, reprofile=False)
         self.baseline = {i: s[self.tracked] for i, s in stats.items()}
         self.requests.append({"step": int(trainer.global_step), "reason": reason})
 

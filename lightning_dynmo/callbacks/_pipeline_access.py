@@ -33,21 +33,32 @@ def local_layers(pl_module: nn.Module) -> Iterator[tuple[int, nn.Module]]:
             yield i, layer
 
 
-def is_pipeline_strategy(strategy) -> bool:
-    """True when layers are split over ranks (the strategy exposes a pipeline group and local layers)."""
-    return hasattr(strategy, "pipeline_group") and callable(getattr(strategy, "local_layer_indices", None))
+def _splits_layers(obj) -> bool:
+    """True when ``obj`` holds a share of the layers (a pipeline group and local layers)."""
+    return hasattr(obj, "pipeline_group") and callable(getattr(obj, "local_layer_indices", None))
+
+
+def pipeline_of(trainer):
+    """What answers :class:`~lightning_dynmo.protocol.PipelineControl` for this trainer:
+    ``DynMoStrategy``'s ``strategy.pipeline``, or a strategy that implements the protocol itself;
+    None under a strategy whose every rank holds the whole model (plain Lightning)."""
+    strategy = trainer.strategy
+    pipeline = getattr(strategy, "pipeline", None)
+    if _splits_layers(pipeline):
+        return pipeline
+    return strategy if _splits_layers(strategy) else None
 
 
 def pipeline_reduce_group(trainer):
     """``(needs_reduce, group)``: whether per-layer quantities must be summed over ranks, and over
     which group (``None`` = default group). Under plain DDP every rank holds the whole model, so
     nothing is reduced (replicas are identical)."""
-    strategy = trainer.strategy
-    if not is_pipeline_strategy(strategy):
+    pipeline = pipeline_of(trainer)
+    if pipeline is None:
         return False, None
     if not (dist.is_available() and dist.is_initialized()):
         return False, None
-    return True, strategy.pipeline_group
+    return True, pipeline.pipeline_group
 
 
 def all_reduce_over_pipeline(trainer, vec: torch.Tensor, op=None) -> torch.Tensor:
@@ -62,8 +73,8 @@ def shards_over_replicas(trainer) -> bool:
     """True when each data-parallel replica holds a different shard of its layers
     (``dp_sharding="fsdp"`` over more than one replica): per-layer counts then sum over the
     replicas too, not only over the pipeline."""
-    held = getattr(trainer.strategy, "dp_sharding", None)
-    return is_pipeline_strategy(trainer.strategy) and getattr(held, "sharded_layers", None) is not None
+    pipeline = pipeline_of(trainer)
+    return pipeline is not None and getattr(getattr(pipeline, "dp_sharding", None), "sharded_layers", None) is not None
 
 
 def model_reduce_groups(trainer) -> tuple[bool, list]:
@@ -73,7 +84,7 @@ def model_reduce_groups(trainer) -> tuple[bool, list]:
     needs, group = pipeline_reduce_group(trainer)
     if not needs:
         return False, []
-    return True, ([trainer.strategy.data_parallel_group] if shards_over_replicas(trainer) else []) + [group]
+    return True, ([pipeline_of(trainer).data_parallel_group] if shards_over_replicas(trainer) else []) + [group]
 
 
 def all_reduce_over_model(trainer, vec: torch.Tensor, op=None) -> torch.Tensor:
@@ -87,11 +98,11 @@ def all_reduce_over_model(trainer, vec: torch.Tensor, op=None) -> torch.Tensor:
 def request_rebalance(trainer, reason: str, reprofile: bool = True) -> bool:
     """Ask the strategy to rebalance if it can; plain Lightning strategies just ignore it.
     ``reprofile=False``: the layers' work changed, not what they compute (see PipelineControl)."""
-    strategy = trainer.strategy
-    if isinstance(strategy, PipelineControl):
-        strategy.request_rebalance(reason, reprofile=reprofile)
+    pipeline = pipeline_of(trainer)
+    if isinstance(pipeline, PipelineControl):
+        pipeline.request_rebalance(reason, reprofile=reprofile)
         return True
-    fn = getattr(strategy, "request_rebalance", None)
+    fn = getattr(pipeline or trainer.strategy, "request_rebalance", None)
     if callable(fn):
         fn(reason)
         return True
@@ -99,7 +110,7 @@ def request_rebalance(trainer, reason: str, reprofile: bool = True) -> bool:
 
 
 def invalidate_pipeline(trainer) -> None:
-    fn = getattr(trainer.strategy, "invalidate_pipeline", None)
+    fn = getattr(pipeline_of(trainer) or trainer.strategy, "invalidate_pipeline", None)
     if callable(fn):
         fn()
 
@@ -116,8 +127,8 @@ def replica_group(trainer) -> tuple[object, bool]:
     replica of the whole model (DDP, FSDP)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, False
-    strategy = trainer.strategy
-    if is_pipeline_strategy(strategy):
-        group = getattr(strategy, "data_parallel_group", None)
+    pipeline = pipeline_of(trainer)
+    if pipeline is not None:
+        group = getattr(pipeline, "data_parallel_group", None)
         return group, group is not None and dist.get_world_size(group) > 1
     return None, dist.get_world_size() > 1

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from ._pipeline_access import all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers, \
-    pipeline_reduce_group, reduce_device, request_rebalance
+from ._pipeline_access import (all_reduce_over_pipeline, invalidate_pipeline, local_layers, pipeline_layers,
+    pipeline_of, pipeline_reduce_group, reduce_device, request_rebalance)
 from ..dynamic.freezing import freeze_layer, layer_grad_norm, plasticity, snapshot_layer
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class LayerFreezing(Callback):
       steps, each not-yet-frozen layer's gradient norm is averaged over the interval; a layer is
       converged when the relative change ``|g_now - g_prev| / g_prev`` of that average between two
       consecutive intervals is below ``threshold``. The per-layer sums are one fixed-size vector
-      all-reduced over ``strategy.pipeline_group`` and averaged over the data-parallel replicas
+      all-reduced over ``strategy.pipeline.pipeline_group`` and averaged over the data-parallel replicas
       (which differ where they hold different parts of a layer: expert shards, FSDP shards), so
       every rank decides the same.
     * **Schedule** (``schedule={step: n}``): from optimizer step ``step`` on, at least the first
@@ -89,8 +89,8 @@ class LayerFreezing(Callback):
     count is rounded up to whole blocks, a converged prefix and ``max_frozen`` down). Freezing sets
     ``requires_grad=False``, frees grads and optimizer state (see :func:`lightning_dynmo.dynamic.freeze_layer`): a
     frozen prefix builds no autograd graph, its stages run no backward, and its parameters (gradient ``None``) skip the
-    data-parallel all-reduce. Each freeze calls ``strategy.invalidate_pipeline()`` and
-    ``strategy.request_rebalance("freezing: ...")`` where the strategy has them. Logs
+    data-parallel all-reduce. Each freeze calls ``strategy.pipeline.invalidate_pipeline()`` and
+    ``strategy.pipeline.request_rebalance("freezing: ...")`` where the strategy has them. Logs
     ``freezing/frozen_layers``; ``history`` records each freeze (step, count, reason).
     """
 
@@ -221,7 +221,7 @@ class LayerFreezing(Callback):
             return
         vec = torch.tensor(self._window, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         vec = all_reduce_over_pipeline(trainer, vec)
-        dp_group = getattr(trainer.strategy, "data_parallel_group", None)
+        dp_group = getattr(pipeline_of(trainer), "data_parallel_group", None)
         if pipeline_reduce_group(trainer)[0] and dp_group is not None:
             # replicas hold the same averaged gradients, except where they hold different parts of a
             # layer (expert shards under expert_parallel, FSDP shards): their mean, so all decide alike

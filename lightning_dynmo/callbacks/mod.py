@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from ._pipeline_access import all_reduce_over_pipeline, local_layers, pipeline_layers, pipeline_reduce_group, \
-    reduce_device
+from ._pipeline_access import (all_reduce_over_pipeline, local_layers, pipeline_layers, pipeline_of,
+    pipeline_reduce_group, reduce_device)
 from ..models.mod import MoDBlock, check_capacity
 from ..protocol import PipelineControl
 
@@ -117,7 +117,7 @@ class MixtureOfDepths(Callback):
                                          1.0 if has else 0.0], dtype=torch.float64)
             b.reset_counters()
         counts = all_reduce_over_pipeline(trainer, counts)
-        dp_group = getattr(trainer.strategy, "data_parallel_group", None)
+        dp_group = getattr(pipeline_of(trainer), "data_parallel_group", None)
         if pipeline_reduce_group(trainer)[0] and dp_group is not None:
             dist.all_reduce(counts, group=dp_group)  # replicas saw different data: decide alike
         seen, taken, computed, agree, predicted, threshold, holders = counts.cpu().tolist()
@@ -141,13 +141,13 @@ class MixtureOfDepths(Callback):
                               batch_size=1)
         if acc is not None:
             pl_module.log("mod/predictor_accuracy", acc, on_step=True, on_epoch=False, batch_size=1)
-        if not blocks or not isinstance(trainer.strategy, PipelineControl):
+        if not blocks or not isinstance(pipeline_of(trainer), PipelineControl):
             return
         base = self.baseline if self.baseline is not None and len(self.baseline) == len(load) else [1.0] * len(load)
         worst = max(blocks, key=lambda i: abs(load[i] - base[i]))
         if abs(load[worst] - base[worst]) > self.drift:
             reason = f"mod: load of layer {worst} moved {base[worst]:.2f} -> {load[worst]:.2f}"
-            trainer.strategy.request_rebalance(reason, reprofile=False)  # routing changed, not structure
+            pipeline_of(trainer).request_rebalance(reason, reprofile=False)  # routing changed, not structure
             self.baseline = [1.0 if math.isnan(f) else f for f in load]
             self.requests.append({"step": int(trainer.global_step), "reason": reason})
 

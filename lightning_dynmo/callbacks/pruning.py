@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 
 import torch.distributed as dist
 
-from ._pipeline_access import all_reduce_over_model, all_reduce_over_pipeline, invalidate_pipeline, local_layers, \
-    model_reduce_groups, pipeline_layers, reduce_device, replica_group, request_rebalance, shards_over_replicas
+from ._pipeline_access import (all_reduce_over_model, all_reduce_over_pipeline, invalidate_pipeline, local_layers,
+    model_reduce_groups, pipeline_layers, pipeline_of, reduce_device, replica_group, request_rebalance,
+    shards_over_replicas)
 from ..dynamic.nm_sparsity import nm_droppable, nm_max_sparsity, parse_nm, satisfies_nm, transposable_droppable
 from ..dynamic.pruning import ParamSwap, PrunableLinear, _local, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
@@ -43,13 +44,13 @@ class GradualPruning(Callback):
       their Linears become :class:`~lightning_dynmo.dynamic.PrunableLinear` (same Parameters).
     * Threshold: :func:`~lightning_dynmo.dynamic.global_magnitude_threshold` over the kept
       weights of the local prunable layers (pruned ones count as zeros), reduced over
-      ``strategy.pipeline_group`` (exact k-th |w|, no weight gathering; identical on
+      ``strategy.pipeline.pipeline_group`` (exact k-th |w|, no weight gathering; identical on
       data-parallel replicas). Masks only shrink.
     * Storage (``storage_density``): a layer whose density is at most this is **CSR-stored**
       (:meth:`PrunableLinear.compress`): its master weight becomes the kept values, so its
       gradient, its optimizer moments and its data-parallel gradient all-reduce shrink with its
       density. The optimizer is re-mapped in place (same groups and slots; the LR schedule is
-      untouched): ``strategy.optimizer_layout.replace_param`` under ``DynMoStrategy``,
+      untouched): ``strategy.pipeline.optimizer_layout.replace_param`` under ``DynMoStrategy``,
       :func:`~lightning_dynmo.runtime.optimizer_layout.replace_param` under a single-device
       strategy. Other strategies (e.g. DDP, which registers parameters once) keep dense storage.
       ``None`` keeps every layer dense-stored (masked dense). Dense-stored layers zero the
@@ -88,10 +89,10 @@ class GradualPruning(Callback):
       ``sparse_kernels`` is not used either: pruning saves no memory or time at rest under fsdp
       (see docs/parallelism.md), only the 1/dp of sharding.
     * ``repack``: after the last pruning step, ask the strategy to pack the pipeline onto fewer
-      ranks (``strategy.request_repack(repack)``: an int target or ``"auto"``); None: do not ask.
+      ranks (``strategy.pipeline.request_repack(repack)``: an int target or ``"auto"``); None: do not ask.
     * Logs ``pruning/sparsity`` (global, measured), ``pruning/target_sparsity`` and
       ``pruning/density_L{i}`` per layer; ``history`` records each step's threshold and per-layer
-      densities; calls ``strategy.request_rebalance("pruning: ...")``.
+      densities; calls ``strategy.pipeline.request_rebalance("pruning: ...")``.
     """
 
     def __init__(
@@ -250,7 +251,7 @@ class GradualPruning(Callback):
         from lightning.pytorch.strategies import SingleDeviceStrategy
 
         strategy = trainer.strategy
-        if callable(getattr(getattr(strategy, "optimizer_layout", None), "replace_param", None)):
+        if callable(getattr(getattr(pipeline_of(trainer), "optimizer_layout", None), "replace_param", None)):
             return True
         if isinstance(strategy, SingleDeviceStrategy):
             return True
@@ -265,7 +266,7 @@ class GradualPruning(Callback):
         if not swaps:
             return
         names = {id(m): n for n, m in pl_module.named_modules()}
-        layout = getattr(trainer.strategy, "optimizer_layout", None)
+        layout = getattr(pipeline_of(trainer), "optimizer_layout", None)
         for m, swap in swaps:
             fqn = f"{names[id(m)]}.{swap.name}"
             if layout is not None and callable(getattr(layout, "replace_param", None)):
@@ -324,7 +325,7 @@ class GradualPruning(Callback):
             self.prune(trainer, pl_module, self.sparsity_at(step))
             self.last_prune_step = step
             if step == self.last_step and self.repack is not None:
-                fn = getattr(trainer.strategy, "request_repack", None)
+                fn = getattr(pipeline_of(trainer) or trainer.strategy, "request_repack", None)
                 if callable(fn):
                     fn(self.repack)
 
@@ -488,7 +489,7 @@ class GradualPruning(Callback):
 
 def _optimizer_index_names(trainer, pl_module) -> list[dict[int, str]]:
     """For each optimizer, single-process state index -> parameter name."""
-    layout = getattr(trainer.strategy, "optimizer_layout", None)
+    layout = getattr(pipeline_of(trainer), "optimizer_layout", None)
     if layout is not None and hasattr(layout, "slots"):
         out: list[dict[int, str]] = [{} for _ in trainer.optimizers]
         for fqn, slot in layout.slots.items():

@@ -5,7 +5,7 @@ and migrate before the step after it. Triggers:
 
 * ``never``;
 * ``every_n``: every ``rebalance_interval`` steps;
-* ``on_event``: a callback called ``strategy.request_rebalance(reason)``;
+* ``on_event``: a callback called ``strategy.pipeline.request_rebalance(reason)``;
 * ``auto``: the per-rank busy time (measured every step at no extra communication) shows an
   imbalance ``(max - min) / mean`` above ``imbalance_threshold``; the new partition is applied only
   if the predicted saving over ``rebalance_horizon`` steps exceeds the measured cost of migrating.

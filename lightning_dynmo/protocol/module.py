@@ -43,8 +43,9 @@ Two optional protocols connect the rest:
   choice, dynamic sparse attention, early exit) reports how much work its forwards did relative
   to full capacity. The strategy reads it every step at no profiling cost and scales the layer's
   profiled time by it (the paper's c_i = r_i t_i), so the balancer can decide every iteration.
-* :class:`PipelineControl`: what callbacks may ask of a pipeline strategy (checked with
-  ``isinstance(trainer.strategy, PipelineControl)``; no duck-typing of private fields).
+* :class:`PipelineControl`: what callbacks may ask of a pipeline strategy: ``DynMoStrategy``'s
+  ``trainer.strategy.pipeline``, or a strategy that implements it itself (checked with
+  ``isinstance(..., PipelineControl)``; no duck-typing of private fields).
 """
 from __future__ import annotations
 

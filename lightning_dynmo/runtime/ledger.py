@@ -57,6 +57,6 @@ class CollectiveLedger:
         raise CollectiveMismatchError(
             f"the ranks are about to make different collective calls ({listing}). Every rank must make the "
             "same DynMo/Lightning collective calls in the same order: call trainer.save_checkpoint, "
-            "strategy.broadcast/barrier, trainer.log_dir and strategy.rebalance_to / repack_to / "
+            "strategy.broadcast/barrier, trainer.log_dir and strategy.pipeline.rebalance_to / repack_to / "
             "gather_layer_costs on every rank (not under `if trainer.is_global_zero:`), and keep rank-local "
             "state (a timer, a file, the torch version) out of decisions about which calls to make")

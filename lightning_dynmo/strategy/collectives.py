@@ -17,7 +17,7 @@ from typing_extensions import override
 from ..runtime.fault import (RankFailedError, explain_lost_peer, peer_missing, report_failure,
                              step_region)
 from ..runtime.ledger import CollectiveLedger
-from .signals import DeferredSignals, act_at_batch_boundary
+from .signals import DeferredSignals, act_at_batch_boundary, defer_signal_handlers
 
 
 class WorldStrategy(ParallelStrategy):
@@ -60,12 +60,6 @@ class WorldStrategy(ParallelStrategy):
         rank; it shuffles training data, seeded, the same on every rank of a pipeline); with one
         replica none is injected (see ``DynMoStrategy.setup``), so training sees the loader's own order."""
         return True
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -111,6 +105,14 @@ class WorldStrategy(ParallelStrategy):
         return tensor
 
 
+def set_world_ranks(strategy: WorldStrategy) -> None:
+    """Global rank and world size from the node and local ranks (one process per device)."""
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
+
+
 @contextmanager
 def explain_timeout(hint: str, where: str = "a collective call"):
     """A collective inside the block that timed out, or lost a peer (a rank stopped, or skipped a
@@ -123,6 +125,26 @@ def explain_timeout(hint: str, where: str = "a collective call"):
         if not peer_missing(err) or isinstance(err, RankFailedError):
             raise
         raise explain_lost_peer(err, where, hint) from err
+
+
+class BatchBoundary:
+    """The cluster signals this rank received (``strategy/signals.py``), and where a training
+    batch's first agreement, which carries them, runs: in Lightning's epoch loop when
+    :func:`agree_before_each_batch` could take its place there, else in ``on_train_batch_start``."""
+
+    def __init__(self) -> None:
+        self.signals: DeferredSignals | None = None
+        self.in_epoch_loop = False
+
+    def install(self, strategy: WorldStrategy, trainer, fitting: bool) -> None:
+        """At setup, before Lightning registers its signal handlers."""
+        self.signals = defer_signal_handlers(trainer)  # acted on at a batch boundary
+        if fitting:
+            self.in_epoch_loop = agree_before_each_batch(strategy, trainer, self.signals)
+
+    def at_batch_start(self, trainer, agree) -> None:
+        if not self.in_epoch_loop:
+            act_at_batch_boundary(self.signals, trainer, agree)
 
 
 def agree_before_each_batch(strategy: WorldStrategy, trainer, signals: DeferredSignals | None) -> bool:

@@ -11,17 +11,16 @@ from ..runtime.engine import raise_step_problem
 from ..runtime.groups import group_ranks
 from . import eval_metrics
 from ..runtime.step_stats import share_eval_loss
-from .signals import act_on_signals, signal_flags
+from .signals import DeferredSignals, act_on_signals, signal_flags
 
 
-def eval_batch(strategy, stage: str, batch: Any, batch_idx: Any = None):
+def eval_batch(pipeline, plugin, signals: DeferredSignals | None, stage: str, batch: Any, batch_idx: Any = None):
     """Runs the pipeline without backward; returns the batch loss on every rank and logs
     ``{stage}_loss``; the module's optional ``pipeline_eval_step`` sees the last layer's output
     (``strategy/eval_metrics.py``)."""
-    s = strategy
+    s = pipeline
     module = s.lightning_module
     inputs, targets = split_batch(batch)
-    plugin = s.precision_plugin
     ctx = plugin.val_step_context if stage == "val" else plugin.test_step_context  # a fresh context per use
     hook = eval_metrics.eval_step_hook(module)
     if hook is not None:
@@ -29,13 +28,13 @@ def eval_batch(strategy, stage: str, batch: Any, batch_idx: Any = None):
     losses, problem, engine = None, None, None
     if not s.released:
         with ctx():
-            engine = s._engine_for(inputs, targets, train=False)
+            engine = s.engine_for(inputs, targets, plugin, train=False)
             losses, problem = engine.run(inputs, targets, train=False, keep_output=hook is not None), engine.problem
     trainer = module.trainer
-    loss, flagged, signals = share_eval_loss(losses, s.topology.dp, s.root_device, problem is not None,
-                                             signal_flags(s._signals, trainer))
+    loss, flagged, flags = share_eval_loss(losses, s.topology.dp, s.root_device, problem is not None,
+                                             signal_flags(signals, trainer))
     raise_step_problem(problem, flagged)
-    act_on_signals(s._signals, trainer, *signals)
+    act_on_signals(signals, trainer, *flags)
     if hook is not None:
         ran_here = engine is not None and engine.has_last
         record = None

@@ -77,10 +77,10 @@ def _apply_hook(module, output, batch, step_args: tuple) -> tuple[Exception | No
         return err, None
 
 
-def predict_batch(strategy, batch, *step_args: Any):
+def predict_batch(pipeline, plugin, batch, *step_args: Any):
     """One predict batch (``step_args``: ``batch_idx`` and, with several loaders,
     ``dataloader_idx``); returns the prediction on every rank of this pipeline."""
-    s = strategy
+    s = pipeline
     module = s.lightning_module
     if s.released:
         return None
@@ -90,8 +90,8 @@ def predict_batch(strategy, batch, *step_args: Any):
         if message:
             rank_zero_warn(message)
     inputs = predict_inputs(batch)
-    with s.precision_plugin.predict_step_context():
-        engine = s._engine_for(inputs, None, train=False, predict=True)
+    with plugin.predict_step_context():
+        engine = s.engine_for(inputs, None, plugin, train=False, predict=True)
         output, problem = engine.predict(inputs), engine.problem
     flag = torch.tensor([0.0 if problem is None else 1.0], device=s.root_device)
     if s.layout.pp_size > 1:

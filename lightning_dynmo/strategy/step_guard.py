@@ -83,7 +83,7 @@ def evaluated_once(closure, optimizer, rank: int, step: int):
 def waiting_hint(rank: int, step: int) -> str:
     """What a timeout in a step's collectives most likely means (see ``explain_timeout``)."""
     return (f"rank {rank} waited for the other ranks in step {step}: a rank stopped, or is inside a call that every "
-            "rank must make and only some made (trainer.save_checkpoint, strategy.rebalance_to / repack_to / "
+            "rank must make and only some made (trainer.save_checkpoint, strategy.pipeline.rebalance_to / repack_to / "
             "gather_layer_costs)")
 
 

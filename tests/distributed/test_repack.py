@@ -64,7 +64,7 @@ def assert_released(res: dict, released: list[int]) -> None:
         if r not in released:
             assert res["grads_per_rank"][r] > 0 and res["optim_tensors_per_rank"][r] > 0, r
     assert res["released_hook_per_rank"] == [released] * world  # the hook fired on every rank
-    assert res["strategy_released_ranks_per_rank"] == [released] * world  # strategy.released_ranks agrees
+    assert res["strategy_released_ranks_per_rank"] == [released] * world  # strategy.pipeline.released_ranks agrees
 
 
 def test_repack_to_returns_the_released_ranks(runs):

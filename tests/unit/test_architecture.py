@@ -1,5 +1,6 @@
-"""The strategy's structure rules: a rebalancer and checkpoint functions that never hold
-or write the strategy, and ``@override`` on every Lightning hook the strategy overrides. Import
+"""The strategy's structure rules: a strategy of Lightning's hooks and a few objects (its members
+bounded, no mixin), a rebalancer and checkpoint functions that never hold or write the strategy,
+and ``@override`` on every Lightning hook the strategy overrides. Import
 layering, cycles and the module size alarm: ``test_layering.py``."""
 from __future__ import annotations
 
@@ -33,6 +34,41 @@ def test_rebalancer_and_checkpoint_write_only_their_own_fields():
             roots.append((getattr(base, "id", ast.dump(base)), n.attr, n.lineno))
         bad = [r for r in roots if r[0] not in allowed]
         assert not bad, f"strategy/{name}.py writes fields of other objects: {bad}"
+
+
+MAX_MEMBERS = 45
+
+
+def strategy_members() -> dict[str, str]:
+    """Every member the project's classes give ``DynMoStrategy`` (methods, properties and class
+    attributes, and the instance attributes their code assigns on ``self``), with its class."""
+    import inspect
+
+    members: dict[str, str] = {}
+    for cls in (c for c in DynMoStrategy.__mro__ if c.__module__.startswith("lightning_dynmo.")):
+        for name in vars(cls):
+            if not (name.startswith("__") and name.endswith("__")) and name != "_abc_impl":  # (ABCMeta's cache)
+                members.setdefault(name, cls.__name__)
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) else []
+            for target in targets:
+                for e in ast.walk(target):
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                        members.setdefault(e.attr, cls.__name__)
+    return members
+
+
+def test_the_strategy_is_lightnings_hooks_and_a_few_objects():
+    """Every project class the strategy inherits from is a Lightning strategy (no mixin), and the
+    members they give it stay few: the pipeline's state and API live on ``strategy.pipeline``."""
+    from lightning.pytorch.strategies import Strategy
+
+    ours = [c for c in DynMoStrategy.__mro__ if c.__module__.startswith("lightning_dynmo.")]
+    assert all(issubclass(c, Strategy) for c in ours), [c.__name__ for c in ours if not issubclass(c, Strategy)]
+    members = strategy_members()
+    assert "pipeline" in members and "partition" not in members and "rebalancer" not in members
+    assert len(members) <= MAX_MEMBERS, f"{len(members)} members (at most {MAX_MEMBERS}): {sorted(members)}"
 
 
 def _lightning_names() -> set[str]:
@@ -96,8 +132,8 @@ _PROBE = textwrap.dedent('''
 
     import inspect
     found = []
-    reach(strategy.rebalancer, "rebalancer", set(), found)
-    print(json.dumps({{"found": found, "decisions": len(strategy.rebalance_history)}}))
+    reach(strategy.pipeline.rebalancer, "rebalancer", set(), found)
+    print(json.dumps({{"found": found, "decisions": len(strategy.pipeline.rebalance_history)}}))
 ''')
 
 

@@ -66,7 +66,7 @@ def test_cli_sets_the_strategy_options(monkeypatch):
     assert o.pipeline_parallel == 2 and o.schedule.name == "gpipe" and o.rebalance is Rebalance.NEVER
     assert o.timeout == timedelta(seconds=30) and o.partition == Partition((0, 3, 7))
     assert o.link_bandwidth == (3.6e11, 4.5e10) and o.dp_sharding is DpSharding.FSDP and o.plot is False
-    assert s.rebalancer.policy.rebalance is Rebalance.NEVER  # built from the same options
+    assert s.pipeline.rebalancer.policy.rebalance is Rebalance.NEVER  # built from the same options
     # the rest at PipelineOptions' defaults
     assert o.microbatches is None and o.balancer == "partition_time" and o.expert_parallel == 1
 

@@ -41,7 +41,7 @@ MUST_NOT_IMPORT: dict[str, tuple[str, ...]] = {
     "protocol": ("torch.distributed", "lightning"),
 }
 #: strategy/ helpers that must not import the strategy class's module (they hold no strategy)
-STRATEGY_HELPERS = ("rebalancer", "checkpoint", "dcp_checkpoint", "state", "api")
+STRATEGY_HELPERS = ("rebalancer", "checkpoint", "checkpointer", "dcp_checkpoint", "state", "pipeline")
 
 
 def _modules(root: Path, package: str) -> dict[str, Path]:

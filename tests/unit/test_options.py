@@ -90,7 +90,7 @@ def test_every_consumer_is_built_from_the_validated_options():
     s = DynMoStrategy(rebalance="every_n", rebalance_interval=7, imbalance_threshold=0.2, rebalance_horizon=300,
                       rebalance_cooldown=3, rebalance_hysteresis=0.25, profile_steps=2, overhead_budget=0.5,
                       repack="auto", repack_tolerance=0.1, plot=False, plot_interval=9, balancer="diffusion_time")
-    o, r = s.options, s.rebalancer
+    o, r = s.options, s.pipeline.rebalancer
     assert r.options is o and r.balancer == "diffusion_time" and r.controller.repack == "auto"
     p = r.policy
     assert (p.rebalance, p.rebalance_interval, p.imbalance_threshold, p.rebalance_horizon, p.rebalance_cooldown,
@@ -123,9 +123,9 @@ def test_link_bandwidth_reaches_the_cost_model():
     assert s.options.link_bandwidth == (3.6e11, 4.5e10)
     # 8 ranks on 2 nodes of 4, one pipeline: only the boundary between ranks 3 and 4 is inter-node
     layout = PipelineLayout(Topology(8, 8, ranks_per_node=4), get_schedule("1f1b"), 1, global_rank=0)
-    assert s.rebalancer.cost_model(layout, None).bandwidth == (3.6e11,) * 3 + (4.5e10,) + (3.6e11,) * 3
-    assert DynMoStrategy().rebalancer.cost_model(layout, None).bandwidth is None
-    assert DynMoStrategy(link_bandwidth=2e10).rebalancer.cost_model(layout, None).bandwidth == 2e10
+    assert s.pipeline.rebalancer.cost_model(layout, None).bandwidth == (3.6e11,) * 3 + (4.5e10,) + (3.6e11,) * 3
+    assert DynMoStrategy().pipeline.rebalancer.cost_model(layout, None).bandwidth is None
+    assert DynMoStrategy(link_bandwidth=2e10).pipeline.rebalancer.cost_model(layout, None).bandwidth == 2e10
     # re-packed onto 4 ranks: all on node 0, one rate
     assert layout.boundary_bandwidth((3.6e11, 4.5e10), 4) == 3.6e11
     # two replicas of 4 ranks, one per node: no boundary crosses nodes

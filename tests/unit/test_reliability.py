@@ -29,24 +29,24 @@ ROOT = Path(__file__).resolve().parents[2]
 # ---------------------------------------------------------------------------------- item 0
 def test_defaults_are_dynamic():
     s = DynMoStrategy()
-    assert s.rebalancer.policy.rebalance == "auto"
-    assert s.rebalancer.balancer == "partition_time"
+    assert s.pipeline.rebalancer.policy.rebalance == "auto"
+    assert s.pipeline.rebalancer.balancer == "partition_time"
     assert s.options.on_nonfinite == "error"
 
 
 def test_a_request_under_never_warns_once_naming_the_option():
     s = DynMoStrategy(rebalance="never")
     with pytest.warns(UserWarning, match=r"rebalance='never'.*rebalance='auto'"):
-        s.request_rebalance("LayerFreezing froze 3 layers")
+        s.pipeline.request_rebalance("LayerFreezing froze 3 layers")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        s.request_rebalance("again")  # once is enough
+        s.pipeline.request_rebalance("again")  # once is enough
 
 
 def test_requests_under_other_modes_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        DynMoStrategy(rebalance="on_event").request_rebalance("x")
+        DynMoStrategy(rebalance="on_event").pipeline.request_rebalance("x")
 
 
 # ---------------------------------------------------------------------------------- item 11
@@ -236,7 +236,7 @@ def test_nonfinite_option_is_validated():
 
 
 def test_nonfinite_loss_check_names_the_step():
-    from lightning_dynmo.strategy.strategy import NonFiniteLossError, check_loss
+    from lightning_dynmo.strategy.nonfinite import NonFiniteLossError, check_loss
 
     assert check_loss(torch.tensor(1.5), 7, "error") is True
     with pytest.raises(NonFiniteLossError, match=r"step 7.*on_nonfinite"):

@@ -405,8 +405,8 @@ def _data_parallel_group(trainer) -> tuple[object, bool]:
     process group is a replica of the whole model (DDP, FSDP)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None, False
-    strategy = trainer.strategy
-    if hasattr(strategy, "pipeline_group") and callable(getattr(strategy, "local_layer_indices", None)):
-        group = getattr(strategy, "data_parallel_group", None)
+    holder = getattr(trainer.strategy, "pipeline", None) or trainer.strategy  # DynMoStrategy's, or the strategy
+    if hasattr(holder, "pipeline_group") and callable(getattr(holder, "local_layer_indices", None)):
+        group = getattr(holder, "data_parallel_group", None)
         return group, group is not None and dist.get_world_size(group) > 1
     return None, dist.get_world_size() > 1

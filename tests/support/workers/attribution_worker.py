@@ -49,7 +49,7 @@ class ProfiledSteps(L.Callback):
         self.steps: list[dict] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        prof = trainer.strategy.profiler
+        prof = trainer.strategy.pipeline.profiler
         if prof.layer_profiling:
             busy, attributed = prof.attribution()
             self.steps.append({"step": trainer.global_step, "busy": busy, "attributed": attributed,

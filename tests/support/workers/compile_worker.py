@@ -26,7 +26,7 @@ class MoveAfter(L.Callback):
         self.step, self.partition, self.compiled = step, partition, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        s = trainer.strategy
+        s = trainer.strategy.pipeline
         mine = {i: (id(s.layers[i]._compiled_call_impl) if is_compiled(s.layers[i]) else None)
                 for i in s.local_layer_indices()}
         every = [None] * dist.get_world_size()

@@ -138,8 +138,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         error = f"{type(exc).__name__}: {exc}"
     errors = [None] * world
     dist.all_gather_object(errors, error)
-    result = {"losses": rec.losses, "errors": errors, "dp": dp, "partition": str(strategy.partition),
-              "released_ranks": list(strategy.released_ranks) if strategy.layout is not None else []}
+    result = {"losses": rec.losses, "errors": errors, "dp": dp, "partition": str(strategy.pipeline.partition),
+              "released_ranks": list(strategy.pipeline.released_ranks) if strategy.pipeline.layout is not None else []}
     last = trainer.checkpoint_callback.last_model_path if cfg.get("ckpt_dir") else None
     if last and error is None:
         result["ckpt"] = last

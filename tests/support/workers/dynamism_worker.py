@@ -83,7 +83,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if pipeline:
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
-        history, partition = trainer.strategy.rebalance_history, str(trainer.strategy.partition)
+        history, partition = trainer.strategy.pipeline.rebalance_history, str(trainer.strategy.pipeline.partition)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, sparse_kernels)
     else:

@@ -45,7 +45,7 @@ class Plant(L.Callback):
         def boom(*_):
             raise RuntimeError("boom: a layer failed on rank 1 only")
 
-        strategy.layers[strategy.local_layer_indices()[0]].register_forward_hook(boom)
+        strategy.pipeline.layers[strategy.pipeline.local_layer_indices()[0]].register_forward_hook(boom)
 
 
 def fit() -> dict:

@@ -83,7 +83,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         state, optim = model.state_dict(), trainer.optimizers[0].state_dict()
     result = {
         "losses": rec.losses,
-        "history": trainer.strategy.rebalance_history if pipeline else [],
+        "history": trainer.strategy.pipeline.rebalance_history if pipeline else [],
         "callback": cbs[0].state_dict() if cbs else None,
     }
     monitors = [cb for cb in cbs if isinstance(cb, MoELoadMonitor)]

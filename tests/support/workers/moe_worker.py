@@ -62,7 +62,7 @@ class GradNorms(L.Callback):
             return float(sq.sum().sqrt())
         sq = torch.cat([sq, sharded.reshape(1)])
         torch.distributed.all_reduce(sq)
-        s = trainer.strategy
+        s = trainer.strategy.pipeline
         dp, ep = s.topology.dp, s.options.expert_parallel
         return float((sq[0] / dp + sq[1] * ep / dp + sq[2]).sqrt())
 
@@ -119,7 +119,7 @@ class LoadSignal(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if isinstance(trainer.strategy, DynMoStrategy):
-            self.combined.append(trainer.strategy.layer_load)
+            self.combined.append(trainer.strategy.pipeline.layer_load)
             self.local.append({i: block.routing_stats().relative_work for i, block in pl_module.moe_blocks()})
         else:
             self.rows.append(self._step_rows)
@@ -195,7 +195,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         object.__setattr__(trainer.strategy.options, "checkpoint_format", CheckpointFormat.SINGLE)
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
-        history = trainer.strategy.rebalance_history
+        history = trainer.strategy.pipeline.rebalance_history
         per_rank, local_load, kinds = [None] * world, [None] * world, [None] * world
         torch.distributed.all_gather_object(per_rank, expert_rows)
         torch.distributed.all_gather_object(local_load, signal.local)

@@ -27,18 +27,18 @@ from tests.support.workers.common import LossRecorder, make_loader, make_model, 
 
 
 class RepackRequest(L.Callback):
-    """Calls ``strategy.request_repack(target)`` at the end of a given step (on every rank)."""
+    """Calls ``strategy.pipeline.request_repack(target)`` at the end of a given step (on every rank)."""
 
     def __init__(self, step: int, target):
         self.step, self.target = step, target
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            trainer.strategy.request_repack(self.target)
+            trainer.strategy.pipeline.request_repack(self.target)
 
 
 class DirectRepack(L.Callback):
-    """Calls ``strategy.repack_to(ranks, even split)`` at the end of a given step (on every rank)
+    """Calls ``strategy.pipeline.repack_to(ranks, even split)`` at the end of a given step (on every rank)
     and keeps what it returned."""
 
     def __init__(self, step: int, ranks: int):
@@ -48,14 +48,14 @@ class DirectRepack(L.Callback):
         if trainer.global_step == self.step:
             from lightning_dynmo.plan.partition import Partition
 
-            n = trainer.strategy.partition.num_layers
+            n = trainer.strategy.pipeline.partition.num_layers
             sizes = [n // self.ranks + (i < n % self.ranks) for i in range(self.ranks)]
-            self.returned = trainer.strategy.repack_to(self.ranks, Partition.from_sizes(sizes))
+            self.returned = trainer.strategy.pipeline.repack_to(self.ranks, Partition.from_sizes(sizes))
 
 
 class MidWindowRebalance(L.Callback):
     """After every batch that does not close an accumulation window (on every rank): move layers
-    with ``strategy.rebalance_to``, alternating between ``partitions``, so the layers carry their
+    with ``strategy.pipeline.rebalance_to``, alternating between ``partitions``, so the layers carry their
     partially accumulated gradients to their new ranks."""
 
     def __init__(self, partitions):
@@ -63,7 +63,7 @@ class MidWindowRebalance(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            trainer.strategy.rebalance_to(self.partitions[self.moves % len(self.partitions)])
+            trainer.strategy.pipeline.rebalance_to(self.partitions[self.moves % len(self.partitions)])
             self.moves += 1
 
 
@@ -124,7 +124,7 @@ class BusyProbe(L.Callback):
         self.rank_busy: list[list[float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.rank_busy.append(list(trainer.strategy.rebalancer.rank_busy))
+        self.rank_busy.append(list(trainer.strategy.pipeline.rebalancer.rank_busy))
 
 
 def count_replica_averages() -> list[int]:
@@ -154,7 +154,7 @@ class ReleaseListener(L.Callback):
 def _pipeline_grad_norm(trainer) -> float:
     """The whole model's gradient norm: local norms summed over the pipeline group (NaN on a
     released rank, which joins no collective)."""
-    s = trainer.strategy
+    s = trainer.strategy.pipeline
     if s.released:
         return math.nan
     grads = [p.grad for p in trainer.lightning_module.parameters() if p.grad is not None]
@@ -210,7 +210,7 @@ class StepProbe(L.Callback):
         self._hooks.__exit__(None, None, None)
         self._hooks = None
         self.saved_tensors.append(self._saved)
-        self.microbatches.append(trainer.strategy.last_microbatches)
+        self.microbatches.append(trainer.strategy.pipeline.last_microbatches)
 
 
 def _masks(module) -> tuple[int, int, int]:
@@ -333,7 +333,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]), val_dataloaders=val,
                 ckpt_path=cfg.get("resume"))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    events = trainer.strategy.last_step_events()  # the last step's chunk timeline on this rank
+    events = trainer.strategy.pipeline.last_step_events()  # the last step's chunk timeline on this rank
     chunk_seconds = {k: sum(e["end"] - e["start"] for e in events if e["kind"] == k) for k in "FBW"}
     grads = sum(1 for p in trainer.lightning_module.parameters() if p.grad is not None)
     optim_tensors = sum(1 for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
@@ -343,9 +343,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     frozen = [p for p in trainer.lightning_module.parameters() if not p.requires_grad]
     frozen_with_state = sum(1 for p in frozen for opt in trainer.optimizers if opt.state.get(p))
     local = (sum(p.numel() for p in trainer.lightning_module.parameters()),
-             bool(getattr(trainer.strategy, "released", False)),
+             bool(trainer.strategy.pipeline.released),
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
-             list(getattr(trainer.strategy, "released_ranks", [])), direct.returned if direct else None, local_numel,
+             list(trainer.strategy.pipeline.released_ranks), direct.returned if direct else None, local_numel,
              (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))),
              metrics.get("val_acc"), _masks(trainer.lightning_module))
     memory = pruning.state_bytes(trainer, trainer.lightning_module) if pruning else None  # (collective)
@@ -353,10 +353,11 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     torch.distributed.all_gather_object(per_rank, local)
     # the whole model on rank 0 whatever checkpoint_format saves (under "dcp" the strategy's own hooks
     # return local shards)
-    state = checkpoint.full_model_state_dict(trainer.strategy._pipe())
-    optim = checkpoint.full_optimizer_state(trainer.strategy._pipe(), trainer.optimizers[0])
+    pipeline = trainer.strategy.pipeline
+    state = checkpoint.full_model_state_dict(pipeline.snapshot())
+    optim = checkpoint.full_optimizer_state(pipeline.snapshot(), trainer.optimizers[0])
     result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance,
-              "history": trainer.strategy.rebalance_history, "partition": str(trainer.strategy.partition), "dp": dp,
+              "history": pipeline.rebalance_history, "partition": str(pipeline.partition), "dp": dp,
               "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
               "chunk_seconds_per_rank": [x[2] for x in per_rank], "grads_per_rank": [x[3] for x in per_rank],
               "released_hook": released_hook.ranks, "optim_tensors_per_rank": [x[4] for x in per_rank],
@@ -375,7 +376,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "monitor": dict(monitor.state_dict(), last_stats=monitor.last_stats) if monitor else None,
               "early_exit": early_exit.state_dict() if early_exit else None,
               "replica_averages": averages[0], "mid_window_moves": mid_window.moves if mid_window else 0,
-              "rank_busy": busy.rank_busy, "summary": trainer.strategy.dynmo_summary}
+              "rank_busy": busy.rank_busy, "summary": trainer.strategy.pipeline.dynmo_summary}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["optim"] = os.path.join(out_dir, f"optim{idx}.pt")

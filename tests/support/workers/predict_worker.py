@@ -1,5 +1,5 @@
 """``trainer.predict`` through the pipeline, optionally after a fit that migrated layers and an
-explicit ``strategy.rebalance_to``; then ``trainer.validate`` on the same trainer.
+explicit ``strategy.pipeline.rebalance_to``; then ``trainer.validate`` on the same trainer.
 
 Usage: torchrun --nproc-per-node N predict_worker.py SPEC.json (see ``run_worker``). Rank 0 writes,
 per run, the final weights (single-process keys), every rank's predictions and what it logged.
@@ -39,15 +39,15 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     result: dict = {"dp": world // cfg["pp"]}
     if cfg.get("steps"):
         trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]))
-        result["history"] = trainer.strategy.rebalance_history
+        result["history"] = trainer.strategy.pipeline.rebalance_history
     if cfg.get("rebalance_to"):
-        trainer.strategy.rebalance_to(cfg["rebalance_to"])  # a migration outside fit (collective)
+        trainer.strategy.pipeline.rebalance_to(cfg["rebalance_to"])  # a migration outside fit (collective)
     loader = predict_loader(cfg, cfg["batch"], cfg["n"], with_targets=cfg.get("targets", True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         predictions = trainer.predict(model, dataloaders=loader)
     result["warned"] = any("predict_step is not called" in str(w.message) for w in caught)
-    result["partition"] = str(trainer.strategy.partition)
+    result["partition"] = str(trainer.strategy.pipeline.partition)
     per_rank: list = [None] * world
     dist.all_gather_object(per_rank, predictions)
     state = trainer.strategy.lightning_module_state_dict()

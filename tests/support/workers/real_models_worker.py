@@ -57,7 +57,8 @@ class InfGradient(L.Callback):
             p = dict(pl_module.named_parameters()).get(self.name)
             if p is not None and p.grad is not None:
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # an FSDP shard: its local piece
-                if self.replica is None or trainer.strategy.topology.dp_rank(trainer.global_rank) == self.replica:
+                replica = trainer.strategy.pipeline.topology.dp_rank(trainer.global_rank)
+                if self.replica is None or replica == self.replica:
                     if grad.numel():
                         grad.view(-1)[0] = float("inf")
 
@@ -115,14 +116,14 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         model = build_model(cfg)
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"]))
     strategy = trainer.strategy
-    ckpt = strategy.engines.checkpointing
+    ckpt = strategy.pipeline.engines.checkpointing
     local = {"recompute": sorted(i for d in ckpt.decisions.values() for i in d),
-             "layers": strategy.local_layer_indices(), "scales": scales.scales}
+             "layers": strategy.pipeline.local_layer_indices(), "scales": scales.scales}
     per_rank = [None] * strategy.world_size
     torch.distributed.all_gather_object(per_rank, local)
     state = strategy.lightning_module_state_dict()
-    result = {"losses": rec.losses, "scales": scales.scales, "partition": str(strategy.partition),
-              "applied": sum(1 for r in strategy.rebalance_history if r.get("applied")), "per_rank": per_rank}
+    result = {"losses": rec.losses, "scales": scales.scales, "partition": str(strategy.pipeline.partition),
+              "applied": sum(1 for r in strategy.pipeline.rebalance_history if r.get("applied")), "per_rank": per_rank}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         result["init"] = init_path

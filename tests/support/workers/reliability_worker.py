@@ -139,7 +139,7 @@ class RepackOnRankZero(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 1 and trainer.is_global_zero:
-            trainer.strategy.request_repack(1)
+            trainer.strategy.pipeline.request_repack(1)
 
 
 class SeedGlobalRNG(L.Callback):
@@ -199,7 +199,7 @@ def bare_partition(problem):
 # ---------------------------------------------------------------------------------- callbacks
 class RequestEveryStep(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        trainer.strategy.request_rebalance("test request")
+        trainer.strategy.pipeline.request_rebalance("test request")
 
 
 class ProfileOnce(L.Callback):
@@ -210,12 +210,12 @@ class ProfileOnce(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 0:
-            trainer.strategy.request_rebalance("profile for the test")
+            trainer.strategy.pipeline.request_rebalance("profile for the test")
 
     def on_train_end(self, trainer, pl_module):
-        costs, _ = trainer.strategy.gather_layer_costs()
+        costs, _ = trainer.strategy.pipeline.gather_layer_costs()
         self.costs = {"forward": list(costs.forward), "backward": list(costs.backward),
-                      "partition": list(trainer.strategy.partition.boundaries)}
+                      "partition": list(trainer.strategy.pipeline.partition.boundaries)}
 
 
 class BatchOrder(L.Callback):
@@ -239,7 +239,7 @@ class KillOnce(L.Callback):
 
 
 class InvalidateOnOneRank(L.Callback):
-    """``strategy.invalidate_pipeline()`` on ``rank`` only, at ``step`` (as GradualPruning does
+    """``strategy.pipeline.invalidate_pipeline()`` on ``rank`` only, at ``step`` (as GradualPruning does
     where a local layer's storage changed)."""
 
     def __init__(self, step: int, rank: int):
@@ -247,7 +247,7 @@ class InvalidateOnOneRank(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            trainer.strategy.invalidate_pipeline()
+            trainer.strategy.pipeline.invalidate_pipeline()
 
 
 class WritePidsAndCrawl(L.Callback):
@@ -341,7 +341,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         "hook_calls": getattr(trainer.lightning_module, "hook_calls", None),
         "order": next((c.first_tokens for c in callbacks if isinstance(c, BatchOrder)), None),
         "costs": next((c.costs for c in callbacks if isinstance(c, ProfileOnce)), None),
-        "pipeline_ranks": trainer.strategy.layout.pp_size if trainer.strategy.layout else None,
+        "pipeline_ranks": trainer.strategy.pipeline.layout.pp_size if trainer.strategy.pipeline.layout else None,
     }
     per_rank = [None] * world
     dist.all_gather_object(per_rank, local)

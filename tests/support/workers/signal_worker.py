@@ -66,8 +66,8 @@ def signal_in_forward(trainer, sig) -> None:
     stage's layer 0 or the last stage's last layer, which no rebalance moves (a hooked layer that
     migrated before its forward would be pickled with this closure and fail the step)."""
     strategy = trainer.strategy
-    local = strategy.local_layer_indices()
-    layer = strategy.layers[local[0] if local[0] == 0 else local[-1]]
+    local = strategy.pipeline.local_layer_indices()
+    layer = strategy.pipeline.layers[local[0] if local[0] == 0 else local[-1]]
 
     def send(module, args):
         handle.remove()

@@ -100,11 +100,11 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         result["sparsity"] = cbs["pruning"].sparsity
     if pipeline:
         row = torch.tensor([meter.sent, meter.grads, meter.frozen_with_grad], dtype=torch.float64)
-        if strategy.layout.dp_rank != 0:
+        if strategy.pipeline.layout.dp_rank != 0:
             row.zero_()
         dist.all_reduce(row)  # summed over replica 0's pipeline ranks
         result.update(sent=row[0].tolist(), grads=row[1].tolist(), frozen_with_grad=row[2].tolist(),
-                      history=strategy.rebalance_history, partition=str(strategy.partition))
+                      history=strategy.pipeline.rebalance_history, partition=str(strategy.pipeline.partition))
         compressed = sum(1 for m in model.modules() if isinstance(m, PrunableLinear) and m.compressed)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, compressed)

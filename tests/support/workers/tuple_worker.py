@@ -26,7 +26,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     model = TwoStreamLM(count_rows=not cfg.get("activation_checkpointing", False))
     trainer.fit(model, train_dataloaders=two_stream_loader(cfg["batch"]))
     state = trainer.strategy.lightning_module_state_dict()
-    result = {"losses": rec.losses, "history": trainer.strategy.rebalance_history}
+    result = {"losses": rec.losses, "history": trainer.strategy.pipeline.rebalance_history}
     if trainer.global_rank == 0:
         result["state"] = os.path.join(out_dir, f"state{idx}.pt")
         torch.save(state, result["state"])
