@@ -250,7 +250,7 @@ def _worker(args) -> None:
             if hasattr(case, "extra"):
                 rec["extra"] = case.extra(model, callbacks, strategy)  # rank 0's view
         out[name].append(rec)
-        if hasattr(strategy, "dynmo_summary") and options["rebalance"] != "never":
+        if hasattr(getattr(strategy, "pipeline", None), "dynmo_summary") and options["rebalance"] != "never":
             rec["dynmo_summary"] = strategy.pipeline.dynmo_summary
         logs.cleanup()
     if int(os.environ.get("RANK", "0")) == 0:

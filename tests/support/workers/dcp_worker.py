@@ -27,6 +27,7 @@ import lightning as L
 
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.strategy.options import CheckpointFormat
+from lightning_dynmo.strategy.checkpointer import checkpointer_for
 
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
 
@@ -154,7 +155,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if cfg.get("save_memory") and error is None:
         growth = {}
         for fmt in ("dcp", "single"):  # the control: the gathered file grows rank 0 by the whole state
-            object.__setattr__(strategy.options, "checkpoint_format", CheckpointFormat(fmt))  # the option, switched
+            strategy.checkpointer = checkpointer_for(CheckpointFormat(fmt))  # the format, switched
             path = os.path.join(out_dir, f"memory.{fmt}")
             growth[fmt] = peak_rss_growth(lambda: trainer.save_checkpoint(path))
         state = trainer.lightning_module

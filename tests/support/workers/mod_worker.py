@@ -25,6 +25,7 @@ from lightning_dynmo.callbacks.mod import MixtureOfDepths
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models.mod import MoDGPT
 
+from lightning_dynmo.strategy.checkpointer import checkpointer_for
 from lightning_dynmo.strategy.options import CheckpointFormat
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
 from tests.support.workers.real_models_worker import precision_kwargs
@@ -76,7 +77,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     dp = 1 if pipeline else cfg.get("dp", 1)  # a reference trains on the global batch of dp replicas
     trainer.fit(model, train_dataloaders=make_loader(cfg, cfg["batch"] * dp, reference=not pipeline, dp=dp))
     if pipeline:  # the full state, gathered onto rank 0 whatever format the checkpoints have
-        object.__setattr__(trainer.strategy.options, "checkpoint_format", CheckpointFormat.SINGLE)
+        trainer.strategy.checkpointer = checkpointer_for(CheckpointFormat.SINGLE)  # the format, switched
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
     else:

@@ -32,6 +32,7 @@ import lightning_dynmo  # noqa: F401  (registers "dynmo")
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.callbacks.moe import MoELoadMonitor
 from lightning_dynmo.models import MoEGPT
+from lightning_dynmo.strategy.checkpointer import checkpointer_for
 from lightning_dynmo.strategy.options import CheckpointFormat
 from tests.support.per_expert import BlockExpert, use_per_expert_weights
 from tests.support.workers.common import LossRecorder, make_loader, make_model, run_spec
@@ -192,7 +193,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
                 ckpt_path=cfg.get("resume"))
     expert_rows = {i: len(block.mlp.experts.w1) for i, block in model.moe_blocks()}  # (a ParameterList per expert too)
     if pipeline:  # the full state, gathered onto rank 0 whatever format the checkpoints have
-        object.__setattr__(trainer.strategy.options, "checkpoint_format", CheckpointFormat.SINGLE)
+        trainer.strategy.checkpointer = checkpointer_for(CheckpointFormat.SINGLE)  # the format, switched
         state = trainer.strategy.lightning_module_state_dict()
         optim = trainer.strategy.optimizer_state(trainer.optimizers[0])
         history = trainer.strategy.pipeline.rebalance_history

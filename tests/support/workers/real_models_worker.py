@@ -57,8 +57,8 @@ class InfGradient(L.Callback):
             p = dict(pl_module.named_parameters()).get(self.name)
             if p is not None and p.grad is not None:
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # an FSDP shard: its local piece
-                replica = trainer.strategy.pipeline.topology.dp_rank(trainer.global_rank)
-                if self.replica is None or replica == self.replica:
+                if self.replica is None or self.replica == trainer.strategy.pipeline.topology.dp_rank(
+                        trainer.global_rank):
                     if grad.numel():
                         grad.view(-1)[0] = float("inf")
 

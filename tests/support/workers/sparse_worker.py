@@ -42,7 +42,8 @@ class ExchangeMeter(L.Callback):
         self.frozen_with_grad: list[int] = []
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if self.sent and group is not None and group is getattr(self.strategy, "data_parallel_group", None):
+        replicas = getattr(getattr(self.strategy, "pipeline", None), "data_parallel_group", None)
+        if self.sent and group is not None and group is replicas:
             self.sent[-1] += tensor.numel() * tensor.element_size()
         return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
