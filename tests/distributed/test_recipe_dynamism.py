@@ -1,8 +1,7 @@
 """``python recipes/train_gpt.py -m dynamism=...``: every dynamism case trains through the recipe
-on 2 CPU ranks with its real model class and callback, in Hydra multiruns (which also checks that
-multirun sweeps launch each job's own second rank), and recipes/compare_sweep.py turns a sweep
-into a table and a plot. The cases form two sweeps that run side by side: a sweep's jobs run one
-after another, and each spends most of its time in one interpreter's imports (its second rank's)."""
+on 2 CPU ranks with its real model class and callback, in ONE Hydra multirun (which also checks
+that multirun sweeps launch each job's own second rank), and recipes/compare_sweep.py turns the
+sweep into a table and a plot."""
 from __future__ import annotations
 
 import json
@@ -34,13 +33,18 @@ TINY = [
 ]
 
 
-SWEEPS = (list(CASES)[:4], list(CASES)[4:])  # the first one (up to moe) also goes through compare_sweep.py
-
-
-def _check_sweep(sweep: Path, out: str, cases: list[str]) -> None:
-    assert out.count("train_gpt summary:") == len(cases)  # rank 0 of each job, once
-    for num, case in enumerate(cases):
-        cls, callback, prefix = CASES[case]
+@pytest.mark.compat  # early exit's recipe failed on torch 2.11 (issue 31): every case runs on the lowest torch too
+def test_every_dynamism_case_in_one_multirun(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "train_gpt.py"), "-m", f"dynamism={','.join(CASES)}", *TINY,
+         f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=user_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("train_gpt summary:") == len(CASES)  # rank 0 of each job, once
+    for num, (case, (cls, callback, prefix)) in enumerate(CASES.items()):
         job = sweep / str(num)
         assert yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())[0] == f"dynamism={case}"
         s = json.loads((job / "summary.json").read_text())
@@ -52,35 +56,11 @@ def _check_sweep(sweep: Path, out: str, cases: list[str]) -> None:
             assert any(h.startswith(prefix) for h in header), (case, header)  # the callback ran and logged
         assert (job / "train_ddp_process_1.log").exists()  # this job's own second rank
 
-
-@pytest.mark.compat  # early exit's recipe failed on torch 2.11 (issue 31): every case runs on the lowest torch too
-def test_every_dynamism_case_in_two_multiruns_side_by_side(tmp_path):
-    assert sorted(c for cases in SWEEPS for c in cases) == sorted(CASES)
-    started = []
-    for i, cases in enumerate(SWEEPS):
-        sweep, cwd = tmp_path / f"sweep{i}", tmp_path / f"cwd{i}"
-        cwd.mkdir()
-        started.append((subprocess.Popen(
-            [sys.executable, str(REPO / "recipes" / "train_gpt.py"), "-m", f"dynamism={','.join(cases)}", *TINY,
-             f"hydra.sweep.dir={sweep}"],
-            cwd=cwd, env=user_env(HYDRA_FULL_ERROR="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ), sweep, cases))
-    try:
-        for proc, sweep, cases in started:
-            stdout, stderr = proc.communicate(timeout=600)
-            out = stdout + stderr
-            assert proc.returncode == 0, out[-6000:]
-            _check_sweep(sweep, out, cases)
-    finally:
-        for proc, _, _ in started:
-            proc.kill()
-
-    sweep = tmp_path / "sweep0"
     cmp = subprocess.run([sys.executable, str(REPO / "recipes" / "compare_sweep.py"), str(sweep)], cwd=tmp_path,
                          env=user_env(HYDRA_FULL_ERROR="1"), capture_output=True, text=True, timeout=120)
     assert cmp.returncode == 0, cmp.stderr[-3000:]
     result = json.loads(cmp.stdout.strip().splitlines()[-1])
-    assert result["varying"] == ["dynamism"] and [r["dynamism"] for r in result["rows"]] == SWEEPS[0]
+    assert result["varying"] == ["dynamism"] and [r["dynamism"] for r in result["rows"]] == list(CASES)
     assert all(r["tokens_per_sec"] > 0 for r in result["rows"])
     assert "| 3 | moe |" in (sweep / "comparison.md").read_text()
     assert (sweep / "comparison.png").stat().st_size > 5_000
