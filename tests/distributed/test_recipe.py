@@ -95,38 +95,8 @@ def test_single_process_baseline(tmp_path):
     assert (run_dir / "logs" / "tensorboard").is_dir()
 
 
-BAD_CONFIGS = [
-    ("model.preset=huge", "unknown GPT preset 'huge'"),
-    ("strategy.schedule=nope", "unknown schedule 'nope'"),
-    ("data.batch_size=6", "not divisible by strategy.microbatches=4"),
-    ("data=text", "data=text needs a file or folder"),
-]
-
-
-@pytest.fixture(scope="module")
-def short_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """``--help`` and each bad config, all started at once (each is one interpreter's imports, then
-    an exit): ``{"--help" | override: (finished process, its run dir)}``."""
-    started = {}
-    for key, args in [("--help", ["--help"])] + [(o, ["model=tiny", o]) for o, _ in BAD_CONFIGS]:
-        cwd = tmp_path_factory.mktemp("short")
-        run_dir = cwd / "run"
-        cmd = [sys.executable, str(SCRIPT), *args] + ([] if key == "--help" else [f"hydra.run.dir={run_dir}"])
-        started[key] = (subprocess.Popen(cmd, cwd=cwd, env=user_env(HYDRA_FULL_ERROR="1"), stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True), cmd, run_dir)
-    done = {}
-    try:
-        for key, (proc, cmd, run_dir) in started.items():
-            out, err = proc.communicate(timeout=180)
-            done[key] = (subprocess.CompletedProcess(cmd, proc.returncode, out, err), run_dir)
-    finally:
-        for proc, _, _ in started.values():
-            proc.kill()
-    return done
-
-
-def test_help_lists_groups_and_overrides(short_runs):
-    proc, _ = short_runs["--help"]
+def test_help_lists_groups_and_overrides(tmp_path):
+    proc = _run(["--help"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
     for needle in (
@@ -144,9 +114,18 @@ def test_help_lists_groups_and_overrides(short_runs):
         assert needle in text, needle
 
 
-@pytest.mark.parametrize("override, message", BAD_CONFIGS)
-def test_bad_config_fails_before_training(short_runs, override, message):
-    proc, run_dir = short_runs[override]
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.preset=huge", "unknown GPT preset 'huge'"),
+        ("strategy.schedule=nope", "unknown schedule 'nope'"),
+        ("data.batch_size=6", "not divisible by strategy.microbatches=4"),
+        ("data=text", "data=text needs a file or folder"),
+    ],
+)
+def test_bad_config_fails_before_training(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    proc = _run(["model=tiny", override, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout
     assert "Initializing distributed" not in proc.stderr + proc.stdout  # no rank was launched
