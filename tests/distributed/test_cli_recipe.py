@@ -25,15 +25,11 @@ PIPELINE = ["--trainer.devices=2", "--trainer.strategy=lightning_dynmo.DynMoStra
             "--trainer.strategy.plot=false"]
 
 
-def _start(args: list[str], save_dir: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), "fit", *COMMON, *args,
-                             f"--trainer.logger.save_dir={save_dir}"], cwd=save_dir.parent, env=user_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _fit(proc: subprocess.Popen, save_dir: Path) -> tuple[list[float], Path]:
-    stdout, stderr = proc.communicate(timeout=240)  # the test kills both fits either way
-    out = stdout + stderr
+def _fit(args: list[str], save_dir: Path) -> tuple[list[float], Path]:
+    env = user_env()
+    proc = subprocess.run([sys.executable, str(SCRIPT), "fit", *COMMON, *args, f"--trainer.logger.save_dir={save_dir}"],
+                          cwd=save_dir.parent, env=env, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert f"`max_steps={STEPS}` reached" in out, out[-6000:]
     run = save_dir / "lightning_logs" / "version_0"
@@ -45,15 +41,8 @@ def _fit(proc: subprocess.Popen, save_dir: Path) -> tuple[list[float], Path]:
 
 @pytest.mark.slow
 def test_cli_recipe_fits_on_two_pipeline_ranks_like_one_process(tmp_path):
-    # side by side: each fit is mostly one interpreter's imports at a time (rank 1 starts after rank 0's)
-    fits = {name: (_start(args, tmp_path / name), tmp_path / name)
-            for name, args in (("pipeline", PIPELINE), ("single", ["--trainer.devices=1"]))}
-    try:
-        piped, run = _fit(*fits["pipeline"])
-        single, _ = _fit(*fits["single"])
-    finally:
-        for proc, _ in fits.values():
-            proc.kill()
+    piped, run = _fit(PIPELINE, tmp_path / "pipeline")
+    single, _ = _fit(["--trainer.devices=1"], tmp_path / "single")
     assert piped == pytest.approx(single, rel=1e-5, abs=1e-6)
     strategy = yaml.safe_load((run / "config.yaml").read_text())["trainer"]["strategy"]  # LightningCLI's record
     assert strategy["class_path"] == "lightning_dynmo.DynMoStrategy"
