@@ -1,32 +1,29 @@
 """Issue 31: a rank that fails or diverges names itself within seconds, never a silent wait of
 the collective timeout (120 s in these launches).
 
-Each case is one 2-rank torchrun launch of ``fault_worker.py``; every rank writes its own outcome.
+Each case is one 2-rank torchrun job of ``fault_worker.py`` (on the warm launcher: its ranks raise
+and stop themselves, none is killed from outside); every rank writes its own outcome.
 """
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.multiproc import ROOT, worker_env
+from tests.support import multiproc
+from tests.support.multiproc import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]  # compat: also on the lowest torch (CI)
 WORKER = ROOT / "tests" / "support" / "workers" / "fault_worker.py"
 TIMEOUT = 120.0  # the strategy's collective timeout in the worker
 
 
-def launch(tmp: Path, case: str) -> tuple[subprocess.CompletedProcess, dict[int, list[dict]], float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           str(WORKER), case, str(tmp)]
+def launch(tmp: Path, case: str) -> tuple[multiproc.Finished, dict[int, list[dict]], float]:
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    proc = multiproc.launch(multiproc.torchrun(2, WORKER, case, str(tmp)), timeout=600, log=tmp / "worker.log")
     took = time.monotonic() - t0
-    (tmp / "worker.log").write_text(proc.stdout + "\n" + proc.stderr)
     outcomes = {r: json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1) if (tmp / f"rank{r}.json").is_file()}
     return proc, outcomes, took
 
