@@ -30,6 +30,7 @@ from .cost_model import LayerCosts
 from .measurements import loads_near_profile, scale_by_load, smooth_load
 from .policy import Rebalance, RebalancePolicy
 from .speed import normalise_speeds, speeds_from_busy
+from .straggler import DRIFT_REASON
 
 #: Decisions from load counters reuse a profile for at most this many steps, then re-profile.
 REPROFILE_STEPS = 200
@@ -48,6 +49,11 @@ class StepActions:
     counters: str | None = None  # decide now from load counters, with this reason
     profile: str | None = None  # profile this step per layer, with this reason
     skipped: tuple[tuple[str, str], ...] = ()  # (trigger, why it was skipped) to record
+
+
+def _speeds_only(reason: str) -> bool:
+    """The speed watch's reason alone (no request, event or imbalance beside it)."""
+    return reason.startswith(DRIFT_REASON) and "; " not in reason
 
 
 def _same_way(a: tuple[int, float] | None, b: tuple[int, float] | None) -> bool:
@@ -79,7 +85,8 @@ class RebalanceController:
         self.rank_busy: list[float] = []
         self.rank_wall: list[float] = []
         self._skip_noted = False  # a skip was recorded since the last decision
-        self._unmoved: tuple[int, list[float | None]] | None = None  # (profile step, loads) of a no-op counter decision
+        # (profile step, loads, speeds) of a counter decision that changed nothing
+        self._unmoved: tuple[int, list[float | None], tuple[float, ...] | None] | None = None
 
     # ------------------------------------------------------------------ requests
     @property
@@ -153,11 +160,15 @@ class RebalanceController:
         reason = "; ".join(reasons) or None
         counters, skipped = None, []
         if reason and self.can_decide_from_counters(step, reason):
-            why = self._refusal(step, "counters")
+            speeds_only = _speeds_only(reason)
+            how = "known work at the measured speeds" if speeds_only else "load counters"
+            # a speed drift's decision measures nothing and fires once per drift (the watch rebases
+            # on each decision), so the budget, spent on measuring, does not hold it back
+            why = None if speeds_only else self._refusal(step, "counters")
             if why:
-                skipped.append((f"{reason} (load counters)", why))
+                skipped.append((f"{reason} ({how})", why))
             elif not decided:  # (a decision was just taken on a fresh profile: nothing to add)
-                counters = f"{reason} (load counters)"
+                counters = f"{reason} ({how})"
             reason = None
         elif reason:
             if self.profiled_costs is not None and not loads_near_profile(self.smoothed_load, self.load_at_profile):
@@ -178,7 +189,7 @@ class RebalanceController:
     def _unchanged_refusal(self) -> str | None:
         """A decision from counters on the same profile and (within ``LOAD_TOLERANCE``) the same
         loads as the last one, which changed nothing, would change nothing: one comparison."""
-        if self._unmoved is None or self._unmoved[0] != self.profile_step:
+        if self._unmoved is None or self._unmoved[0] != self.profile_step or self._unmoved[2] != self.rank_speed:
             return None
         then = self._unmoved[1]
         now = self.smoothed_load or []
@@ -257,7 +268,8 @@ class RebalanceController:
     def decided(self, step: int, applied: bool, left=None, cost: float = 0.0, counters: bool = False) -> None:
         """A rebalance decision's outcome (``cost``: the seconds it took, migration included;
         ``counters``: it was taken from load counters)."""
-        self._unmoved = (self.profile_step, list(self.smoothed_load or [])) if counters and not applied else None
+        self._unmoved = (self.profile_step, list(self.smoothed_load or []), self.rank_speed) \
+            if counters and not applied else None
         self.policy.decided(step, applied=applied, left=left)
         self.budget.decided(step, applied, cost)
         self._skip_noted = False
@@ -292,13 +304,15 @@ class RebalanceController:
     def can_decide_from_counters(self, step: int, reason: str) -> bool:
         """Layers that report their load (MoE, MoD, sparse attention, early exit) let the policy
         decide without a profiled step: the last profile scaled by the step's load factors
-        (c_i = r_i t_i). A dynamism *event* (e.g. freezing changes what a layer computes), a
-        profile older than ``REPROFILE_STEPS`` and loads that moved beyond the band where scaling
-        is credible (:func:`~lightning_dynmo.plan.measurements.loads_near_profile`) still take a
-        fresh profile."""
+        (c_i = r_i t_i). So does a rank whose speed drifted alone (the speed watch's reason): the
+        layers' work is what the last profile measured, and the speeds come from busy times at no
+        cost, so the decision balances that work for them. A dynamism *event* (e.g. freezing
+        changes what a layer computes), a profile older than ``REPROFILE_STEPS`` and loads that
+        moved beyond the band where scaling is credible
+        (:func:`~lightning_dynmo.plan.measurements.loads_near_profile`) still take a fresh profile."""
         return (
             self.profiled_costs is not None
-            and any(x is not None for x in self.layer_load)
+            and (any(x is not None for x in self.layer_load) or _speeds_only(reason))
             and "event:" not in reason
             and step - self.profile_step < REPROFILE_STEPS
             and loads_near_profile(self.smoothed_load, self.load_at_profile)

@@ -122,22 +122,25 @@ class RebalancePolicy:
             return reason
         if self.rebalance is Rebalance.EVERY_N and step % self.rebalance_interval == self.rebalance_interval - 1:
             return f"every {self.rebalance_interval} steps"
-        if self.rebalance is Rebalance.AUTO and self.ema_busy:
-            imb = imbalance(self.ema_busy)
-            if self.disarmed_at is not None and imb < self.imbalance_threshold * (1 - self.rebalance_hysteresis):
-                self.disarmed_at = None  # balanced again: re-arm
-            if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
-                return None
-            if self.disarmed_at is None:
-                if imb > self.imbalance_threshold:
-                    return f"auto: busy-time imbalance {imb:.2f} > {self.imbalance_threshold:.2f}"
-            elif imb > max(self.imbalance_threshold, self.disarmed_at * (1 + self.rebalance_hysteresis)):
-                return (f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x "
-                        f"{1 + self.rebalance_hysteresis:.2f}")
-        if self.rebalance is Rebalance.AUTO:
-            if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
-                return None
-            return self.speed_watch.reason()
+        if self.rebalance is not Rebalance.AUTO:
+            return None
+        imb = imbalance(self.ema_busy) if self.ema_busy else None
+        if imb is not None and self.disarmed_at is not None and \
+                imb < self.imbalance_threshold * (1 - self.rebalance_hysteresis):
+            self.disarmed_at = None  # balanced again: re-arm
+        if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
+            return None
+        drifted = self.speed_watch.reason()
+        if drifted is not None:  # a rank's speed explains the imbalance: the decision needs no new profile
+            return drifted
+        if imb is None:
+            return None
+        if self.disarmed_at is None:
+            return f"auto: busy-time imbalance {imb:.2f} > {self.imbalance_threshold:.2f}" \
+                if imb > self.imbalance_threshold else None
+        if imb > max(self.imbalance_threshold, self.disarmed_at * (1 + self.rebalance_hysteresis)):
+            return (f"auto: busy-time imbalance {imb:.2f} grew beyond {self.disarmed_at:.2f} x "
+                    f"{1 + self.rebalance_hysteresis:.2f}")
         return None
 
     def accept(self, predicted_now: float, predicted_new: float, migration_cost: float) -> tuple[bool, str]:

@@ -33,6 +33,10 @@ from typing import Sequence
 from .speed import normalise_speeds
 
 
+#: how :meth:`SpeedWatch.reason` starts: a decision for it needs no profile when the work is known
+DRIFT_REASON = "auto: pipeline rank "
+
+
 @dataclass
 class SpeedWatch:
     tolerance: float = 0.3  # fire beyond a factor 1 + tolerance between the relative speeds
@@ -131,7 +135,7 @@ class SpeedWatch:
         if self.streak < self.confirm_steps or self._drift is None:
             return None
         rank, factor = self._drift
-        return (f"auto: pipeline rank {rank} runs at {factor:.2f}x the relative speed the partition was balanced for "
+        return (f"{DRIFT_REASON}{rank} runs at {factor:.2f}x the relative speed the partition was balanced for "
                 f"(beyond 1/{1 + self.tolerance:.2f}..{1 + self.tolerance:.2f})")
 
     def restart(self, speeds: Sequence[float] | None) -> None:

@@ -158,12 +158,54 @@ def test_the_watch_respects_the_cooldown_and_only_auto_uses_it():
         ctl.after_step(step, False, [1.0, 2.0], [1.0, 2.0], [None, None], rank_work=[1.0, 1.0])
         reason = ctl.policy.profile_reason(step)
         assert (reason is None) == (step < 10), (step, reason)
-    assert "busy-time imbalance" in reason  # the busy trigger fires first; the speed one after it
+    assert "runs at 0.50x" in reason  # both fire; the speed explains the busy-time imbalance
+    busy_only = RebalanceController(policy(rebalance_cooldown=10), OverheadBudget(overhead_budget=float("inf")), "off")
+    busy_only.policy.decided(0, applied=False)
+    for step in range(1, 11):
+        busy_only.after_step(step, False, [1.0, 2.0], [1.0, 2.0], [None, None])  # no work known: no speeds
+    assert "busy-time imbalance" in busy_only.policy.profile_reason(10)
     for mode in ("every_n", "on_event", "never"):
         p = policy(rebalance=mode, rebalance_interval=10**6)
         for _ in range(5):
             p.observe_speeds([1.0, 0.3])
         assert p.speed_watch.reason() is not None and p.profile_reason(3) is None
+
+
+@pytest.mark.parametrize("loads", [None, 1.0])
+def test_a_speed_drift_is_decided_from_the_known_work_without_a_profile(loads):
+    """Once a profile measured the layers' work, a rank that slows down alone is balanced for from
+    its busy times and that work: no profiled step, so the overhead budget's room for profiles
+    (none here: the last one cost 5 s) does not hold the reaction back. Dense layers (no load
+    counters) as well as layers that report their load."""
+    L, S = 8, 2
+    work = LayerCosts([1.0] * L, [0.0] * L, [1] * L, [0.0] * L, [0.0] * L)
+    model, part = CostModel(4), Partition.from_sizes([4, 4])
+    ctl = RebalanceController(policy(imbalance_threshold=0.1), OverheadBudget(overhead_budget=0.01), "off")
+    ctl.after_step(0, True, [4.0, 4.0], [4.0, 4.0], [loads] * L)  # the profiled step
+    ctl.profiled(0, work)
+    ctl.charge(0, 5.0, "profiling")
+    for step in range(1, 30):
+        speeds = (1.0, 0.5) if step >= 10 else (1.0, 1.0)
+        busy = [model.segment_work(work, r.start, r.stop) / v for r, v in zip(part, speeds)]
+        ctl.after_step(step, False, busy, busy, [loads] * L, rank_work=rank_work(work, model, part, range(S), S))
+        actions = ctl.plan(step, decided=False)
+        if actions.counters or actions.profile:
+            break
+    assert actions.profile is None and actions.skipped == ()
+    assert "runs at 0.50x" in actions.counters and "known work at the measured speeds" in actions.counters
+    assert 10 < step <= 15 and ctl.rank_speed == (1.0, 0.5)  # the median's turn and its confirmation
+    # the same slowdown without the work each rank holds (no speeds): a profile, which the budget holds
+    blind = RebalanceController(policy(imbalance_threshold=0.1), OverheadBudget(overhead_budget=0.01), "off")
+    blind.after_step(0, True, [4.0, 4.0], [4.0, 4.0], [loads] * L)
+    blind.profiled(0, work)
+    blind.charge(0, 5.0, "profiling")
+    for later in range(1, 30):
+        blind.after_step(later, False, [4.0, 8.0], [4.0, 8.0], [loads] * L)
+        actions = blind.plan(later, decided=False)
+        if actions.skipped or actions.profile or actions.counters:
+            break
+    assert actions.counters is None and actions.profile is None
+    assert "busy-time imbalance" in actions.skipped[0][0] and "overhead budget" in actions.skipped[0][1]
 
 
 def test_profiled_steps_do_not_feed_the_watch():
