@@ -48,7 +48,7 @@ from .nonfinite import check_loss
 from .options import DpSharding, PipelineOptions
 from .partial_batch import BatchSizes
 from .rebalancer import Rebalancer
-from .recorder import log_step, notify_released
+from .recorder import dynmo_summary_text, log_step, notify_released
 from .setup_checks import check_module, shared_cores_message
 from .state import RankPipeline, Relayout, output_dir
 from .step_guard import check_before_run, check_closure_optimizers
@@ -410,7 +410,6 @@ class Pipeline:
             self.profiler.stop_layer_profiling()
 
     def summary_at_end(self) -> None:
+        """The end-of-fit line: what DynMo cost and what its applied decisions gained."""
         if self.rebalancer.policy.rebalances:
-            from .recorder import dynmo_summary_text
-
             rank_zero_info(dynmo_summary_text(self.dynmo_summary))
