@@ -36,8 +36,9 @@ balances on what it measured (``rebalance="on_event"``, ``partition_time``). The
 cases (MoE, MoD) change every step: their layers report load factors (``ReportsLoad``) and
 ``rebalance="auto"`` decides from those counters. The ``straggler`` case keeps the dense costs and
 makes the middle pipeline rank's waits last twice as long in the middle third of its rows (the rank
-is slow, not its layers); dynmo runs ``rebalance="auto"`` with ``rank_speeds=True`` and learns of it
-from busy times and profiles only, and the simulator's side slows that rank's compute
+is slow, not its layers); dynmo runs ``rebalance="auto"`` with ``rank_speeds="always"`` (its
+ranks sleep, so sharing cores does not make one read another's load) and learns of it from busy
+times and profiles only, and the simulator's side slows that rank's compute
 (``rank_slowdown``; its projection is :mod:`lightning_dynmo.sim.scenarios.straggler`'s).
 
 **Measured vs simulated.** A step's time is rank 0's wall time from the start of the pipeline
@@ -182,7 +183,7 @@ def _configs(case_plan: dict) -> list[tuple[str, dict]]:
     if case_plan.get("slow_rows"):
         return [("uniform", dict(balancer="uniform", rebalance="never")),
                 ("param", dict(balancer="param", rebalance="never")),
-                ("dynmo", dict(balancer="partition_time", rebalance="auto", rank_speeds=True))]
+                ("dynmo", dict(balancer="partition_time", rebalance="auto", rank_speeds="always"))]
     dyn = (dict(balancer="partition_time", rebalance="auto", imbalance_threshold=0.05, rebalance_cooldown=1,
                 rebalance_horizon=50) if case_plan["per_iteration"]
            else dict(balancer="partition_time", rebalance="on_event", profile_steps=1))

@@ -177,7 +177,7 @@ class RebalancePolicy:
         self.last_rebalance_step = self.last_decision_step = step
         self.disarmed_at = None
         self.ema_busy = None
-        self.speed_watch.rebase()
+        self.speed_watch.moved()
         self.left_at = {p: t for p, t in self.left_at.items() if step - t < self.rebalance_horizon}
         self.left_for = {p: v for p, v in self.left_for.items() if p in self.left_at}
         if left is not None:

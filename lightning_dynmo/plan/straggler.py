@@ -12,6 +12,18 @@ A profile's own estimate, taken when it drifted as far and the last step's estim
 (:attr:`SpeedWatch.latest`) drifted the same way, restarts the watch on it
 (:meth:`SpeedWatch.restart`; see :meth:`~lightning_dynmo.plan.controller.RebalanceController.profile_speeds`).
 
+Why a move is not a drift: busy times hold more than the work measured per layer (chunk
+hand-offs, and the boundary layers' shares of them timed where they were profiled), so after
+layers move each rank's reading carries another share of that, and a rank left with few layers
+reads slower than it is. Compared with the readings before the move, that bias looks like a
+drift, and balancing for it moves more layers, which biases further: a feedback loop. So readings
+are compared only under one partition: :meth:`SpeedWatch.moved` forgets those before a move and
+takes the first window after it as reading the speeds the move balanced for: a per-rank
+*calibration*, where the bias exceeds a third of the tolerance (within that, a window's median is noise:
++-10 % jitter moves a median of 5 by ~3 %), kept within the tolerance (a bias larger than that is
+taken for a real change). The window is shorter than the default cooldown, so no reaction waits
+for it; a real change within it is seen only beyond what the calibration absorbed.
+
 Why jitter does not fire it: on ranks of equal speed whose estimates stay within ``[1 - j, 1 + j]``
 of it, every relative speed (over the fastest; a median of estimates or a single one) lies in
 ``[(1 - j) / (1 + j), 1]``, so it moves by at most a factor ``(1 + j) / (1 - j)`` between any two
@@ -46,6 +58,8 @@ class SpeedWatch:
     balanced_for: tuple[float, ...] | None = None  # relative speeds the partition was balanced for
     recent: deque = field(default_factory=deque, repr=False)  # the last ``window`` estimates
     streak: int = 0
+    calibration: tuple[float, ...] | None = None  # per rank: reading -> speed under this partition
+    calibrating: bool = False  # the partition changed: the next window sets the calibration
     _drift: tuple[int, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -77,14 +91,20 @@ class SpeedWatch:
 
     @property
     def estimate(self) -> tuple[float, ...] | None:
-        """The smoothed speeds, normalised (fastest 1.0)."""
-        return None if self.smoothed is None else normalise_speeds(self.smoothed)
+        """The smoothed speeds, calibrated to the partition and normalised (fastest 1.0)."""
+        return None if self.smoothed is None else self._calibrated(self.smoothed)
 
     @property
     def latest(self) -> tuple[float, ...] | None:
-        """The last step's estimate alone, normalised (None before any): what has turned already
-        when the median has not."""
-        return normalise_speeds(self.recent[-1]) if self.recent else None
+        """The last step's estimate alone, calibrated and normalised (None before any): what has
+        turned already when the median has not."""
+        return self._calibrated(self.recent[-1]) if self.recent else None
+
+    def _calibrated(self, readings: Sequence[float]) -> tuple[float, ...]:
+        now = normalise_speeds(readings)
+        if self.calibration is None or len(self.calibration) != len(now):
+            return now
+        return normalise_speeds([v * c for v, c in zip(now, self.calibration)])
 
     @property
     def for_balancing(self) -> tuple[float, ...] | None:
@@ -105,18 +125,22 @@ class SpeedWatch:
         if self.recent and len(self.recent[-1]) != len(now):
             self.recent.clear()
             self.streak = 0
+        if self.calibration is not None and len(self.calibration) != len(now):
+            self.calibration = None
         if self.balanced_for is None or len(self.balanced_for) != len(now):
             self.balanced_for = tuple(1.0 for _ in now)  # what a partition balanced without speeds assumed
         self.recent.append(now)
+        if self.calibrating and len(self.recent) >= self.window:
+            self._calibrate()
         self._drift = self.drift()
         self.streak = self.streak + 1 if self._drift is not None else 0
 
     def drift(self) -> tuple[int, float] | None:
         """``(rank, factor)`` of the rank whose relative speed moved most since the partition was
         balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
-        if self.balanced_for is None or len(self.recent) < self.quorum:
+        if self.balanced_for is None or len(self.recent) < self.quorum or self.calibrating:
             return None
-        return self.drift_of(self.smoothed)
+        return self.drift_of(self.estimate)
 
     def drift_of(self, speeds: Sequence[float]) -> tuple[int, float] | None:
         """:meth:`drift` of ``speeds`` (e.g. a profile's own estimate) from what the partition was
@@ -145,6 +169,25 @@ class SpeedWatch:
         or two is a step's noise)."""
         self.recent.clear()
         self.rebase(speeds)
+
+    def moved(self) -> None:
+        """The partition changed for :attr:`for_balancing`: rebase on it, forget the readings under
+        the old partition, and calibrate on the first window under the new one."""
+        self.rebase()
+        self.recent.clear()
+        self.calibrating = True
+
+    def _calibrate(self) -> None:
+        """Per rank, what turns this partition's readings into the speeds it was balanced for:
+        the factor, where it exceeds a third of the tolerance (noise within it), at most
+        ``1 + tolerance``."""
+        base = self.balanced_for if self.balanced_for is not None else tuple(1.0 for _ in self.recent[-1])
+        now = normalise_speeds(self.smoothed or ())
+        band, hi = math.log1p(self.tolerance / 3), math.log1p(self.tolerance)
+        logs = [math.log(b / v) for b, v in zip(normalise_speeds(base), now)]
+        beyond = [math.copysign(min(hi, abs(x)), x) if abs(x) > band else 0.0 for x in logs]
+        self.calibration = tuple(math.exp(x) for x in beyond) if any(beyond) else None
+        self.calibrating = False
 
     def rebase(self, speeds: Sequence[float] | None = None) -> None:
         """A decision was taken for ``speeds`` (default: :attr:`for_balancing`): drift is measured

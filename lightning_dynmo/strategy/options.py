@@ -96,13 +96,16 @@ class PipelineOptions:
     profile_steps: int = 1
     """Consecutive steps one per-layer profile spans; decisions use each layer's mean over them (2-3
     where step times are noisy, e.g. a shared machine)."""
-    rank_speeds: bool = False
+    rank_speeds: bool | str = False
     """Measure each pipeline rank's speed (its layers' times against their work) and balance for it:
     ``auto`` then moves layers off a rank that slows down and back when it recovers (see
     docs/dynamism.md, Stragglers; it profiles once at step 1 for the work speeds are measured
     against, when nothing else profiled first). Off by default: ranks that share CPU cores or a
     device measure each other's load, not their own speed, and every rank then counts as alike.
-    On CPU ranks whose threads outnumber the host's cores it is turned off at setup, with a warning."""
+    On CPU ranks whose threads outnumber the host's cores it is turned off at setup, with a warning;
+    ``"always"`` keeps it on there, for ranks whose work does not hold a core (ranks that wait on a
+    device or a remote service, or the emulated cluster of ``benchmarks/emulated_scale.py``, whose
+    layers sleep for their cost)."""
     overhead_budget: float = 0.01
     """Under ``auto``, the share of the training time that the profiling and decisions the policy
     starts by itself may cost over the last ``max(100, rebalance_horizon)`` steps (more when the
@@ -213,9 +216,9 @@ class PipelineOptions:
             check_activation_checkpointing(self.activation_checkpointing, self.memory_capacity))
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile must be True or False (torch.compile each pipeline layer), got {self.compile!r}")
-        if not isinstance(self.rank_speeds, bool):
-            raise ValueError(f"rank_speeds must be True or False (measure each rank's speed and balance for it), "
-                             f"got {self.rank_speeds!r}")
+        if not isinstance(self.rank_speeds, bool) and self.rank_speeds != "always":
+            raise ValueError(f"rank_speeds must be True, False or 'always' (measure each rank's speed and balance "
+                             f"for it; 'always': also where CPU ranks share cores), got {self.rank_speeds!r}")
         put("start_method", enum_value("start_method", StartMethod, self.start_method))
         put("dp_sharding", enum_value("dp_sharding", DpSharding, self.dp_sharding))
         if self.checkpoint_format is None:  # by dp_sharding: a sharded model is saved sharded

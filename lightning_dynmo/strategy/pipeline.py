@@ -273,7 +273,7 @@ class Pipeline:
             check_closure_optimizers(side.optimizers, rank)
             if fsdp and self.expert_parallel is not None:
                 check_expert_shard_optimizers(side.optimizers, device)
-            if self.options.rank_speeds:  # measured only where ranks have cores of their own
+            if self.options.rank_speeds is True:  # measured only where ranks have cores of their own
                 why = shared_cores_message(device, side.num_processes)
                 if side.agree("setup: can every rank measure its speed", float(why is not None)):
                     rank_zero_warn(why or "rank_speeds=True is turned off: ranks on another node share CPU cores")

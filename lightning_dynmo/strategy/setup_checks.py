@@ -199,4 +199,5 @@ def shared_cores_message(device: torch.device, local_ranks: int, threads: int | 
     return (f"rank_speeds=True is turned off: {local_ranks} ranks x {threads} thread(s) share {cores} CPU core(s) on "
             "this host, so each rank's busy time measures its peers' load, not its own speed (a rank would read "
             "slow as soon as a move balanced it). Give each rank its own cores (fewer ranks, or fewer threads with "
-            "torch.set_num_threads / OMP_NUM_THREADS) to measure rank speeds.")
+            "torch.set_num_threads / OMP_NUM_THREADS) to measure rank speeds, or pass rank_speeds='always' where "
+            "their work does not hold a core (ranks waiting on a device or a service, an emulated cluster).")

@@ -264,10 +264,14 @@ def test_speeds_are_measured_against_work_timed_at_full_speed_so_noise_does_not_
     assert times_of(job.ranks[0].controller.profiled_costs) == pytest.approx(WORK, rel=1e-12)
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
-def test_rank_speeds_takes_a_bool_only(value):
-    with pytest.raises(ValueError, match="rank_speeds must be True or False"):
+@pytest.mark.parametrize("value", ["yes", 1, None, "Always"])
+def test_rank_speeds_takes_a_bool_or_always_only(value):
+    with pytest.raises(ValueError, match="rank_speeds must be True, False or 'always'"):
         PipelineOptions(rank_speeds=value)
+
+
+def test_rank_speeds_always_is_on():
+    assert PipelineOptions(rank_speeds="always").rank_speeds == "always"
 
 
 @pytest.mark.parametrize("rank_speeds", [True, False])
@@ -303,3 +307,4 @@ def test_rank_speeds_are_turned_off_where_ranks_share_cores(device, ranks, threa
     assert (message is not None) == off
     if off:
         assert f"{ranks} ranks x {threads} thread(s) share {cores} CPU core(s)" in message
+        assert "rank_speeds='always'" in message
