@@ -96,7 +96,7 @@ def simulate(true_speed, steps, seed=0, jitter=0.1, L=16, S=4, threshold=0.1, ov
     rnd = random.Random(seed)
     work = LayerCosts([rnd.uniform(0.8, 1.2) for _ in range(L)], [0.0] * L, [1] * L, [0.0] * L, [0.0] * L)
     model = CostModel(16)
-    part = decide_partition(work, model, Partition.from_sizes([-(-L // S)] * (L % S or S) + [L // S] * (S - (L % S or S))), S)
+    part = decide_partition(work, model, Partition.from_sizes([L // S + (r < L % S) for r in range(S)]), S)
     budget = OverheadBudget(overhead_budget=float("inf"))
     ctl = RebalanceController(policy(imbalance_threshold=threshold), budget, "off")
     migrations = []
