@@ -96,7 +96,7 @@ class PipelineOptions:
     profile_steps: int = 1
     """Consecutive steps one per-layer profile spans; decisions use each layer's mean over them (2-3
     where step times are noisy, e.g. a shared machine)."""
-    rank_speeds: bool | str = False
+    rank_speeds: bool | Literal["always"] = False
     """Measure each pipeline rank's speed (its layers' times against their work) and balance for it:
     ``auto`` then moves layers off a rank that slows down and back when it recovers (see
     docs/dynamism.md, Stragglers; it profiles once at step 1 for the work speeds are measured
