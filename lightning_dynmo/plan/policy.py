@@ -128,11 +128,15 @@ class RebalancePolicy:
         if imb is not None and self.disarmed_at is not None and \
                 imb < self.imbalance_threshold * (1 - self.rebalance_hysteresis):
             self.disarmed_at = None  # balanced again: re-arm
+        # A confirmed speed drift waits out the cooldown of a move only: its decision profiles
+        # nothing and the watch fires once per drift, so a decision that changed nothing (which
+        # rebased the watch) has nothing to hold back, and a recovery is not delayed by it.
+        if step - self.last_rebalance_step >= self.rebalance_cooldown:
+            drifted = self.speed_watch.reason()
+            if drifted is not None:  # a rank's speed explains the imbalance: the decision needs no new profile
+                return drifted
         if step - max(self.last_rebalance_step, self.last_decision_step) < self.rebalance_cooldown:
             return None
-        drifted = self.speed_watch.reason()
-        if drifted is not None:  # a rank's speed explains the imbalance: the decision needs no new profile
-            return drifted
         if imb is None:
             return None
         if self.disarmed_at is None:

@@ -89,7 +89,8 @@ class PipelineOptions:
     """``auto`` applies a move only when its predicted saving over this many steps exceeds the
     measured migration cost; it also never returns within this many steps to a partition it left."""
     rebalance_cooldown: int = 10
-    """Steps without automatic profiling after any decision, applied or not."""
+    """Steps without automatic profiling after any decision, applied or not (a rank's confirmed
+    speed drift, decided without profiling, waits only after an applied one)."""
     rebalance_hysteresis: float = 0.5
     """After a decision that changed nothing, ``auto`` fires again only once the imbalance has grown
     by this fraction, or fell below ``imbalance_threshold x (1 - rebalance_hysteresis)`` first."""
