@@ -175,16 +175,14 @@ class SpeedWatch:
         the old partition, and calibrate on the first window under the new one."""
         self.rebase()
         self.recent.clear()
-        self.calibrating = True
+        self.calibration, self.calibrating = None, True
 
     def _calibrate(self) -> None:
         """Per rank, what turns this partition's readings into the speeds it was balanced for:
         the factor, where it exceeds a third of the tolerance (noise within it), at most
         ``1 + tolerance``."""
-        base = self.balanced_for if self.balanced_for is not None else tuple(1.0 for _ in self.recent[-1])
-        now = normalise_speeds(self.smoothed or ())
         band, hi = math.log1p(self.tolerance / 3), math.log1p(self.tolerance)
-        logs = [math.log(b / v) for b, v in zip(normalise_speeds(base), now)]
+        logs = [math.log(b / v) for b, v in zip(normalise_speeds(self.balanced_for), normalise_speeds(self.smoothed))]
         beyond = [math.copysign(min(hi, abs(x)), x) if abs(x) > band else 0.0 for x in logs]
         self.calibration = tuple(math.exp(x) for x in beyond) if any(beyond) else None
         self.calibrating = False
