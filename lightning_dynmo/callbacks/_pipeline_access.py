@@ -6,6 +6,7 @@ slice of ``pipeline_layers()``; the others are :class:`~lightning_dynmo.protocol
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -93,6 +94,25 @@ def all_reduce_over_model(trainer, vec: torch.Tensor, op=None) -> torch.Tensor:
     for group in groups if needs else []:
         dist.all_reduce(vec, op=op or dist.ReduceOp.SUM, group=group)
     return vec
+
+
+@contextmanager
+def whole_layers(trainer, indices: list[int]) -> Iterator[None]:
+    """Inside, this rank's layers ``indices`` are plain modules holding whole tensors (parameters,
+    gradients, optimizer state), for a change that swaps parameters, which an FSDP unit cannot
+    adopt; sharded again on exit. Collective over the stage's replicas under ``dp_sharding="fsdp"``
+    (every replica passes the same indices); nothing to do otherwise."""
+    pipeline = pipeline_of(trainer)
+    layers = getattr(getattr(pipeline, "dp_sharding", None), "sharded_layers", None)
+    if layers is None or not indices:
+        yield
+        return
+    layers.gather(indices, trainer.strategy.root_device)
+    try:
+        yield
+    finally:
+        layers.shard(indices)
+        invalidate_pipeline(trainer)  # stages are rebuilt on the new units
 
 
 def request_rebalance(trainer, reason: str, reprofile: bool = True) -> bool:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ._pipeline_access import (all_reduce_over_model, all_reduce_over_pipeline, invalidate_pipeline, local_layers,
     model_reduce_groups, pipeline_layers, pipeline_of, reduce_device, replica_group, request_rebalance,
-    shards_over_replicas)
+    shards_over_replicas, whole_layers)
 from ..dynamic.nm_sparsity import nm_droppable, nm_max_sparsity, parse_nm, satisfies_nm, transposable_droppable
 from ..dynamic.pruning import ParamSwap, PrunableLinear, _local, cubic_sparsity, default_prunable_layer, \
     global_magnitude_threshold, make_prunable, prunable_modules, sparse_kernels_available
@@ -83,11 +83,14 @@ class GradualPruning(Callback):
     * ``dp_sharding="fsdp"``: each replica holds a ``Shard(0)`` piece of every weight, its mask
       rows alongside (:class:`~lightning_dynmo.dynamic.PrunableLinear`, sharded). The threshold
       counts each replica's piece and sums over the replicas and the pipeline (every weight once:
-      the single-process threshold exactly); masks, weights and moments change on the shards
-      without communication. A pruned layer runs masked dense on its all-gathered weight, so
-      layers stay dense-stored (``storage_density`` is not used, with a warning) and
-      ``sparse_kernels`` is not used either: pruning saves no memory or time at rest under fsdp
-      (see docs/parallelism.md), only the 1/dp of sharding.
+      the single-process threshold exactly); dense-stored layers' masks, weights and moments
+      change on the shards without communication and run masked dense on the all-gathered
+      weight. A layer that reaches ``storage_density`` is gathered whole over its replicas,
+      compressed as under ``replicate`` and sharded again: its CSR values, their gradient and
+      moments are ``1/dp`` shards, its pattern whole on every replica, and ``sparse_kernels``
+      picks its kernel, agreed over the replicas. A CSR-stored layer that loses weights at a
+      later pruning step is gathered and sharded again the same way (one all-gather of each
+      such layer per pruning step; see docs/parallelism.md).
     * ``repack``: after the last pruning step, ask the strategy to pack the pipeline onto fewer
       ranks (``strategy.pipeline.request_repack(repack)``: an int target or ``"auto"``); None: do not ask.
     * Logs ``pruning/sparsity`` (global, measured), ``pruning/target_sparsity`` and
@@ -276,19 +279,36 @@ class GradualPruning(Callback):
         invalidate_pipeline(trainer)  # stages are rebuilt on the new parameters
 
     def _refresh_storage(self, trainer, pl_module) -> list[tuple[PrunableLinear, ParamSwap]]:
-        """Compress every dense-stored layer whose density reached ``storage_density``."""
+        """Compress every whole dense-stored layer whose density reached ``storage_density``
+        (a sharded one is gathered first: :meth:`_layers_to_swap`)."""
         if self.storage_density is None or self.nm is not None:
-            return []
-        if shards_over_replicas(trainer):
-            if not self._warned_storage:
-                self._warned_storage = True
-                warnings.warn("GradualPruning: under dp_sharding='fsdp' pruned layers stay dense-stored (masked "
-                              "dense shards; storage_density ignored)")
             return []
         if not self._can_swap_parameters(trainer):
             return []
         return [(m, m.compress()) for _, _, m in self._local_prunable(pl_module)
-                if not m.compressed and m.density <= self.storage_density and m.density < 1.0]
+                if not m.compressed and not m.sharded and m.density <= self.storage_density and m.density < 1.0]
+
+    def _layers_to_swap(self, trainer, pl_module, threshold: float | None) -> list[int]:
+        """``dp_sharding="fsdp"``: the local layers a pruning at ``threshold`` (None: none) makes
+        swap a parameter, so they must be gathered whole first: a dense-stored Linear whose
+        density reaches ``storage_density``, or a CSR-stored one that loses values. Decided from
+        the replicas' counts summed in one all-reduce, the same on every replica."""
+        if not shards_over_replicas(trainer) or self.storage_density is None or self.nm is not None:
+            return []
+        mods = self._local_prunable(pl_module)
+        counts = torch.zeros(len(mods), 3, dtype=torch.float64, device=reduce_device(trainer, pl_module))
+        for k, (_, _, m) in enumerate(mods):
+            w = _local(m.weight.detach())
+            if m.compressed:  # values it would drop
+                counts[k, 0] = 0 if threshold is None else int((w.abs() <= threshold).sum())
+            else:  # weights it would keep, of all
+                keep = _local(m.weight_mask) if threshold is None else _local(m.weight_mask) & (w.abs() > threshold)
+                counts[k, 1], counts[k, 2] = int(keep.sum()), keep.numel()
+        dist.all_reduce(counts, group=pipeline_of(trainer).data_parallel_group)
+        swap = {i for (i, _, m), (drop, kept, total) in zip(mods, counts.tolist())
+                if (m.compressed and drop > 0)
+                or (not m.compressed and total > 0 and kept < total and kept / total <= self.storage_density)}
+        return sorted(swap)
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
@@ -298,7 +318,8 @@ class GradualPruning(Callback):
         for _, _, m in self._local_prunable(pl_module):
             m.apply_mask()
         self._reshard(pl_module)
-        self._apply_swaps(trainer, pl_module, self._refresh_storage(trainer, pl_module))
+        with whole_layers(trainer, self._layers_to_swap(trainer, pl_module, None)):
+            self._apply_swaps(trainer, pl_module, self._refresh_storage(trainer, pl_module))
         self._refresh_kernels(trainer, pl_module)
 
     def _check_nm_shapes(self, trainer, pl_module) -> None:
@@ -351,10 +372,11 @@ class GradualPruning(Callback):
     def prune(self, trainer, pl_module, sparsity: float) -> float:
         """Prune to global ``sparsity`` now (collective over the pipeline group); returns the
         measured global sparsity."""
+        self._reshard(pl_module)  # (an evaluation forward may have left units gathered: the shards count)
         mods = self._local_prunable(pl_module)
         before = self.sparsity
         needs, groups = model_reduce_groups(trainer)  # (fsdp: each replica counts its shards)
-        zeros = sum(total - kept for _, _, m in mods for kept, total in [m.local_counts()])
+        zeros = sum(total - kept for _, _, m in mods for kept, total in [self._counts(trainer, m)])
         if self.nm is not None:  # only weights outside their group's top N compete (the rest rank as +inf)
             local = [(_local(m.weight.detach()), _local(m.weight_mask)) for _, _, m in mods]  # (rows: whole groups)
             droppable = [transposable_droppable(w, mask) if self.transposable else nm_droppable(w, mask, *self.nm)
@@ -364,25 +386,28 @@ class GradualPruning(Callback):
         else:
             ranked = [m.kept_values() for _, _, m in mods]
         thr = global_magnitude_threshold(ranked, sparsity, group=groups, distributed=needs, zeros=zeros)
-        swaps = []
-        for k, (_, _, m) in enumerate(mods):
-            if self.nm is not None:
-                w, mask = local[k]
-                m.set_mask(mask & ~(droppable[k] & (w.abs() <= thr)))
-                swap = None
-            else:
-                swap = m.prune_magnitude(thr)
-            if swap is not None:
-                swaps.append((m, swap))
-            elif not m.compressed:  # dense storage: pruned weights' optimizer state is zeroed
-                for opt in trainer.optimizers:
-                    state = getattr(opt, "_optimizer", opt).state.get(m.weight)
-                    for v in (state or {}).values():
-                        if torch.is_tensor(v) and v.shape == m.weight_mask.shape:
-                            _local(v).mul_(_local(m.weight_mask))  # (fsdp: a moment's shard, the mask's rows)
-        self._reshard(pl_module)
-        swaps += self._refresh_storage(trainer, pl_module)
-        self._apply_swaps(trainer, pl_module, swaps)
+        with whole_layers(trainer, self._layers_to_swap(trainer, pl_module, thr)):  # (fsdp: storage changes)
+            if self.nm is None:
+                mods = self._local_prunable(pl_module)  # (the gathered layers are new modules)
+            swaps = []
+            for k, (_, _, m) in enumerate(mods):
+                if self.nm is not None:
+                    w, mask = local[k]
+                    m.set_mask(mask & ~(droppable[k] & (w.abs() <= thr)))
+                    swap = None
+                else:  # (a sharded CSR layer left sharded has nothing to drop: see _layers_to_swap)
+                    swap = None if m.values_sharded else m.prune_magnitude(thr)
+                if swap is not None:
+                    swaps.append((m, swap))
+                elif not m.compressed:  # dense storage: pruned weights' optimizer state is zeroed
+                    for opt in trainer.optimizers:
+                        state = getattr(opt, "_optimizer", opt).state.get(m.weight)
+                        for v in (state or {}).values():
+                            if torch.is_tensor(v) and v.shape == m.weight_mask.shape:
+                                _local(v).mul_(_local(m.weight_mask))  # (fsdp: a moment's shard, the mask's rows)
+            self._reshard(pl_module)
+            swaps += self._refresh_storage(trainer, pl_module)
+            self._apply_swaps(trainer, pl_module, swaps)
         self._refresh_kernels(trainer, pl_module)
         self.target_sparsity = float(sparsity)
         dens = self.layer_densities(trainer, pl_module)
@@ -401,13 +426,23 @@ class GradualPruning(Callback):
             request_rebalance(trainer, f"pruning: global sparsity {self.sparsity:.3f}")
         return self.sparsity
 
+    @staticmethod
+    def _counts(trainer, m: PrunableLinear) -> tuple[int, int]:
+        """``(kept, total)`` of ``m`` that this rank adds to the sums over the model: its mask's
+        shard (dense-stored under fsdp), else the whole layer, counted by one replica where
+        each holds the whole pattern (CSR-stored under fsdp)."""
+        if m.compressed and shards_over_replicas(trainer):
+            group = pipeline_of(trainer).data_parallel_group
+            return m.local_counts() if dist.get_rank(group) == 0 else (0, 0)
+        return m.local_counts()
+
     def layer_densities(self, trainer, pl_module) -> dict:
         """``{layer index: kept fraction}`` over the prunable layers (collective under a pipeline),
         plus ``__kept__``/``__total__`` counts."""
         L = len(pipeline_layers(pl_module))
         vec = torch.zeros(2 * L, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         for i, _, m in self._local_prunable(pl_module):
-            kept, total = m.local_counts()  # (fsdp: this replica's shard; summed over the replicas below)
+            kept, total = self._counts(trainer, m)  # (fsdp: this replica's share; summed over the replicas below)
             vec[i] += float(kept)
             vec[L + i] += total
         vec = all_reduce_over_model(trainer, vec).cpu().tolist()
@@ -424,6 +459,8 @@ class GradualPruning(Callback):
         sums run over the replicas too: the model's state once, as stored over all ranks."""
         vec = torch.zeros(3, dtype=torch.float64, device=reduce_device(trainer, pl_module))
         opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        # (fsdp: a tensor that is not a shard, e.g. Adam's step, is on every replica: counted once)
+        replicas = dist.get_world_size(pipeline_of(trainer).data_parallel_group) if shards_over_replicas(trainer) else 1
         for _, _, m in self._local_prunable(pl_module):
             for name, p in m.named_parameters(recurse=False):
                 numel = _local(p).numel()
@@ -431,13 +468,11 @@ class GradualPruning(Callback):
                 copies = 2 if p.requires_grad else 1  # the parameter, and its gradient while it trains
                 vec[0] += copies * numel * p.element_size()
                 vec[1] += copies * dense_numel * p.element_size()
-                # (fsdp: a state tensor that is not a shard, Adam's step, is on every replica: counted once)
-                copies_of_whole = p.device_mesh.size() if m.sharded else 1
                 for opt in opts:
                     for v in opt.state.get(p, {}).values():
                         if torch.is_tensor(v):
                             like = v.dim() > 0 and v.shape == p.shape
-                            share = 1 if isinstance(v, DTensor) else copies_of_whole
+                            share = 1 if isinstance(v, DTensor) else replicas
                             vec[0] += _local(v).numel() * v.element_size() / share
                             vec[1] += (dense_numel if like else _local(v).numel()) * v.element_size() / share
             vec[2] += sum(_local(b).numel() * b.element_size() for b in m.buffers(recurse=False))
@@ -450,16 +485,28 @@ class GradualPruning(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         """Densify the optimizer state of CSR-stored weights (nnz-long moments become ``[out, in]``
         with zeros at pruned positions), so the checkpoint is exactly what a masked-dense
-        single-process run writes. Runs where the checkpoint holds the states (rank 0 under
-        ``DynMoStrategy``, which gathered them)."""
+        single-process run writes. A single-file checkpoint holds the states where it was
+        gathered (rank 0 under ``DynMoStrategy``); a DCP one holds each rank's own, keyed by
+        name, whose fsdp shards become the dense moments' row shards (collective over the
+        replicas, :meth:`PrunableLinear.dense_like`)."""
         states, model = checkpoint.get("optimizer_states"), checkpoint.get("state_dict")
         if not states or not model:
             return
+        csr = {state_dict_key(pl_module, f"{n}.weight"): m for n, m in pl_module.named_modules()
+               if isinstance(m, PrunableLinear) and m.compressed}
+        for key, m in csr.items():  # DCP: by name, in module order (the same on every replica)
+            for sd in states:
+                state = sd.get("state", {}).get(key) if isinstance(sd, dict) else None
+                for k, v in (state or {}).items():
+                    if torch.is_tensor(v) and v.dim() == 1 and tuple(v.shape) == tuple(m.weight.shape):
+                        state[k] = m.dense_like(v)
         names = _optimizer_index_names(trainer, pl_module)
         for o, sd in enumerate(states):
             if not isinstance(sd, dict) or o >= len(names):
                 continue
             for index, state in sd.get("state", {}).items():
+                if isinstance(index, str):  # (DCP: done above)
+                    continue
                 fqn = names[o].get(index)
                 if fqn is None or not fqn.endswith(".weight"):
                     continue

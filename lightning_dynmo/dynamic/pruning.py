@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from .pruning_threshold import _dist_ready, cubic_sparsity, global_magnitude_threshold  # noqa: F401
 
@@ -44,6 +44,13 @@ __all__ = [
 def _local(t: Tensor) -> Tensor:
     """This rank's piece of ``t`` (a DTensor shard under ``dp_sharding="fsdp"``; it shares storage)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _whole(t: Tensor) -> Tensor:
+    """``t`` whole (a DTensor is all-gathered over its mesh, a bool one as bytes: collective)."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to(torch.uint8).full_tensor().bool() if t.dtype == torch.bool else t.full_tensor()
 
 
 def sparse_kernels_available() -> bool:
@@ -97,15 +104,28 @@ class PrunableLinear(nn.Linear):
     Everything the layer owns is a parameter or a buffer, so migration moves it generically. With
     an all-ones mask the output equals ``nn.Linear`` bitwise (``w * 1.0 == w``).
 
-    Sharded (``dp_sharding="fsdp"``, :attr:`sharded`): the weight is a ``Shard(0)`` DTensor and the
-    mask is cut the same way (:meth:`buffers_sharded_like`), so each rank holds the mask rows of
-    its weight rows. The forward runs dense on the all-gathered weight *without* the mask, which
-    is the masked product: pruned weights are zero at rest (:meth:`apply_mask` after every
-    optimizer step; Adam and weight decay keep a zero weight with a zero gradient and zeroed
-    moments at zero). The weight's gradient is masked on the shard instead, after the
-    reduce-scatter (:meth:`mask_grad`; masking commutes with the replicas' sum), which is the
-    single-process gradient exactly. Counts (:meth:`local_counts`) and kept values are this
-    rank's piece; the callers sum them over the replicas. Only dense storage is sharded.
+    Sharded (``dp_sharding="fsdp"``), either storage is an FSDP unit's:
+
+    * dense (:attr:`sharded`): the weight is a ``Shard(0)`` DTensor and the mask is cut the same
+      way (:meth:`buffers_sharded_like`), so each rank holds the mask rows of its weight rows. The
+      forward runs dense on the all-gathered weight *without* the mask, which is the masked
+      product: pruned weights are zero at rest (:meth:`apply_mask` after every optimizer step;
+      Adam and weight decay keep a zero weight with a zero gradient and zeroed moments at zero).
+      The weight's gradient is masked on the shard instead, after the reduce-scatter
+      (:meth:`mask_grad`; masking commutes with the replicas' sum), which is the single-process
+      gradient exactly.
+    * CSR (:attr:`values_sharded`): the values vector is the ``Shard(0)`` DTensor (each replica
+      holds ``1/dp`` of the kept weights, their gradient and their moments) and the pattern
+      buffers are whole on every replica. The forward runs on the all-gathered values as above
+      (the CSR kernel or the scatter), so the math is ``replicate``'s CSR layer. Storage and
+      pattern changes swap the values parameter, which an FSDP unit cannot adopt: the caller
+      gathers the layer whole first and shards it again after (``callbacks/pruning.py``).
+
+    Counts (:meth:`local_counts`) and kept values are this rank's piece (a CSR layer's counts are
+    whole); the callers sum them over the replicas. The state dict is the dense format laid out
+    as a dense-stored sharded layer's (``Shard(0)`` rows of the weight and its mask): a
+    CSR-stored sharded layer's :meth:`state_dict` all-gathers its values (collective over the
+    replicas). A layer pruned to nothing keeps its empty values out of the unit, plain.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
@@ -150,8 +170,13 @@ class PrunableLinear(nn.Linear):
 
     @property
     def sharded(self) -> bool:
-        """The mask is a shard (the layer is an FSDP unit's, ``dp_sharding="fsdp"``)."""
+        """Dense-stored and the mask is a shard (the layer is an FSDP unit's, ``dp_sharding="fsdp"``)."""
         return not self.compressed and isinstance(self.weight_mask, DTensor)
+
+    @property
+    def values_sharded(self) -> bool:
+        """CSR-stored and the values are an FSDP shard (at rest: a forward holds them gathered)."""
+        return self.compressed and isinstance(self.weight, DTensor)
 
     def buffers_sharded_like(self) -> dict[str, str]:
         """Buffers laid out like a parameter, which FSDP sharding cuts like it (runtime/fsdp.py)."""
@@ -165,7 +190,9 @@ class PrunableLinear(nn.Linear):
         return self.weight.numel() if self.compressed else int(self.weight_mask.sum())
 
     def local_counts(self) -> tuple[int, int]:
-        """``(kept, total)`` weights of the piece this rank holds (the whole layer unless sharded)."""
+        """``(kept, total)`` weights of the piece this rank holds: the mask's shard when
+        :attr:`sharded`, else the whole layer (a CSR layer's pattern is whole on every replica, so
+        under fsdp its counts are the same on each: callers count them once)."""
         if not self.sharded:
             return self.nnz, self.in_features * self.out_features
         mask = _local(self.weight_mask)
@@ -202,7 +229,9 @@ class PrunableLinear(nn.Linear):
     def kept_values(self) -> Tensor:
         """The kept weights, row-major (what a global magnitude threshold ranks); of this rank's
         piece when sharded."""
-        return self.weight.detach() if self.compressed else _local(self.weight.detach())[_local(self.weight_mask)]
+        if self.compressed:
+            return _local(self.weight.detach())
+        return _local(self.weight.detach())[_local(self.weight_mask)]
 
     # ------------------------------------------------------------------ masks (dense storage)
     @torch.no_grad()
@@ -432,13 +461,30 @@ class PrunableLinear(nn.Linear):
         return y.reshape(*lead, self.out_features)
 
     # ------------------------------------------------------------------ state dict: always dense
+    @torch.no_grad()
+    def dense_like(self, values: Tensor) -> Tensor:
+        """``[out, in]`` with ``values`` (shaped like the CSR values: the weight, its gradient or a
+        moment) at the kept positions and zeros elsewhere. A DTensor shard of them gives the dense
+        tensor's ``Shard(0)`` rows on the same mesh, as a dense-stored sharded layer holds it
+        (collective: the values are all-gathered)."""
+        if not self.compressed:
+            raise RuntimeError("dense_like maps CSR values; this layer is dense-stored")
+        mesh = values.device_mesh if isinstance(values, DTensor) else None
+        flat = values.full_tensor() if mesh is not None else values.detach()
+        dense = flat.new_zeros(self.out_features, self.in_features)
+        dense[self._rows(), self.csr_col.long()] = flat
+        return dense if mesh is None else distribute_tensor(dense, mesh, [Shard(0)], src_data_rank=None)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         if not self.compressed:
             return super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "weight"] = self.dense_weight()
+        destination[prefix + "weight"] = self.dense_like(self.weight.detach())
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
-        destination[prefix + "weight_mask"] = self.dense_mask()
+        mask = self.dense_mask()
+        if self.values_sharded:  # rows, as the weight (a bool shard needs no collective)
+            mask = distribute_tensor(mask, self.weight.device_mesh, [Shard(0)], src_data_rank=None)
+        destination[prefix + "weight_mask"] = mask
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -447,21 +493,25 @@ class PrunableLinear(nn.Linear):
                                                  unexpected_keys, error_msgs)
         wkey, mkey = prefix + "weight", prefix + "weight_mask"
         if wkey in state_dict:
-            w = state_dict[wkey]
+            w = _whole(state_dict[wkey])  # (fsdp: the dense weight's rows; collective)
             shape = (self.out_features, self.in_features)
             if tuple(w.shape) != shape:
                 error_msgs.append(f"size mismatch for {wkey}: copying a param with shape {tuple(w.shape)}, "
                                   f"the dense shape of this CSR-stored layer is {shape}")
             else:
-                mask = state_dict[mkey] if mkey in state_dict else w != 0
-                mask = mask.to(device=self.weight.device, dtype=torch.bool)
+                mask = _whole(state_dict[mkey]) if mkey in state_dict else w != 0
+                mask = mask.to(device=w.device, dtype=torch.bool)
                 if not torch.equal(mask, self.dense_mask()):
                     error_msgs.append(f"{mkey}: the checkpoint's sparsity pattern differs from this CSR-stored "
                                       "layer's; load it into a freshly built (dense) model, whose pruning "
                                       "callback compresses it again")
                 else:
+                    values = w.to(device=w.device, dtype=self.weight.dtype)[mask]
+                    if self.values_sharded:  # this replica's piece of the values
+                        values = distribute_tensor(values, self.weight.device_mesh, self.weight.placements,
+                                                   src_data_rank=None).to_local()
                     with torch.no_grad():
-                        self.weight.copy_(w.to(self.weight)[mask])
+                        _local(self.weight).copy_(values)
         rest = {k: v for k, v in state_dict.items() if k.startswith(prefix) and k not in (wkey, mkey)}
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)

@@ -76,15 +76,18 @@ Freezing (``LayerFreezing``) works on the units in place: FSDP2 copies a sharded
 no graph and get no gradient, and :func:`~lightning_dynmo.dynamic.freeze_layer` pops their
 optimizer state (the frozen shards carry none).
 
-Gradual pruning works on the units in place too (no parameter is swapped). A module may declare
+Gradual pruning works on the units in place while a layer is dense-stored. A module may declare
 buffers laid out like one of its parameters (``buffers_sharded_like``: a pruning mask and its
 weight); :meth:`ShardedLayers.shard` cuts them to the parameter's ``Shard(0)`` piece and
 :meth:`ShardedLayers.gather` makes them whole with the layer. A pruned layer then runs masked dense
 on its all-gathered weight: its shards hold zeros where pruned, and its gradient shard is masked
 after the reduce-scatter (:class:`~lightning_dynmo.dynamic.PrunableLinear`). The global magnitude
 threshold counts each replica's shards and sums over the dp group and the pipeline, which is one
-process's count. Layers stay dense-stored (CSR storage would swap the weight for its kept values):
-at rest pruning saves nothing beyond the 1/dp of sharding (docs/parallelism.md).
+process's count. A layer that becomes CSR-stored (or, CSR-stored, is pruned further) swaps its
+weight for the kept values, which a unit cannot adopt: the pruning callback gathers it whole
+(:meth:`ShardedLayers.gather`), changes its storage as under ``replicate`` and shards it again
+(:meth:`ShardedLayers.shard`), so the values vector, its gradient and its moments are ``1/dp``
+shards and the CSR pattern is whole on every replica (docs/parallelism.md).
 
 Precision: ``bf16-mixed`` and ``16-mixed`` are autocast over fp32 parameters, so shards,
 reduce-scattered gradients and optimizer state stay fp32 and the math is ``replicate``'s (FSDP2's
@@ -167,6 +170,20 @@ def shard_buffers(layer: nn.Module) -> None:
                 module.register_buffer(buf, shard_like(b, p), persistent=buf not in module._non_persistent_buffers_set)
 
 
+def adopt_buffer(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put ``value`` into ``module``'s buffer ``name``: copied where the shapes agree, else
+    registered anew (a buffer whose shape changed since the layer was sharded: a sparse kernel's
+    CSR transpose built later)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    current = owner._buffers.get(leaf)
+    if current is not None and current.shape == value.shape and current.dtype == value.dtype:
+        current.copy_(value)
+    else:
+        owner.register_buffer(leaf, value.to(current.device if current is not None else value.device).clone(),
+                              persistent=leaf not in owner._non_persistent_buffers_set)
+
+
 #: what every nn.Module keeps in its ``__dict__`` (parameters, buffers, children, hooks): not a layer's own state
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) - {"training"}
 
@@ -218,16 +235,18 @@ class ShardedLayers:
                 continue
             if self.tied:
                 untie_before_sharding(self.tied, self.layers, i)
-            experts = self._expert_shards(i)
+            # left out of the unit: expert shards, and empty parameters (a CSR layer pruned to nothing),
+            # which FSDP2's reduce-scatter cannot take; both stay plain tensors on every replica
+            kept_plain = self._expert_shards(i) | {p for p in layer.parameters() if p.numel() == 0}
             before = dict(layer.named_parameters())
             self._plain[i] = _meta_skeleton(layer)
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=False, ignored_params=experts or None)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=False, ignored_params=kept_plain or None)
             layer.set_reduce_scatter_unused_params(True)  # see the module docstring: unused parameters
             self.watch(layer)
             shard_buffers(layer)
             for name, p in layer.named_parameters():
                 old = before[name]
-                if p is old:  # an expert shard: not FSDP's
+                if p is old:  # an expert shard or an empty parameter: not FSDP's
                     continue
                 if old.grad is not None:
                     p.grad = shard_like(old.grad, p)
@@ -302,9 +321,8 @@ class ShardedLayers:
             plain = self._plain.pop(i).to_empty(device=device)
             copy_attributes(layer, plain)
             params = dict(plain.named_parameters())
-            buffers = dict(plain.named_buffers())
             for name, b in layer.named_buffers():
-                buffers[name].copy_(whole(b))
+                adopt_buffer(plain, name, whole(b))
             for name, p in layer.named_parameters():
                 q = params[name]
                 with torch.no_grad():

@@ -222,6 +222,16 @@ def _masks(module) -> tuple[int, int, int]:
             sum((b.to_local() if isinstance(b, DTensor) else b).numel() for b in masks))
 
 
+def _csr_layers(module) -> tuple[int, int, int]:
+    """This rank's CSR-stored pruned Linears: how many, how many hold their values as DTensor
+    shards, and their local values."""
+    from lightning_dynmo.dynamic import PrunableLinear
+
+    values = [m.weight for m in module.modules() if isinstance(m, PrunableLinear) and m.compressed]
+    return (len(values), sum(1 for v in values if isinstance(v, DTensor)),
+            sum((v.to_local() if isinstance(v, DTensor) else v).numel() for v in values))
+
+
 def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.get("pin_cores"):
@@ -347,7 +357,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
              chunk_seconds, grads, optim_tensors, released_hook.ranks, probe.saved_tensors,
              list(trainer.strategy.pipeline.released_ranks), direct.returned if direct else None, local_numel,
              (len(frozen), frozen_with_state, sum(1 for p in frozen if isinstance(p, DTensor))),
-             metrics.get("val_acc"), _masks(trainer.lightning_module))
+             metrics.get("val_acc"), _masks(trainer.lightning_module), _csr_layers(trainer.lightning_module))
     memory = pruning.state_bytes(trainer, trainer.lightning_module) if pruning else None  # (collective)
     per_rank = [None] * world
     torch.distributed.all_gather_object(per_rank, local)
@@ -356,6 +366,9 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     pipeline = trainer.strategy.pipeline
     state = checkpoint.full_model_state_dict(pipeline.snapshot())
     optim = checkpoint.full_optimizer_state(pipeline.snapshot(), trainer.optimizers[0])
+    if pruning:  # CSR-stored weights' moments in the dense format, as a checkpoint writes them
+        pruning.on_save_checkpoint(trainer, trainer.lightning_module,
+                                   {"optimizer_states": [optim], "state_dict": state})
     result = {"losses": rec.losses, "step_seconds": rec.step_seconds, "imbalance": rec.imbalance,
               "history": pipeline.rebalance_history, "partition": str(pipeline.partition), "dp": dp,
               "params_per_rank": [x[0] for x in per_rank], "released_per_rank": [x[1] for x in per_rank],
@@ -368,6 +381,7 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
               "frozen_per_rank": [x[10] for x in per_rank],  # (frozen params, of them with optimizer state, sharded)
               "val_acc_per_rank": [x[11] for x in per_rank],  # pipeline_eval_step's metric as each rank logged it
               "masks_per_rank": [x[12] for x in per_rank],  # pruning masks, of them DTensor shards, local elements
+              "csr_per_rank": [x[13] for x in per_rank],  # CSR-stored Linears, of them sharded, local values
               "pruning": pruning.state_dict() if pruning else None,
               "pruning_memory": memory,  # GradualPruning.state_bytes: the pruned layers' state over all ranks
               "grad_norms": probe.grad_norms, "post_clip_norms": probe.post_clip_norms,

@@ -73,7 +73,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
     if pipeline:
         strategy = DynMoStrategy(pipeline_parallel=cfg["pp"], microbatches=cfg.get("microbatches", 4),
                                  balancer=cfg.get("balancer", "uniform"), rebalance=cfg.get("rebalance", "never"),
-                                 rebalance_interval=cfg.get("rebalance_interval", 1), plot=False, timeout=120)
+                                 rebalance_interval=cfg.get("rebalance_interval", 1), plot=False, timeout=120,
+                                 dp_sharding=cfg.get("dp_sharding", "replicate"))
         kw = dict(strategy=strategy, devices=world)
     else:
         kw = dict(devices=1)
@@ -106,7 +107,8 @@ def run_one(cfg: dict, out_dir: str, idx: int) -> dict:
         dist.all_reduce(row)  # summed over replica 0's pipeline ranks
         result.update(sent=row[0].tolist(), grads=row[1].tolist(), frozen_with_grad=row[2].tolist(),
                       history=strategy.pipeline.rebalance_history, partition=str(strategy.pipeline.partition))
-        compressed = sum(1 for m in model.modules() if isinstance(m, PrunableLinear) and m.compressed)
+        csr = [m for m in model.modules() if isinstance(m, PrunableLinear) and m.compressed]
+        compressed = sum(1 for m in csr if m.sparse_kernel or not cfg.get("count_kernels"))
         per_rank = [None] * world
         dist.all_gather_object(per_rank, compressed)
         result["compressed_per_rank"] = per_rank
