@@ -132,10 +132,12 @@ class HeadChunk(nn.Module):
 
     @torch.no_grad()
     def reset_parameters_from(self, generator: torch.Generator, std: float = 0.02) -> None:
-        """Draw the whole ``[V, C]`` head matrix from ``generator`` and keep this chunk's rows
-        (the unchunked head's initial values)."""
-        full = torch.empty(self.vocab_size, self.lm_head.in_features).normal_(0.0, std, generator=generator)
-        self.copy_rows_from(full)
+        """This chunk's rows of the whole ``[V, C]`` head matrix drawn from ``generator`` (the
+        unchunked head's initial values), drawn without the whole matrix; of an FSDP shard of the
+        chunk, its rows."""
+        from ._init_draws import normal_from_
+
+        normal_from_(self.lm_head.weight, std, generator, (self.vocab_size, self.lm_head.in_features), self.start)
 
     @torch.no_grad()
     def copy_rows_from(self, full: torch.Tensor) -> None:

@@ -13,7 +13,8 @@ from typing import Iterable, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["InitializesPipelineLayers", "MaterializationError", "layer_seed", "layer_tensors", "materialize_layer"]
+__all__ = ["InitializesPipelineLayers", "MaterializationError", "initialise_layer", "layer_seed", "layer_tensors",
+           "materialize_layer"]
 
 
 class MaterializationError(RuntimeError):
@@ -26,7 +27,12 @@ class InitializesPipelineLayers(Protocol):
 
     def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
         """Fill every parameter and buffer of pipeline layer ``index`` in place with the values
-        a single-process construction gives it."""
+        a single-process construction gives it.
+
+        A module whose ``initializes_shards`` is true also fills a layer whose parameters are
+        ``Shard(0)`` DTensors (FSDP2 units, ``dp_sharding="fsdp"``) with its shards' rows of those
+        values: the runtime then allocates only this rank's shards (:mod:`.row_draws` draws the
+        rows of a seeded draw without the whole tensor)."""
 
 
 def layer_seed(seed: int, index: int) -> int:
@@ -59,17 +65,33 @@ def materialize_layer(module: nn.Module, index: int, layer: nn.Module,
             "device (without trainer.init_module(empty_init=True) / torch.device('meta'))"
         )
     mapping, fresh = _allocate_meta_tensors(layer, torch.device(device))
-    versions = {id(t): t._version for t in fresh}
+    initialise_layer(module, index, layer, fresh)
+    return mapping
+
+
+def _versions(t: torch.Tensor) -> tuple[int, int]:
+    """Version counters that record writes to ``t``'s values: its own (a DTensor's bumps for
+    DTensor ops) and its storage's (a DTensor's local shard, written directly)."""
+    to_local = getattr(t, "to_local", None)
+    return t._version, (to_local() if callable(to_local) else t)._version
+
+
+def initialise_layer(module: nn.Module, index: int, layer: nn.Module, fresh: Iterable[torch.Tensor]) -> None:
+    """Let ``module`` fill pipeline layer ``index`` (``init_pipeline_layer``), whose ``fresh``
+    tensors were just allocated (uninitialised; a DTensor's local shard counts), and check that it
+    wrote every one of them. Raises :class:`MaterializationError` naming those it did not."""
+    init = getattr(module, "init_pipeline_layer")
+    versions = {id(t): _versions(t) for t in fresh}
     with torch.no_grad():
         init(index, layer)
-    missed = [name for name, t in layer_tensors(layer) if t.is_meta or versions.get(id(t)) == t._version]
+    missed = [name for name, t in layer_tensors(layer)
+              if t.is_meta or versions.get(id(t)) == _versions(t)]
     if missed:
         raise MaterializationError(
             f"{type(module).__name__}.init_pipeline_layer({index}, ...) left {len(missed)} tensor(s) of layer {index} "
             f"({type(layer).__name__}) uninitialised: {missed[:8]}. It must write every parameter and buffer of the "
             "layer in place (copy_, normal_, fill_, ...); until it does, build this model on a real device"
         )
-    return mapping
 
 
 def _allocate_meta_tensors(layer: nn.Module, device: torch.device) -> tuple[dict[nn.Parameter, nn.Parameter],

@@ -28,6 +28,10 @@ class Replicate:
     def wrap_stage(self, submod: nn.Module) -> nn.Module:
         return submod
 
+    def materialize_in_shards(self, module: nn.Module, index: int, device: torch.device) -> bool:
+        """A meta layer is allocated whole on every replica."""
+        return False
+
     def before_moves(self, leaving: Iterable[int], device: torch.device, arriving: Iterable[int]) -> None:
         """Layers migrate whole as they are."""
 
@@ -58,6 +62,9 @@ class Fsdp(Replicate):
 
     def wrap_stage(self, submod: nn.Module) -> nn.Module:
         return self.sharded_layers.wrap_stage(submod)
+
+    def materialize_in_shards(self, module: nn.Module, index: int, device: torch.device) -> bool:
+        return self.sharded_layers.materialize_in_shards(module, index, device)
 
     def before_moves(self, leaving: Iterable[int], device: torch.device, arriving: Iterable[int]) -> None:
         self.sharded_layers.gather(list(leaving), device, arriving=list(arriving))  # (arriving: their tied partners)

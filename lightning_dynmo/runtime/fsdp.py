@@ -118,8 +118,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..protocol import RemoteLayer
+from ..protocol.layer_init import initialise_layer, layer_tensors
 from .expert_parallel import ExpertParallel
 from .fsdp_tied import share_mirror_shards, tied_partners, untie_before_sharding
+from .materialize import rebind_optimizers
 from .migration import _meta_skeleton
 from .optimizer_layout import OptimizerLayout
 from .tied import TiedParameters
@@ -256,6 +258,25 @@ class ShardedLayers:
                                                         lambda t, p=p: shard_like(t, p))
         if self.tied:
             share_mirror_shards(self.tied, self.layers)
+
+    def materialize_in_shards(self, module: nn.Module, i: int, device: torch.device) -> bool:
+        """Make meta layer ``i`` an FSDP unit first, then allocate only this rank's shards on
+        ``device`` and let ``module`` fill them (its ``init_pipeline_layer`` draws the rows of its
+        single-process values: ``initializes_shards``), so the layer is never whole on this rank.
+        False, doing nothing, where that does not apply: the module cannot fill shards, the layer
+        is not all on the meta device, or it holds expert shards or tied parameters (cut first,
+        on whole tensors); the caller then allocates it whole and shards it after."""
+        layer = self.layers[i]
+        tensors = [t for _, t in layer_tensors(layer)]
+        if (not getattr(module, "initializes_shards", False) or not tensors or not all(t.is_meta for t in tensors)
+                or self.expert_parallel is not None or self.tied):
+            return False
+        self.shard([i])  # on the meta device: units, and optimizer slots re-mapped to the (meta) shards
+        before = dict(layer.named_parameters())
+        layer.to_empty(device=device)  # FSDP2 allocates each shard (and each buffer whole)
+        rebind_optimizers(self.optimizers, {before[n]: p for n, p in layer.named_parameters() if p is not before[n]})
+        initialise_layer(module, i, layer, [t for _, t in layer_tensors(layer)])
+        return True
 
     def _expert_shards(self, i: int) -> set[nn.Parameter]:
         """Layer ``i``'s expert shards, cut first if the layer still holds whole experts (built at

@@ -106,6 +106,11 @@ def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], mapping: dict
             opt.state[mapping[p]] = opt.state.pop(p)
 
 
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if callable(getattr(t, "to_local", None)) else t
+    return local.numel() * local.element_size()
+
+
 @dataclass(frozen=True)
 class MaterializeStats:
     layers: tuple[int, ...]  # global indices materialised on this rank
@@ -116,14 +121,18 @@ class MaterializeStats:
 def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iterable[int],
                          optimizers: Iterable[torch.optim.Optimizer] = (),
                          device: torch.device | str = "cpu",
-                         after_layer: Callable[[int], None] | None = None) -> MaterializeStats | None:
+                         after_layer: Callable[[int], None] | None = None,
+                         in_shards: Callable[[int], bool] | None = None) -> MaterializeStats | None:
     """Materialise this rank's pipeline layers ``indices`` of a module built on the meta device
     (the others must already be :class:`~lightning_dynmo.protocol.RemoteLayer`), re-bind the
     optimizers to the new parameters and check that nothing is left on the meta device.
     ``after_layer(i)`` runs as soon as layer ``i`` is materialised and its optimizer slots are
     re-bound, before the next layer is allocated: ``dp_sharding="fsdp"`` shards it there, so a
     stage's layers are never whole at once (the setup peak is one whole layer plus the shards).
-    Returns ``None`` (and does nothing) for a module without meta tensors."""
+    ``in_shards(i)`` comes first: where it returns True it has allocated and initialised only this
+    rank's shards of layer ``i`` (``dp_sharding="fsdp"`` and a module that
+    ``initializes_shards``), so no layer is ever whole. Returns ``None`` (and does nothing) for a
+    module without meta tensors."""
     if not has_meta_tensors(module) and not _meta_leftovers(module):
         return None
     t0 = time.perf_counter()
@@ -140,11 +149,16 @@ def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iter
     nbytes = 0
     for i in indices:
         layer = layers[i]
-        if has_meta_tensors(layer):
-            rebind_optimizers(optimizers, materialize_layer(module, i, layer, device))
-            nbytes += sum(t.numel() * t.element_size() for _, t in layer_tensors(layer))
-            if after_layer is not None:
-                after_layer(i)
+        if not has_meta_tensors(layer):
+            continue
+        if in_shards is not None and in_shards(i):
+            layer = layers[i]
+            nbytes += sum(_local_nbytes(t) for _, t in layer_tensors(layer))
+            continue
+        rebind_optimizers(optimizers, materialize_layer(module, i, layer, device))
+        nbytes += sum(t.numel() * t.element_size() for _, t in layer_tensors(layer))
+        if after_layer is not None:
+            after_layer(i)
     leftovers = _meta_leftovers(module)
     if leftovers:
         raise MaterializationError(

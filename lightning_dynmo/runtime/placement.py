@@ -40,16 +40,19 @@ class Placement:
 def place_local_layers(module: nn.Module, layers: nn.ModuleList, layout: PipelineLayout, rank: int,
                        tied: TiedParameters, timeout, optimizers=(), optimizer_layout: OptimizerLayout | None = None,
                        expert_parallel: ExpertParallel | None = None,
-                       after_materialize: Callable[[int], None] | None = None) -> None:
+                       after_materialize: Callable[[int], None] | None = None,
+                       materialize_in_shards: Callable[[int], bool] | None = None) -> None:
     """Keep what ``layout`` gives this rank: its layers (placeholders for the others, checked
     present), its tied-parameter groups, its parameters in ``optimizers``, allocated and
     initialised if the module was built on the meta device (``after_materialize(i)`` right after
-    each layer, see :func:`materialize_pipeline`), and its expert shards."""
+    each layer, ``materialize_in_shards(i)`` instead where it can; see
+    :func:`materialize_pipeline`), and its expert shards."""
     drop_remote_layers(layers, layout)
     check_local_layers_present(layers, layout.local_layer_indices(), rank)
     tied.update(layout, timeout)
     OptimizerLayout.keep_only_local(module, optimizers)
-    materialize_pipeline(module, layers, layout.local_layer_indices(), optimizers, after_layer=after_materialize)
+    materialize_pipeline(module, layers, layout.local_layer_indices(), optimizers, after_layer=after_materialize,
+                         in_shards=materialize_in_shards)
     if expert_parallel:  # keep this rank's expert shard (the optimizers hold the shards instead)
         expert_parallel.shard_module(module, optimizers, optimizer_layout)
 

@@ -287,10 +287,12 @@ class Pipeline:
             self.dp_sharding = Fsdp(ShardedLayers(dp_mesh(self.data_parallel_group, device), layers,
                                                   self._layers_attr, module, optimizers, self.optimizer_layout,
                                                   expert_parallel=self.expert_parallel, tied=self.tied))
-        # built on the meta device: each layer is sharded as soon as it is allocated (never the whole stage)
+        # built on the meta device: each layer is allocated as its shards where the model can fill them,
+        # else sharded as soon as it is allocated (never the whole stage)
         place_local_layers(module, layers, self.layout, rank, self.tied, self.options.timeout, optimizers,
                            self.optimizer_layout, self.expert_parallel,
-                           after_materialize=lambda i: self.dp_sharding.shard([i]))
+                           after_materialize=lambda i: self.dp_sharding.shard([i]),
+                           materialize_in_shards=lambda i: self.dp_sharding.materialize_in_shards(module, i, device))
         if self.topology.dp == 1:
             # One replica: every rank already loads the same batches; Lightning's injected
             # DistributedSampler would reshuffle a shuffle=False loader (it forces shuffle=True).

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...protocol.row_draws import skip_normal
 from .config import GRANULARITIES, check_granularity  # noqa: F401  (check_granularity: re-exported)
 from .layers import Block
 
@@ -193,7 +194,7 @@ def skip_draws(gen: torch.Generator, layer: nn.Module) -> None:
     """Advance ``gen`` past the draws of the pieces before ``layer`` in its block, so that a piece
     initialised on its own gets the values the whole block gets from the same seed."""
     for shape in getattr(layer, "init_skip", ()):
-        torch.empty(shape, dtype=torch.float32).normal_(0.0, 1.0, generator=gen)
+        skip_normal(gen, shape)
 
 
 def check_block_granularity(config, model: str, why: str) -> None:

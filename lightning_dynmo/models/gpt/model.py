@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...protocol import layer_seed, run_layers
+from .._init_draws import normal_from_
 from .._lm import CausalLMModule
 from ..vocab_head import (
     HeadChunk, head_chunk_layers, head_merges, logits_through, merge_head_hook, split_head_hook, streaming_nll_mean)
@@ -116,6 +117,11 @@ class GPT(CausalLMModule):
             if not any(t.is_meta for t in (*layer.parameters(), *layer.buffers())):
                 self.init_pipeline_layer(i, layer)
 
+    #: :meth:`init_pipeline_layer` also fills a layer whose parameters are FSDP row shards, so
+    #: meta-device init under ``dp_sharding="fsdp"`` allocates only the shards
+    #: (:class:`~lightning_dynmo.protocol.InitializesPipelineLayers`)
+    initializes_shards = True
+
     @torch.no_grad()
     def init_pipeline_layer(self, index: int, layer: nn.Module) -> None:
         """Initialise pipeline layer ``index`` in place from a generator seeded by ``(seed, index)``
@@ -123,7 +129,10 @@ class GPT(CausalLMModule):
         projections (``attn.proj``, ``mlp.proj``) N(0, 0.02 / sqrt(2 n_layer)), biases 0,
         LayerNorm (1, 0), hash-attention buffers from their own seed. Values are drawn in fp32 on
         the CPU and copied, so they do not depend on the layer's dtype or device: a single-process
-        model, a model converted to bf16 and a rank materialising only this layer all agree."""
+        model, a model converted to bf16 and a rank materialising only this layer all agree. A
+        layer of FSDP shards (``Shard(0)`` DTensors, meta-device init under ``dp_sharding="fsdp"``:
+        :attr:`initializes_shards`) gets its rows of the same draws, drawn without the whole
+        tensors (``models/_init_draws.py``)."""
         if isinstance(layer, HeadChunk):  # the unchunked head's draw (its seed, its index), this chunk's rows
             layer.reset_parameters_from(torch.Generator().manual_seed(layer_seed(self._init_seed, self.head_index)))
             return
@@ -136,19 +145,13 @@ class GPT(CausalLMModule):
         residual |= {id(m) for piece in layer.modules() if hasattr(piece, "residual_projections")
                      for m in piece.residual_projections()}  # fine pieces hold a block's projections
 
-        def normal_(t: torch.Tensor, std: float) -> None:
-            if t.dtype == torch.float32 and t.device.type == "cpu":
-                t.normal_(0.0, std, generator=gen)  # the same draw, without a temporary
-            else:
-                t.copy_(torch.empty(t.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=gen))
-
         for m in layer.modules():
             if isinstance(m, nn.Linear):
-                normal_(m.weight, resid_std if id(m) in residual else 0.02)
+                normal_from_(m.weight, resid_std if id(m) in residual else 0.02, gen)
                 if m.bias is not None:
                     m.bias.zero_()
             elif isinstance(m, nn.Embedding):
-                normal_(m.weight, 0.02)
+                normal_from_(m.weight, 0.02, gen)
             elif isinstance(m, nn.LayerNorm):
                 if m.weight is not None:
                     m.weight.fill_(1.0)
