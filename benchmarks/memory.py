@@ -26,14 +26,14 @@
    ``fsdp_state_ratio_dp2``: the largest per-rank parameter + gradient + Adam-state bytes after the
    step (a DTensor counts its local shard), fsdp over replicate (target <= 0.55). Also the peak RSS
    above the pre-build baseline of setup and of the step (HWM reset between them), per mode.
-   The same pair on two more models (built on real tensors: neither has a meta-device init):
-   ``fsdp_state_ratio_dp2_pruned``, the GPT pruned to 90 % at the measured step by ``GradualPruning``
+   The same pair on two more models: ``fsdp_state_ratio_dp2_pruned``, the GPT pruned to 90 % at the measured step by ``GradualPruning``
    (both modes CSR-store the layers below 50 % density; fsdp shards the CSR values, their gradients
    and moments over the replicas and keeps the int32 pattern whole on each: target <= 0.55;
    ``fsdp_state_ratio_dp2_pruned_with_index`` counts the pattern and mask buffers too); and an MoE GPT
    (``MOE``) with ``expert_parallel=2``: ``fsdp_dense_state_ratio_moe_ep2`` for the non-expert
    parameters (target <= 0.55) and ``fsdp_expert_state_ratio_moe_ep2`` for the experts, which fsdp
-   leaves to expert parallelism (about 1.0).
+   leaves to expert parallelism (about 1.0). The pruned GPT is built on the meta device like the
+   dense one; the MoE GPT on real tensors (its experts have no meta-device init).
 
 Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
        python benchmarks/memory.py --smoke      (seconds: width 64, parts 1-3 on pp1 and pp2 only;
@@ -163,14 +163,13 @@ def variant_callbacks(variant: str) -> list:
 
 
 def variant_model(variant: str, width: int, trainer):
-    """Part 4's model: the GPT on the meta device (``dense``); on real tensors the pruned GPT (the
-    pruning masks and CSR buffers have no meta-device init) and the MoE GPT (nor have its experts)."""
+    """Part 4's model: the dense and the pruned GPT on the meta device (the pruning masks are made
+    there too, by the callback's setup); the MoE GPT on real tensors (its experts have no
+    meta-device init)."""
     from lightning_dynmo.models import GPT, MoEGPT
 
     if variant == "moe":
         return MoEGPT(model_config(width, 16), moe=MOE, seed=0)
-    if variant == "pruned":
-        return GPT(model_config(width, 16), seed=0)
     with trainer.init_module(empty_init=True):
         return GPT(model_config(width, 16), seed=0)
 

@@ -163,6 +163,14 @@ class PrunableLinear(nn.Linear):
         new.train(linear.training)
         return new
 
+    @torch.no_grad()
+    def init_own_buffers(self) -> None:
+        """The mask a fresh layer holds (every weight kept), for a layer made prunable on the
+        meta device and materialised later (``protocol.layer_init.initialise_layer``; the CSR
+        buffers are empty). Its shard, where the mask is one."""
+        if not self.compressed:
+            _local(self.weight_mask).fill_(True)
+
     # ------------------------------------------------------------------ views (either storage)
     @property
     def compressed(self) -> bool:

@@ -78,14 +78,20 @@ def _versions(t: torch.Tensor) -> tuple[int, int]:
 
 def initialise_layer(module: nn.Module, index: int, layer: nn.Module, fresh: Iterable[torch.Tensor]) -> None:
     """Let ``module`` fill pipeline layer ``index`` (``init_pipeline_layer``), whose ``fresh``
-    tensors were just allocated (uninitialised; a DTensor's local shard counts), and check that it
-    wrote every one of them. Raises :class:`MaterializationError` naming those it did not."""
+    tensors were just allocated (uninitialised; a DTensor's local shard counts), then each
+    sub-module with ``init_own_buffers()`` fill the buffers it derives itself (what a layer added
+    by a callback on the meta device holds, e.g. a pruning mask), and check that every tensor with
+    elements was written. Raises :class:`MaterializationError` naming those that were not."""
     init = getattr(module, "init_pipeline_layer")
     versions = {id(t): _versions(t) for t in fresh}
     with torch.no_grad():
         init(index, layer)
+        for m in layer.modules():  # buffers a sub-module derives itself (a pruning mask starts all-kept)
+            own = getattr(m, "init_own_buffers", None)
+            if callable(own):
+                own()
     missed = [name for name, t in layer_tensors(layer)
-              if t.is_meta or versions.get(id(t)) == _versions(t)]
+              if t.is_meta or (versions.get(id(t)) == _versions(t) and t.numel() > 0)]
     if missed:
         raise MaterializationError(
             f"{type(module).__name__}.init_pipeline_layer({index}, ...) left {len(missed)} tensor(s) of layer {index} "

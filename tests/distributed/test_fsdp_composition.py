@@ -7,7 +7,7 @@ training directly.
   shards carry no optimizer state;
 * repack: the 2-rank pipelines packed onto 1 rank after step 1 (the leaving layers are gathered
   over their replicas and sharded again on the receiving rank);
-* meta-device init (``trainer.init_module(empty_init=True)``);
+* meta-device init (``trainer.init_module(empty_init=True)``), of a dense and of a pruned GPT;
 * a parameter that gets a gradient on one replica and not the other (the MoE / early-exit / MoD
   hazard): FSDP units reduce-scatter zeros for it, so the replicas' collectives match (no hang)
   and the update is replicate's (an absent gradient averages as zero);
@@ -56,19 +56,22 @@ PRUNED = {mode: base(dp_sharding=mode, accumulate=1, steps=4, partition=[0, 6, 9
                      save_ckpt=True, checkpoint_format="dcp" if mode == "fsdp" else "single")
           for mode in ("fsdp", "replicate")}
 RESUMED_STEPS = 6
+# built on the meta device, made prunable there by GradualPruning.setup, materialised in shards
+META_PRUNED = dict(PRUNED["fsdp"], meta=True, save_ckpt=False)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_comp")
     pairs = dict(PAIRS, pruning=PRUNED)
-    specs = [cfg for pair in pairs.values() for cfg in pair.values()] + [META]
+    specs = [cfg for pair in pairs.values() for cfg in pair.values()] + [META, META_PRUNED]
     # each pruned run resumed from its checkpoint (the worker's ckpt<index>/last.ckpt)
     resumed = {mode: dict(cfg, steps=RESUMED_STEPS, save_ckpt=False,
                           resume=str(tmp / f"ckpt{specs.index(cfg)}" / "last.ckpt")) for mode, cfg in PRUNED.items()}
     results = iter(run_worker(tmp, 4, specs + list(resumed.values()), timeout=420))
     out = {name: {mode: next(results) for mode in pair} for name, pair in pairs.items()}
     out["meta"] = next(results)
+    out["meta_pruned"] = next(results)
     out["pruning_resumed"] = {mode: next(results) for mode in resumed}
     return out
 
@@ -110,6 +113,16 @@ def test_repacked_fsdp_pipeline_releases_ranks_and_keeps_every_layer_sharded(run
 def test_meta_device_init_under_fsdp_matches_single_process(runs):
     res = runs["meta"]
     check_accumulation(res, META, replica_averages=0, close=assert_close)
+
+
+def test_a_model_pruned_from_the_meta_device_under_fsdp_matches_single_process(runs):
+    """Masks made on the meta device (GradualPruning.setup runs before the strategy materialises
+    the model) are allocated as shards and start all-kept; the run is the one built on real
+    tensors: one process's weights, Adam state, thresholds and masks."""
+    res, ref = runs["meta_pruned"], runs["pruning"]["fsdp"]
+    check_accumulation(res, META_PRUNED, replica_averages=0, close=assert_close)
+    assert [h["threshold"] for h in res["pruning"]["history"]] == [h["threshold"] for h in ref["pruning"]["history"]]
+    _same_masks_and_moments(res, ref, META_PRUNED)
 
 
 def test_gradual_pruning_under_fsdp_equals_replicate_and_one_process(runs):

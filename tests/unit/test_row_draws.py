@@ -17,7 +17,7 @@ def _whole(shape, seed: int, std: float = 0.02) -> tuple[torch.Tensor, torch.Ten
     return whole, torch.empty(3).normal_(generator=gen)  # what the generator gives next
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 37), data=st.data(), chunk=st.sampled_from([16, 48, 1 << 20]))
 def test_rows_of_the_whole_draw_bit_for_bit(rows, cols, data, chunk):
     start = data.draw(st.integers(0, rows))

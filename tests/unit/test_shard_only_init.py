@@ -74,3 +74,56 @@ def test_each_rank_allocates_and_fills_only_its_rows(tmp_path, name):
         assert all(ok for _, _, ok in r["equal"]), [e for e in r["equal"] if not e[2]]
         # nothing as large as a whole weight: the shards (half) and the streaming buffer only
         assert r["largest"] <= max(r["whole_largest"] // 2, CHUNK), (r["largest"], r["whole_largest"])
+
+
+def _pruned_on_meta(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_dynmo.dynamic import PrunableLinear, make_prunable
+    from lightning_dynmo.runtime.fsdp import ShardedLayers, dp_mesh
+
+    ref = GPT(CONFIGS["block"], seed=3)
+    with torch.device("meta"):
+        model = GPT(CONFIGS["block"], seed=3)
+    layers = model.pipeline_layers()
+    for block in list(layers)[1:-2]:  # what GradualPruning.setup does to a model still on the meta device
+        make_prunable(block)
+    sharded = ShardedLayers(dp_mesh(dist.group.WORLD, torch.device("cpu")), layers, "layers", model, [], None)
+    masks, equal = [], []
+    for i in range(1, len(layers) - 2):
+        assert sharded.materialize_in_shards(model, i, torch.device("cpu"))
+        for m in layers[i].modules():
+            if isinstance(m, PrunableLinear):
+                masks.append((isinstance(m.weight_mask, DTensor), bool(m.weight_mask.to_local().all()),
+                               m.weight_mask.to_local().shape[0] * world == m.out_features))
+        theirs = dict(ref.pipeline_layers()[i].named_parameters())
+        equal += [bool(torch.equal(p.full_tensor().detach(), theirs[n].detach()))
+                  for n, p in layers[i].named_parameters()]
+    return {"masks": masks, "equal": equal}
+
+
+def test_a_layer_made_prunable_on_the_meta_device_materialises_in_shards(tmp_path):
+    """``GradualPruning`` makes Linears prunable at setup, before the strategy materialises the
+    model: each mask is allocated as its weight's shard and starts all-kept."""
+    results = forked_ranks(_pruned_on_meta, 2, tmp_path)
+    assert all(kind == "ok" for kind, _ in results), results
+    for _, r in results:
+        assert len(r["masks"]) == 2 * 4 and all(all(m) for m in r["masks"]), r["masks"]
+        assert r["equal"] and all(r["equal"])
+
+
+def test_a_layer_made_prunable_on_the_meta_device_materialises_whole():
+    from lightning_dynmo.dynamic import PrunableLinear, make_prunable
+    from lightning_dynmo.protocol import materialize_layer
+
+    ref = GPT(CONFIGS["block"], seed=3)
+    with torch.device("meta"):
+        model = GPT(CONFIGS["block"], seed=3)
+    block = model.pipeline_layers()[1]
+    make_prunable(block)
+    materialize_layer(model, 1, block)
+    masks = [m.weight_mask for m in block.modules() if isinstance(m, PrunableLinear)]
+    assert len(masks) == 4 and all(bool(m.all()) for m in masks)
+    for (n, p), q in zip(block.named_parameters(), ref.pipeline_layers()[1].parameters()):
+        assert torch.equal(p, q), n
