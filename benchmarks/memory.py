@@ -27,13 +27,14 @@
    step (a DTensor counts its local shard), fsdp over replicate (target <= 0.55). Also the peak RSS
    above the pre-build baseline of setup and of the step (HWM reset between them), per mode.
    The same pair on two more models: ``fsdp_state_ratio_dp2_pruned``, the GPT pruned to 90 % at
-   the measured step by ``GradualPruning`` (both modes CSR-store the layers below 50 % density; fsdp shards the CSR values, their gradients
-   and moments over the replicas and keeps the int32 pattern whole on each: target <= 0.55;
-   ``fsdp_state_ratio_dp2_pruned_with_index`` counts the pattern and mask buffers too); and an MoE GPT
-   (``MOE``) with ``expert_parallel=2``: ``fsdp_dense_state_ratio_moe_ep2`` for the non-expert
-   parameters (target <= 0.55) and ``fsdp_expert_state_ratio_moe_ep2`` for the experts, which fsdp
-   leaves to expert parallelism (about 1.0). The pruned GPT is built on the meta device like the
-   dense one; the MoE GPT on real tensors (its experts have no meta-device init).
+   the measured step by ``GradualPruning`` (both modes CSR-store the layers below 50 % density;
+   fsdp shards the CSR values, their gradients and moments over the replicas and keeps the int32
+   pattern whole on each: target <= 0.55; ``fsdp_state_ratio_dp2_pruned_with_index`` counts the
+   pattern and mask buffers too); and an MoE GPT (``MOE``) with ``expert_parallel=2``:
+   ``fsdp_dense_state_ratio_moe_ep2`` for the non-expert parameters (target <= 0.55) and
+   ``fsdp_expert_state_ratio_moe_ep2`` for the experts, which fsdp leaves to expert parallelism
+   (about 1.0). The pruned GPT is built on the meta device like the dense one; the MoE GPT on
+   real tensors (its experts have no meta-device init).
 
 Usage: python benchmarks/memory.py [--quick]      (one JSON object on the last line)
        python benchmarks/memory.py --smoke      (seconds: width 64, parts 1-3 on pp1 and pp2 only;
