@@ -21,6 +21,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Kinds of overhead, as charged and reported.
 SOURCES = ("profiling", "decision", "counters")
@@ -46,7 +47,7 @@ class Payback:
         """Measured, and its saving over ``window`` steps is more than it cost."""
         return self.gain is not None and self.gain > 0 and self.gain * window > self.cost
 
-    def to_record(self, window: int) -> dict:
+    def to_record(self, window: int) -> dict[str, float | bool | None]:
         after = statistics.fmean(self.after) if self.after else None
         return {"step": self.step, "step_ms_before": round(self.before * 1e3, 3),
                 "step_ms_after": None if after is None else round(after * 1e3, 3),
@@ -61,12 +62,13 @@ class OverheadBudget:
     payback_steps: int = 5
     max_backoff: int = 128  # steps
     # state
-    walls: deque = field(default_factory=deque)  # (step, wall seconds) of the last `window` steps
-    charges: deque = field(default_factory=deque)  # (step, seconds, source) of the last `window` steps
-    clean: deque = field(default_factory=lambda: deque(maxlen=16))  # recent unprofiled step walls
-    totals: dict = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))  # whole run, per source
+    walls: deque[tuple[int, float]] = field(default_factory=deque)  # (step, wall seconds) of the last `window` steps
+    # (step, seconds, source) of the last `window` steps
+    charges: deque[tuple[int, float, str]] = field(default_factory=deque)
+    clean: deque[float] = field(default_factory=lambda: deque(maxlen=16))  # recent unprofiled step walls
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))  # whole run, per source
     train_seconds: float = 0.0  # whole run
-    estimates: dict = field(default_factory=dict)  # source -> moving average of one charge
+    estimates: dict[str, float] = field(default_factory=dict)  # source -> moving average of one charge
     noops: int = 0  # optional decisions in a row that changed nothing
     next_allowed: int = -(10**9)
     paybacks: list[Payback] = field(default_factory=list)
@@ -154,6 +156,7 @@ class OverheadBudget:
             return float("inf")
         allowed = self.overhead_budget * self.window_seconds()  # what ran so far, not a full window's worth
         if last is not None and last.paid(self.window):
+            assert last.gain is not None  # paid() holds only once the gain is measured
             allowed += last.gain * self.window
         return allowed
 
@@ -181,7 +184,7 @@ class OverheadBudget:
         total = self.window_seconds()
         return self.spent() / total if total > 0 else 0.0
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:  # a JSON record, like Decision.to_record
         spent = sum(self.totals.values())
         return {"overhead_s": round(spent, 4), "train_s": round(self.train_seconds, 4),
                 "overhead_fraction": round(spent / self.train_seconds, 5) if self.train_seconds > 0 else None,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from .budget import OverheadBudget
 from .cost_model import LayerCosts
 from .measurements import loads_near_profile, scale_by_load, smooth_load
+from .partition import Partition
 from .policy import Rebalance, RebalancePolicy
 from .speed import normalise_speeds, speeds_from_busy
 from .straggler import DRIFT_REASON
@@ -171,7 +172,7 @@ class RebalanceController:
                 counters = f"{reason} ({how})"
             reason = None
         elif reason:
-            if self.profiled_costs is not None and not loads_near_profile(self.smoothed_load, self.load_at_profile):
+            if self.profiled_costs is not None and not loads_near_profile(self._loads_now(), self.load_at_profile):
                 reason += " (layer loads left the profiled band: re-profiling)"
             why = None if event else self._refusal(step, "profile")
             if why:
@@ -193,7 +194,9 @@ class RebalanceController:
             return None
         then = self._unmoved[1]
         now = self.smoothed_load or []
-        if len(then) != len(now) or any((a is None) != (b is None) or (a is not None and abs(a - b) > LOAD_TOLERANCE)
+        # (b is not None follows from a is not None once the first test failed: it narrows b)
+        if len(then) != len(now) or any((a is None) != (b is None)
+                                        or (a is not None and b is not None and abs(a - b) > LOAD_TOLERANCE)
                                         for a, b in zip(then, now)):
             return None
         return f"skipped: layer loads within {LOAD_TOLERANCE} of the last decision from counters, which changed nothing"
@@ -258,6 +261,7 @@ class RebalanceController:
         if drift is not None and (_same_way(drift, watch.drift()) or (
                 abs(math.log(drift[1])) > 2 * math.log1p(watch.tolerance)
                 and _same_way(drift, watch.drift_of(watch.latest) if watch.latest is not None else None))):
+            assert estimate is not None  # a drift is found only on an estimate
             watch.restart(normalise_speeds(estimate))
         return self.rank_speed
 
@@ -265,7 +269,8 @@ class RebalanceController:
         """The merged costs of the profile window that closed at ``step``."""
         self.profiled_costs, self.profile_step = costs, step
 
-    def decided(self, step: int, applied: bool, left=None, cost: float = 0.0, counters: bool = False) -> None:
+    def decided(self, step: int, applied: bool, left: Partition | None = None, cost: float = 0.0,
+                counters: bool = False) -> None:
         """A rebalance decision's outcome (``cost``: the seconds it took, migration included;
         ``counters``: it was taken from load counters)."""
         self._unmoved = (self.profile_step, list(self.smoothed_load or []), self.rank_speed) \
@@ -315,12 +320,13 @@ class RebalanceController:
             and (any(x is not None for x in self.layer_load) or _speeds_only(reason))
             and "event:" not in reason
             and step - self.profile_step < REPROFILE_STEPS
-            and loads_near_profile(self.smoothed_load, self.load_at_profile)
+            and loads_near_profile(self._loads_now(), self.load_at_profile)
         )
 
     def counter_costs(self) -> LayerCosts:
         """The last profiled costs scaled to the layers' smoothed load factors (same on every rank)."""
-        return scale_by_load(self.profiled_costs, self.smoothed_load, self._at_profile())
+        assert self.profiled_costs is not None, "counter_costs() needs a profile (can_decide_from_counters)"
+        return scale_by_load(self.profiled_costs, self._loads_now(), self._at_profile())
 
     def load_cost_samples(self) -> list[LayerCosts]:
         """The last profiled costs under each recent step's own load factors: how much a move's
@@ -331,6 +337,13 @@ class RebalanceController:
         at_profile = self._at_profile()
         return [scale_by_load(self.profiled_costs, loads, at_profile) for loads in self.recent_loads]
 
+    def _loads_now(self) -> list[float | None]:
+        """The smoothed load factors, which are set once a profile is in: its window closes only after
+        :meth:`after_step` (which sets them) saw its profiled steps. Callers check ``profiled_costs``."""
+        assert self.smoothed_load is not None, "a profile closes only after after_step set the loads"
+        return self.smoothed_load
+
     def _at_profile(self) -> list[float | None]:
+        assert self.profiled_costs is not None, "load factors at the profile need a profile"
         n = self.profiled_costs.num_layers
         return [self.load_at_profile[i] if i < len(self.load_at_profile) else None for i in range(n)]

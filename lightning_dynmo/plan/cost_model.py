@@ -40,7 +40,7 @@ import math
 from numbers import Real
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypedDict
 
 from .partition import Partition
 
@@ -71,7 +71,7 @@ class _ExactPrefix:
         return (self.p[stop] - self.p[start]) / self.den
 
 
-def _as_floats(name: str, values: Iterable) -> tuple[float, ...]:
+def _as_floats(name: str, values: Iterable[float]) -> tuple[float, ...]:
     out = tuple(float(v) for v in values)
     for i, v in enumerate(out):
         if not math.isfinite(v) or v < 0:
@@ -93,7 +93,7 @@ class LayerCosts:
         for f in fields(self):
             if f.name == "params":
                 raw = tuple(self.params)
-                vals = tuple(int(v) for v in raw)
+                vals: tuple[float, ...] = tuple(int(v) for v in raw)
                 for i, (r, v) in enumerate(zip(raw, vals)):
                     if v != r or v < 0:
                         raise ValueError(f"LayerCosts.params[{i}] must be an int >= 0, got {r!r}")
@@ -205,7 +205,7 @@ def imbalance(loads: Sequence[float]) -> float:
     return 0.0 if mean == 0 else (max(loads) - min(loads)) / mean
 
 
-def _check_speed(speed) -> tuple[float, ...] | None:
+def _check_speed(speed: object) -> tuple[float, ...] | None:
     """None, or one speed factor per stage, each finite and > 0."""
     if speed is None:
         return None
@@ -213,14 +213,15 @@ def _check_speed(speed) -> tuple[float, ...] | None:
         raise ValueError(f"speed must be None or one factor per stage (a sequence of floats > 0), got {speed!r}")
     values = tuple(speed)
     for i, v in enumerate(values):
-        if not isinstance(v, Real) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+        # typeshed's numbers.Real declares __lt__/__le__ only; float, int, Fraction and numpy's have __gt__
+        if not isinstance(v, Real) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):  # type: ignore[operator]
             raise ValueError(f"speed[{i}] must be a finite number > 0 (1.0: a rank of reference speed), got {v!r}")
     if not values:
         raise ValueError("speed needs one factor per stage (None: every stage at 1.0)")
     return tuple(float(v) for v in values)
 
 
-def _check_bandwidth(bw) -> float | tuple[float, ...] | None:
+def _check_bandwidth(bw: Any) -> float | tuple[float, ...] | None:
     """None, one float, or a tuple of per-boundary floats, each > 0 (``inf``: free)."""
     if bw is None:
         return None
@@ -236,6 +237,14 @@ def _check_bandwidth(bw) -> float | tuple[float, ...] | None:
     return tuple(float(v) for v in values) if seq else float(bw)
 
 
+class _RecomputePrefix(TypedDict):
+    """What :meth:`CostModel._prefixes` caches for one ``costs`` instance."""
+
+    costs: LayerCosts
+    time: _ExactPrefix
+    kept_activation: _ExactPrefix
+
+
 @dataclass(frozen=True)
 class CostModel:
     """How a schedule turns per-layer costs into per-stage time and memory."""
@@ -248,7 +257,8 @@ class CostModel:
     virtual_stages: int = 1  # stages per rank; >1: the partition's stages are virtual stages
     recompute: frozenset[int] = frozenset()  # layers under activation checkpointing
     speed: tuple[float, ...] | None = None  # per stage: work / speed = seconds (None: all 1.0)
-    _recompute_prefix: dict = field(default_factory=dict, init=False, repr=False, compare=False, hash=False)
+    _recompute_prefix: dict[int, _RecomputePrefix] = field(default_factory=dict, init=False, repr=False, compare=False,
+                                                           hash=False)
 
     def __post_init__(self) -> None:
         rc = self.recompute
@@ -269,12 +279,12 @@ class CostModel:
             raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
         object.__setattr__(self, "bandwidth", _check_bandwidth(self.bandwidth))
         object.__setattr__(self, "speed", _check_speed(self.speed))
-        v = self.capacity
-        if v is not None:
-            v = float(v)
-            if not v > 0 or math.isnan(v):
-                raise ValueError(f"capacity must be > 0 or None, got {v}")
-            object.__setattr__(self, "capacity", v)
+        cap = self.capacity
+        if cap is not None:
+            cap = float(cap)
+            if not cap > 0 or math.isnan(cap):
+                raise ValueError(f"capacity must be > 0 or None, got {cap}")
+            object.__setattr__(self, "capacity", cap)
 
     # ---- memory -------------------------------------------------------------------------
     def inflight(self, stage: int, num_stages: int) -> int:
@@ -316,7 +326,7 @@ class CostModel:
         transient = max((costs.activation[i] for i in self.recompute if start <= i < stop), default=0.0)
         return costs.memory_sum(start, stop) + k * kept + transient
 
-    def memory_fn(self, costs: LayerCosts, stage: int, num_stages: int):
+    def memory_fn(self, costs: LayerCosts, stage: int, num_stages: int) -> Callable[[int, int], float]:
         """``f(start, stop)`` == ``segment_memory(costs, start, stop, stage, num_stages)``, bit for
         bit, without the per-call overhead (balancers evaluate it thousands of times)."""
         if self.recompute:
@@ -327,11 +337,11 @@ class CostModel:
         return lambda i, j: (pm[j] - pm[i]) / dm + k * ((pa[j] - pa[i]) / da)
 
     # ---- activation checkpointing -----------------------------------------------------------
-    def with_recompute(self, layers) -> "CostModel":
+    def with_recompute(self, layers: Iterable[int]) -> "CostModel":
         """This model with ``layers`` (indices) under activation checkpointing."""
         return replace(self, recompute=frozenset(layers))
 
-    def _prefixes(self, costs: LayerCosts) -> dict:
+    def _prefixes(self, costs: LayerCosts) -> _RecomputePrefix:
         """Exact prefix sums of fwd + bwd + recomputed fwd and of the activations kept in flight,
         cached for the last ``costs`` instance (LayerCosts is immutable)."""
         cached = self._recompute_prefix.get(id(costs))
@@ -365,9 +375,10 @@ class CostModel:
     def check_stages(self, num_stages: int) -> None:
         """Raise a ValueError when a per-boundary ``bandwidth`` or the ``speed`` factors do not fit
         ``num_stages``."""
-        if self.per_boundary and len(self.bandwidth) != num_stages - 1:
+        bw = self.bandwidth
+        if isinstance(bw, tuple) and len(bw) != num_stages - 1:  # self.per_boundary, narrowed
             raise ValueError(
-                f"bandwidth has {len(self.bandwidth)} per-boundary values but a pipeline of {num_stages} stages has "
+                f"bandwidth has {len(bw)} per-boundary values but a pipeline of {num_stages} stages has "
                 f"{num_stages - 1} boundaries; pass one value per boundary between stages s and s+1 (or one float)"
             )
         if self.speed is not None and len(self.speed) != num_stages:

@@ -56,5 +56,5 @@ class Decision:
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "Decision":
         names = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in record.items() if k in names}
+        kw: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in record.items() if k in names}
         return cls(**kw)

@@ -102,4 +102,5 @@ class PipelineLayout:
 
     def owners(self) -> list[int]:
         """Pipeline rank owning each layer."""
+        assert self.partition is not None, "owners() needs a layout with a partition"
         return [self.rank_of_stage(s) for s in self.partition.owner_map()]

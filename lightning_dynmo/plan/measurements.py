@@ -20,7 +20,7 @@ DEFAULT_SECONDS_PER_PARAM = 3e-9
 LayerReport = tuple[float, float, int, float]  # forward s, backward s, params, memory bytes
 
 
-class KnownWork(dict):
+class KnownWork(dict[int, tuple[float, float]]):
     """This rank's one cache of per-layer cost: ``{layer: (forward, backward)}`` seconds per
     micro-batch at speed 1.0, as its last closed profile measured them. The rebalancer writes it
     (what it reports in the cost gather) and activation checkpointing reads it (which local layers
@@ -42,7 +42,7 @@ def merge_layer_costs(
     reports: Iterable[Mapping[int, LayerReport]], num_layers: int, activation: Sequence[float] | None = None
 ) -> LayerCosts:
     """One LayerCosts from per-rank ``{layer: (forward, backward, params, memory)}`` reports."""
-    merged: dict[int, list] = {}
+    merged: dict[int, list[float]] = {}  # [forward, backward, params (an int), memory]
     for part in reports:
         for i, (f, b, n, mem) in part.items():
             cur = merged.get(i)
@@ -56,7 +56,7 @@ def merge_layer_costs(
         raise ValueError(f"no rank reported layers {missing[:10]}; every layer needs an owner")
     fwd = [merged[i][0] for i in range(num_layers)]
     bwd = [merged[i][1] for i in range(num_layers)]
-    params = [merged[i][2] for i in range(num_layers)]
+    params = [int(merged[i][2]) for i in range(num_layers)]  # int already: int() only tells the type
     memory = [merged[i][3] for i in range(num_layers)]
     timed = [i for i in range(num_layers) if not (math.isnan(fwd[i]) or math.isnan(bwd[i])) and params[i] > 0]
     per_param = (

@@ -29,7 +29,7 @@ class RepackPlan:
     predicted_step: float
 
 
-def check_repack_target(target) -> int | str:
+def check_repack_target(target: int | str) -> int | str:
     """``"auto"`` or a positive number of pipeline ranks (the one check for every entry point)."""
     if target == "auto" or (isinstance(target, int) and not isinstance(target, bool) and target >= 1):
         return target
@@ -68,6 +68,7 @@ def plan_repack(
     check_repack_target(target)
     pred_now = model_now.predicted_step_time(costs, current)
     if target != "auto":
+        assert isinstance(target, int)  # check_repack_target: "auto" or an int
         if target >= ranks_now:
             raise RepackRefused(f"target {target} is not below the current {ranks_now} pipeline ranks")
         candidates = [int(target)]

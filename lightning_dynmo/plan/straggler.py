@@ -56,7 +56,7 @@ class SpeedWatch:
     window: int = 5  # each rank's estimate: the median of its last this many
     # state
     balanced_for: tuple[float, ...] | None = None  # relative speeds the partition was balanced for
-    recent: deque = field(default_factory=deque, repr=False)  # the last ``window`` estimates
+    recent: deque[tuple[float, ...]] = field(default_factory=deque, repr=False)  # the last ``window`` estimates
     streak: int = 0
     calibration: tuple[float, ...] | None = None  # per rank: reading -> speed under this partition
     calibrating: bool = False  # the partition changed: the next window sets the calibration
@@ -140,7 +140,9 @@ class SpeedWatch:
         balanced (``factor`` = now / then, below 1 for a slowdown), if beyond the tolerance."""
         if self.balanced_for is None or len(self.recent) < self.quorum or self.calibrating:
             return None
-        return self.drift_of(self.estimate)
+        estimate = self.estimate
+        assert estimate is not None  # recent holds quorum >= 1 estimates
+        return self.drift_of(estimate)
 
     def drift_of(self, speeds: Sequence[float]) -> tuple[int, float] | None:
         """:meth:`drift` of ``speeds`` (e.g. a profile's own estimate) from what the partition was
@@ -182,7 +184,9 @@ class SpeedWatch:
         the factor, where it exceeds a third of the tolerance (noise within it), at most
         ``1 + tolerance``."""
         band, hi = math.log1p(self.tolerance / 3), math.log1p(self.tolerance)
-        logs = [math.log(b / v) for b, v in zip(normalise_speeds(self.balanced_for), normalise_speeds(self.smoothed))]
+        balanced_for, smoothed = self.balanced_for, self.smoothed
+        assert balanced_for is not None and smoothed is not None  # observe() set both before calling it
+        logs = [math.log(b / v) for b, v in zip(normalise_speeds(balanced_for), normalise_speeds(smoothed))]
         beyond = [math.copysign(min(hi, abs(x)), x) if abs(x) > band else 0.0 for x in logs]
         self.calibration = tuple(math.exp(x) for x in beyond) if any(beyond) else None
         self.calibrating = False

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 E = TypeVar("E", bound=Enum)
 
 
-def positive_int(name: str, value: Any, allow: tuple = ()) -> Any:
+def positive_int(name: str, value: Any, allow: tuple[object, ...] = ()) -> Any:
     """``value`` if it is a positive int (bools refused) or one of ``allow``; else a ValueError."""
     if any(value is a or (type(value) is type(a) and value == a) for a in allow):
         return value

@@ -102,7 +102,7 @@ def objective(kind: str, problem: BalanceProblem) -> Objective:
     if kind == "time":
         pre = costs._time_prefix
         model.check_stages(S)
-        by_link: dict = {}  # one receive column per distinct link (stage 0 receives nothing)
+        by_link: dict[float | None, list[float]] = {}  # one receive column per distinct link (stage 0 receives nothing)
         recv = []
         for s in range(S):
             bw = model.link_bandwidth(s) if s else None
