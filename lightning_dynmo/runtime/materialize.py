@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ..protocol.layer_init import MaterializationError, layer_tensors, materialize_layer
+from .memory import local_nbytes
 
 __all__ = [
     "MaterializeStats",
@@ -106,11 +107,6 @@ def rebind_optimizers(optimizers: Iterable[torch.optim.Optimizer], mapping: dict
             opt.state[mapping[p]] = opt.state.pop(p)
 
 
-def _local_nbytes(t: torch.Tensor) -> int:
-    local = t.to_local() if callable(getattr(t, "to_local", None)) else t
-    return local.numel() * local.element_size()
-
-
 @dataclass(frozen=True)
 class MaterializeStats:
     layers: tuple[int, ...]  # global indices materialised on this rank
@@ -153,7 +149,7 @@ def materialize_pipeline(module: nn.Module, layers: nn.ModuleList, indices: Iter
             continue
         if in_shards is not None and in_shards(i):
             layer = layers[i]
-            nbytes += sum(_local_nbytes(t) for _, t in layer_tensors(layer))
+            nbytes += sum(local_nbytes(t) for _, t in layer_tensors(layer))
             continue
         rebind_optimizers(optimizers, materialize_layer(module, i, layer, device))
         nbytes += sum(t.numel() * t.element_size() for _, t in layer_tensors(layer))
